@@ -1,0 +1,202 @@
+"""gRPC plumbing shared by the daemons and clients: servers with health and
+reflection, readiness handshake, domain-error to status mapping, channels."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import inspect
+import ipaddress
+import os
+import signal
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from orchestrrl import errors
+from orchestrrl.logs import get_logger
+
+log = get_logger("orchestrrl.grpc")
+
+STATUS_OF: dict[type[errors.OrlError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.Aborted: grpc.StatusCode.ABORTED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+ERROR_OF: dict[grpc.StatusCode, type[errors.OrlError]] = {v: k for k, v in STATUS_OF.items()}
+
+# Keep channels healthy across idle periods between RL phases.
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def parse_address(value: str, field: str) -> tuple[str, int]:
+    """Parse ``host:port`` (``[v6]:port`` for IPv6); port 0 means 'any free port'."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise errors.field_error(field, value, "expected HOST:PORT, e.g. 127.0.0.1:50051")
+    port = int(port_text)
+    if port > 65535:
+        raise errors.field_error(field, value, "port must be 0..65535")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise errors.field_error(field, value, "bracketed host must be an IPv6 address") from None
+    elif not all(c.isalnum() or c in ".-_" for c in host):
+        raise errors.field_error(field, value, "host must be a name or an IP address")
+    return host, port
+
+
+def domain_errors_to_status(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a servicer method: domain errors become ``context.abort`` with their message.
+
+    Works for unary methods (coroutines) and server-streaming methods (async generators).
+    """
+
+    async def abort(context: grpc.aio.ServicerContext[Any, Any], exc: errors.OrlError) -> None:
+        code = next(
+            (c for klass, c in STATUS_OF.items() if isinstance(exc, klass)),
+            grpc.StatusCode.INTERNAL,
+        )
+        await context.abort(code, str(exc))
+
+    if _is_async_gen(func):
+
+        @functools.wraps(func)
+        async def gen_wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
+            try:
+                async for item in func(self, request, context):
+                    yield item
+            except errors.OrlError as exc:
+                await abort(context, exc)
+
+        return gen_wrapper
+
+    @functools.wraps(func)
+    async def wrapper(self: Any, request: Any, context: Any) -> Any:
+        try:
+            return await func(self, request, context)
+        except errors.OrlError as exc:
+            await abort(context, exc)
+
+    return wrapper
+
+
+def _is_async_gen(func: Callable[..., Any]) -> bool:
+    return inspect.isasyncgenfunction(func)
+
+
+T = TypeVar("T")
+
+
+async def call(what: str, coro: Awaitable[T]) -> T:
+    """Await a client call; turn an RpcError into the matching domain error naming ``what``."""
+    try:
+        return await coro
+    except grpc.aio.AioRpcError as exc:
+        klass = ERROR_OF.get(exc.code(), errors.Unavailable)
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise errors.Unavailable(f"{what}: {exc.code().name}: {exc.details()}") from None
+        raise klass(f"{what}: {exc.details()}") from None
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    address: str
+    service_names: tuple[str, ...]
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Graceful shutdown: health NOT_SERVING first, then drain in-flight calls."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
+async def start_server(
+    listen: str,
+    register: Callable[[grpc.aio.Server], None],
+    service_names: Iterable[str],
+) -> RunningServer:
+    """Start a grpc.aio server with the standard health service and reflection."""
+    host, _ = parse_address(listen, "listen")
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    register(server)
+    names = tuple(service_names)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as exc:
+        raise errors.Unavailable(f"cannot listen on {listen}: {exc}") from None
+    await server.start()
+    for name in ("", *names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningServer(server, health_servicer, f"{host}:{port}", names)
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    parse_address(address, "address")
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def write_ready_file(path: Path | None, address: str) -> None:
+    """Announce readiness: write the bound address atomically, and tell systemd."""
+    if path is not None:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(address + "\n")
+        tmp.replace(path)
+    sd_notify(f"READY=1\nSTATUS=serving on {address}")
+
+
+def sd_notify(message: str) -> None:
+    """Send a notification to systemd when running under Type=notify (no-op otherwise)."""
+    target = os.environ.get("NOTIFY_SOCKET")
+    if not target:
+        return
+    if target.startswith("@"):
+        target = "\0" + target[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.connect(target)
+        sock.sendall(message.encode())
+
+
+async def wait_for_signal() -> None:
+    """Return when SIGTERM or SIGINT arrives."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(sig)
+
+
+def run(main: Callable[[], Awaitable[int]]) -> int:
+    """Run a daemon's async main on uvloop when available."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a declared dependency
+        return asyncio.run(main())  # type: ignore[arg-type]
+    return int(uvloop.run(main()))  # type: ignore[arg-type]

@@ -1,0 +1,171 @@
+"""The domain model: phases, circuits, and the cluster wiring (frozen values)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from orchestrrl import errors
+
+
+class Phase(enum.Enum):
+    """A cluster-wide phase of the RL loop; the value is the CLI spelling."""
+
+    GENERATION = "generation"
+    TRAINING = "training"
+    WEIGHT_SYNC = "weight-sync"
+
+    @classmethod
+    def parse(cls, value: str, field: str = "phase") -> Phase:
+        for phase in cls:
+            if value == phase.value or value.replace("_", "-").lower() == phase.value:
+                return phase
+        raise errors.field_error(field, value, f"expected one of {', '.join(p.value for p in cls)}")
+
+
+class Role(enum.Enum):
+    TRAIN = "train"
+    GEN = "gen"
+
+
+@dataclass(frozen=True, order=True)
+class Circuit:
+    """A bidirectional circuit between two ports of one OCS; ``a < b`` always."""
+
+    ocs: str
+    a: int
+    b: int
+
+    def __post_init__(self) -> None:
+        if self.a == self.b:
+            raise errors.InvalidArgument(f"circuit on {self.ocs} connects port {self.a} to itself")
+        if self.a > self.b:
+            a, b = self.b, self.a
+            object.__setattr__(self, "a", a)
+            object.__setattr__(self, "b", b)
+
+    def ports(self) -> tuple[tuple[str, int], tuple[str, int]]:
+        return (self.ocs, self.a), (self.ocs, self.b)
+
+    def __str__(self) -> str:
+        return f"{self.ocs}:{self.a}<->{self.b}"
+
+
+@dataclass(frozen=True)
+class Ocs:
+    name: str
+    address: str
+    ports: int
+    switching_time_s: float
+
+
+@dataclass(frozen=True)
+class Uplink:
+    port: str
+    ocs: str
+    ocs_port: int
+
+
+@dataclass(frozen=True)
+class Tor:
+    name: str
+    pod: str
+    uplinks: tuple[Uplink, ...]
+
+
+@dataclass(frozen=True)
+class Nic:
+    name: str
+    tor: str
+    tor_port: str
+    gbps: float
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    pod: str
+    role: Role
+    agent: str
+    gpus: int
+    nics: tuple[Nic, ...]
+
+
+@dataclass(frozen=True)
+class Pod:
+    name: str
+    role: Role
+    nodes: tuple[str, ...]
+    tors: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """A validated cluster wiring. Build it with ``orchestrrl.wiring.load``/``parse``."""
+
+    cluster: str
+    controller: str
+    pods: tuple[Pod, ...]
+    nodes: tuple[Node, ...]
+    tors: tuple[Tor, ...]
+    ocses: tuple[Ocs, ...]
+    source: str = field(default="", compare=False)
+
+    @cached_property
+    def _pods(self) -> dict[str, Pod]:
+        return {p.name: p for p in self.pods}
+
+    @cached_property
+    def _nodes(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
+    @cached_property
+    def _ocses(self) -> dict[str, Ocs]:
+        return {o.name: o for o in self.ocses}
+
+    @cached_property
+    def _port_owner(self) -> dict[tuple[str, int], str]:
+        tor_pod = {t.name: t.pod for t in self.tors}
+        return {
+            (u.ocs, u.ocs_port): tor_pod[t.name] for t in self.tors for u in t.uplinks
+        }
+
+    def pod(self, name: str) -> Pod:
+        try:
+            return self._pods[name]
+        except KeyError:
+            raise errors.NotFound(f"pod {name!r} is not in the wiring") from None
+
+    def node(self, name: str) -> Node:
+        try:
+            return self._nodes[name]
+        except KeyError:
+            known = ", ".join(sorted(self._nodes)) or "none"
+            raise errors.NotFound(f"node {name!r} is not in the wiring (known: {known})") from None
+
+    def ocs(self, name: str) -> Ocs:
+        try:
+            return self._ocses[name]
+        except KeyError:
+            raise errors.NotFound(f"OCS {name!r} is not in the wiring") from None
+
+    def pods_with_role(self, role: Role) -> tuple[str, ...]:
+        return tuple(p.name for p in self.pods if p.role is role)
+
+    def port_owner(self, ocs: str, port: int) -> str | None:
+        """The pod whose ToR uplink is cabled to this OCS port, or None if unused."""
+        return self._port_owner.get((ocs, port))
+
+    def uplink_ports(self) -> Iterator[tuple[str, str, int]]:
+        """(pod, ocs, port) for every cabled uplink, in wiring order."""
+        for tor in self.tors:
+            for u in tor.uplinks:
+                yield tor.pod, u.ocs, u.ocs_port
+
+    def circuit_pods(self, circuit: Circuit) -> tuple[str, str]:
+        return (
+            self.port_owner(circuit.ocs, circuit.a) or "",
+            self.port_owner(circuit.ocs, circuit.b) or "",
+        )

@@ -1,0 +1,396 @@
+"""Load and validate the cluster wiring file (TOML).
+
+Validation collects every problem, each naming the field, the value and what is
+allowed, so ``orlctl config check`` can print them all at once. A valid file
+becomes a frozen :class:`orchestrrl.model.Wiring`.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchestrrl import errors
+from orchestrrl.grpcutil import parse_address
+from orchestrrl.model import Nic, Node, Ocs, Pod, Role, Tor, Uplink, Wiring
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+NAME_RULE = "1-63 characters: letters, digits, '.', '_' or '-', starting with a letter or digit"
+MAX_OCS_PORTS = 4096
+MAX_GPUS = 64
+
+SECTIONS = {"cluster", "ocs", "pod", "tor", "node"}
+KEYS = {
+    "cluster": ({"name"}, {"controller"}),
+    "ocs": ({"name", "address", "ports"}, {"switching_time_ms"}),
+    "pod": ({"name"}, set()),
+    "tor": ({"name", "pod"}, {"uplinks"}),
+    "uplink": ({"port", "ocs", "ocs_port"}, set()),
+    "node": ({"name", "pod", "role", "agent", "gpus"}, {"nics"}),
+    "nic": ({"name", "tor", "tor_port"}, {"gbps"}),
+}
+DEFAULT_CONTROLLER = "127.0.0.1:50051"
+DEFAULT_SWITCHING_TIME_MS = 10.0  # 3D MEMS, the paper's simulator assumption
+DEFAULT_NIC_GBPS = 400.0  # H800 nodes: 8 x 400 Gb/s RDMA NICs
+
+
+class WiringError(errors.InvalidArgument):
+    """Every problem found in one wiring file."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{source}: {len(problems)} problem(s) in the wiring:\n{lines}")
+
+
+@dataclass
+class _Checker:
+    problems: list[str]
+
+    def add(self, where: str, value: object, allowed: str) -> None:
+        self.problems.append(f"{where} = {value!r}: {allowed}")
+
+    def table(self, where: str, value: object, kind: str) -> Mapping[str, Any] | None:
+        if not isinstance(value, Mapping):
+            self.add(where, value, "expected a table")
+            return None
+        required, optional = KEYS[kind]
+        for key in sorted(set(value) - required - optional):
+            allowed = ", ".join(sorted(required | optional))
+            self.problems.append(f"{where}.{key}: unknown key (allowed: {allowed})")
+        for key in sorted(required - set(value)):
+            self.problems.append(f"{where}.{key}: missing (required)")
+        return value
+
+    def name(self, where: str, value: object) -> str | None:
+        if value is None:
+            return None
+        if not isinstance(value, str) or not NAME_RE.match(value):
+            self.add(where, value, NAME_RULE)
+            return None
+        return value
+
+    def integer(self, where: str, value: object, lo: int, hi: int) -> int | None:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            self.add(where, value, f"an integer from {lo} to {hi}")
+            return None
+        return value
+
+    def number(self, where: str, value: object, lo_exclusive: float, hi: float) -> float | None:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            self.add(where, value, f"a number greater than {lo_exclusive} and at most {hi}")
+            return None
+        if not lo_exclusive < float(value) <= hi:
+            self.add(where, value, f"a number greater than {lo_exclusive} and at most {hi}")
+            return None
+        return float(value)
+
+    def address(self, where: str, value: object) -> str | None:
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            self.add(where, value, "HOST:PORT")
+            return None
+        try:
+            parse_address(value, where)
+        except errors.InvalidArgument as exc:
+            self.problems.append(str(exc))
+            return None
+        return value
+
+    def array(self, where: str, value: object) -> list[Any]:
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            self.add(where, value, "expected an array of tables")
+            return []
+        return value
+
+    def unique(self, where: str, names: list[str | None]) -> None:
+        for name, count in sorted(Counter(n for n in names if n).items()):
+            if count > 1:
+                self.problems.append(f"{where}: name {name!r} is defined {count} times")
+
+
+def load(path: str | Path) -> Wiring:
+    """Read and validate a wiring file; raise :class:`WiringError` listing every problem."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise errors.InvalidArgument(f"wiring file {str(p)!r}: cannot read: {exc.strerror}") from None
+    return parse(text, source=str(p))
+
+
+def parse(text: str, source: str = "<wiring>") -> Wiring:
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise WiringError(source, [f"not valid TOML: {exc}"]) from None
+    return validate(doc, source)
+
+
+def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:  # noqa: C901
+    c = _Checker([])
+    for key in sorted(set(doc) - SECTIONS):
+        c.problems.append(f"{key}: unknown section (allowed: {', '.join(sorted(SECTIONS))})")
+
+    cluster = c.table("cluster", doc.get("cluster", {"name": "cluster"}), "cluster") or {}
+    cluster_name = c.name("cluster.name", cluster.get("name")) or "cluster"
+    controller = c.address("cluster.controller", cluster.get("controller", DEFAULT_CONTROLLER))
+
+    # OCSes
+    ocses: list[Ocs] = []
+    ocs_ports: dict[str, int] = {}
+    for i, raw in enumerate(c.array("ocs", doc.get("ocs"))):
+        t = c.table(f"ocs[{i}]", raw, "ocs")
+        if t is None:
+            continue
+        where = f"ocs[{i}]"
+        name = c.name(f"{where}.name", t.get("name"))
+        where = f"ocs {name!r}" if name else where
+        address = c.address(f"{where}.address", t.get("address"))
+        ports = c.integer(f"{where}.ports", t.get("ports"), 2, MAX_OCS_PORTS)
+        switching_ms = c.number(
+            f"{where}.switching_time_ms",
+            t.get("switching_time_ms", DEFAULT_SWITCHING_TIME_MS),
+            0.0,
+            60_000.0,
+        )
+        if name and address and ports and switching_ms is not None:
+            ocses.append(Ocs(name, address, ports, switching_ms / 1000.0))
+            ocs_ports[name] = ports
+    c.unique("ocs", [o.name for o in ocses])
+
+    # Pods
+    pod_names: list[str] = []
+    for i, raw in enumerate(c.array("pod", doc.get("pod"))):
+        t = c.table(f"pod[{i}]", raw, "pod")
+        if t is None:
+            continue
+        name = c.name(f"pod[{i}].name", t.get("name"))
+        if name:
+            pod_names.append(name)
+    c.unique("pod", list(pod_names))
+    pods_known = set(pod_names)
+
+    def pod_ref(where: str, value: object) -> str | None:
+        name = c.name(where, value)
+        if name and name not in pods_known:
+            c.add(where, value, f"no such pod; defined pods: {', '.join(pod_names) or 'none'}")
+            return None
+        return name
+
+    # ToRs and their uplinks
+    tors: list[Tor] = []
+    used_ocs_ports: dict[tuple[str, int], str] = {}
+    for i, raw in enumerate(c.array("tor", doc.get("tor"))):
+        t = c.table(f"tor[{i}]", raw, "tor")
+        if t is None:
+            continue
+        name = c.name(f"tor[{i}].name", t.get("name"))
+        where = f"tor {name!r}" if name else f"tor[{i}]"
+        pod = pod_ref(f"{where}.pod", t.get("pod"))
+        uplinks: list[Uplink] = []
+        for j, uraw in enumerate(c.array(f"{where}.uplinks", t.get("uplinks"))):
+            uwhere = f"{where}.uplinks[{j}]"
+            u = c.table(uwhere, uraw, "uplink")
+            if u is None:
+                continue
+            port = c.name(f"{uwhere}.port", u.get("port"))
+            ocs = c.name(f"{uwhere}.ocs", u.get("ocs"))
+            if ocs and ocs not in ocs_ports:
+                known = ", ".join(ocs_ports) or "none"
+                c.add(f"{uwhere}.ocs", ocs, f"no such OCS; defined OCSes: {known}")
+                ocs = None
+            limit = ocs_ports.get(ocs or "", MAX_OCS_PORTS)
+            ocs_port = u.get("ocs_port")
+            if ocs is not None and ocs_port is not None:
+                ocs_port = c.integer(f"{uwhere}.ocs_port", ocs_port, 1, limit)
+            elif ocs_port is not None:
+                ocs_port = c.integer(f"{uwhere}.ocs_port", ocs_port, 1, MAX_OCS_PORTS)
+            if ocs and isinstance(ocs_port, int):
+                key = (ocs, ocs_port)
+                if key in used_ocs_ports:
+                    c.add(
+                        f"{uwhere}.ocs_port",
+                        ocs_port,
+                        f"port {ocs_port} of OCS {ocs!r} is already cabled to {used_ocs_ports[key]}",
+                    )
+                else:
+                    used_ocs_ports[key] = f"{where}.uplinks[{j}]"
+                    if port:
+                        uplinks.append(Uplink(port, ocs, ocs_port))
+        if name and pod:
+            tors.append(Tor(name, pod, tuple(uplinks)))
+    c.unique("tor", [t.name for t in tors])
+    tor_pod = {t.name: t.pod for t in tors}
+    tor_ports_used: dict[tuple[str, str], str] = {
+        (t.name, u.port): f"tor {t.name!r} uplink" for t in tors for u in t.uplinks
+    }
+    for t in tors:
+        for port, count in Counter(u.port for u in t.uplinks).items():
+            if count > 1:
+                c.add(f"tor {t.name!r}.uplinks", port, "ToR port used by more than one uplink")
+
+    # Nodes and their NICs
+    nodes: list[Node] = []
+    agents: dict[str, str] = {}
+    for i, raw in enumerate(c.array("node", doc.get("node"))):
+        t = c.table(f"node[{i}]", raw, "node")
+        if t is None:
+            continue
+        name = c.name(f"node[{i}].name", t.get("name"))
+        where = f"node {name!r}" if name else f"node[{i}]"
+        pod = pod_ref(f"{where}.pod", t.get("pod"))
+        role_raw = t.get("role")
+        role: Role | None = None
+        if role_raw is not None:
+            try:
+                role = Role(role_raw)
+            except ValueError:
+                c.add(f"{where}.role", role_raw, "expected 'train' or 'gen'")
+        agent = c.address(f"{where}.agent", t.get("agent"))
+        if agent and not agent.endswith(":0"):
+            if agent in agents:
+                c.add(f"{where}.agent", agent, f"address already used by node {agents[agent]!r}")
+            else:
+                agents[agent] = name or where
+        gpus = c.integer(f"{where}.gpus", t.get("gpus"), 0, MAX_GPUS)
+        nics: list[Nic] = []
+        for j, nraw in enumerate(c.array(f"{where}.nics", t.get("nics"))):
+            nwhere = f"{where}.nics[{j}]"
+            n = c.table(nwhere, nraw, "nic")
+            if n is None:
+                continue
+            nic_name = c.name(f"{nwhere}.name", n.get("name"))
+            tor = c.name(f"{nwhere}.tor", n.get("tor"))
+            if tor and tor not in tor_pod:
+                known = ", ".join(tor_pod) or "none"
+                c.add(f"{nwhere}.tor", tor, f"no such ToR; defined ToRs: {known}")
+                tor = None
+            elif tor and pod and tor_pod[tor] != pod:
+                c.add(
+                    f"{nwhere}.tor",
+                    tor,
+                    f"ToR is in pod {tor_pod[tor]!r} but the node is in pod {pod!r}",
+                )
+                tor = None
+            tor_port = c.name(f"{nwhere}.tor_port", n.get("tor_port"))
+            gbps = c.number(f"{nwhere}.gbps", n.get("gbps", DEFAULT_NIC_GBPS), 0.0, 3200.0)
+            if tor and tor_port:
+                key = (tor, tor_port)
+                if key in tor_ports_used:
+                    c.add(
+                        f"{nwhere}.tor_port",
+                        tor_port,
+                        f"port {tor_port!r} of ToR {tor!r} is already used by {tor_ports_used[key]}",
+                    )
+                else:
+                    tor_ports_used[key] = nwhere
+            if nic_name and tor and tor_port and gbps is not None:
+                nics.append(Nic(nic_name, tor, tor_port, gbps))
+        for nic_name, count in Counter(n.name for n in nics).items():
+            if count > 1:
+                c.add(f"{where}.nics", nic_name, "NIC name used more than once on this node")
+        if name and pod and role and agent and gpus is not None:
+            nodes.append(Node(name, pod, role, agent, gpus, tuple(nics)))
+    c.unique("node", [n.name for n in nodes])
+
+    # Pods: derived role and membership
+    pods: list[Pod] = []
+    for pod_name in pod_names:
+        members = [n for n in nodes if n.pod == pod_name]
+        roles = sorted({n.role.value for n in members})
+        if not members:
+            c.problems.append(f"pod {pod_name!r}: has no nodes (every pod needs at least one)")
+            continue
+        if len(roles) > 1:
+            detail = ", ".join(f"{n.name}={n.role.value}" for n in members)
+            c.problems.append(
+                f"pod {pod_name!r}: nodes have different roles ({detail}); "
+                "all nodes of a pod must share one role"
+            )
+            continue
+        pods.append(
+            Pod(
+                pod_name,
+                members[0].role,
+                tuple(n.name for n in members),
+                tuple(t.name for t in tors if t.pod == pod_name),
+            )
+        )
+    if not doc.get("node"):
+        c.problems.append("node: the wiring has no nodes (at least one [[node]] is required)")
+
+    if c.problems:
+        raise WiringError(source, c.problems)
+    assert controller is not None
+    return Wiring(
+        cluster=cluster_name,
+        controller=controller,
+        pods=tuple(pods),
+        nodes=tuple(nodes),
+        tors=tuple(tors),
+        ocses=tuple(ocses),
+        source=source,
+    )
+
+
+def to_dict(w: Wiring) -> dict[str, Any]:
+    """The normalised wiring as plain data (the shape of the TOML file, defaults filled in)."""
+    return {
+        "cluster": {"name": w.cluster, "controller": w.controller},
+        "ocs": [
+            {
+                "name": o.name,
+                "address": o.address,
+                "ports": o.ports,
+                "switching_time_ms": round(o.switching_time_s * 1000.0, 6),
+            }
+            for o in w.ocses
+        ],
+        "pod": [
+            {"name": p.name, "role": p.role.value, "nodes": list(p.nodes), "tors": list(p.tors)}
+            for p in w.pods
+        ],
+        "tor": [
+            {
+                "name": t.name,
+                "pod": t.pod,
+                "uplinks": [
+                    {"port": u.port, "ocs": u.ocs, "ocs_port": u.ocs_port} for u in t.uplinks
+                ],
+            }
+            for t in w.tors
+        ],
+        "node": [
+            {
+                "name": n.name,
+                "pod": n.pod,
+                "role": n.role.value,
+                "agent": n.agent,
+                "gpus": n.gpus,
+                "nics": [
+                    {"name": x.name, "tor": x.tor, "tor_port": x.tor_port, "gbps": x.gbps}
+                    for x in n.nics
+                ],
+            }
+            for n in w.nodes
+        ],
+    }
+
+
+def default_wiring_path() -> Path:
+    """The wiring embedded in the package (the same as examples/local-8node.toml)."""
+    return Path(__file__).parent / "data" / "local-8node.toml"

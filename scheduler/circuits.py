@@ -1,0 +1,166 @@
+"""Circuit planning: phase templates and the greedy allocator behind them.
+
+Pure functions of the wiring, the phase and the observed circuits. The allocator
+hands out circuits one at a time to the pod pair whose circuits-per-demand is
+lowest (bottleneck first, as in MixNet), within each pod's OCS port budget, and
+keeps circuits that already exist wherever the new layout allows, so a phase
+change moves as few OCS ports as possible.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from itertools import combinations
+
+from orchestrrl.model import Circuit, Phase, Role, Wiring
+
+PodPair = tuple[str, str]
+
+
+def pair(a: str, b: str) -> PodPair:
+    return (a, b) if a <= b else (b, a)
+
+
+def template_demand(wiring: Wiring, phase: Phase) -> dict[PodPair, float]:
+    """Relative pod-to-pod demand of a phase's template.
+
+    - generation: pods work in isolation (no inter-pod circuits);
+    - training: a mesh among the training pods;
+    - weight-sync: every training pod to every generation pod.
+    """
+    train = wiring.pods_with_role(Role.TRAIN)
+    gen = wiring.pods_with_role(Role.GEN)
+    if phase is Phase.GENERATION:
+        return {}
+    if phase is Phase.TRAINING:
+        return {pair(a, b): 1.0 for a, b in combinations(train, 2)}
+    return {pair(t, g): 1.0 for t in train for g in gen}
+
+
+@dataclass(frozen=True)
+class CircuitPlan:
+    """The circuits of a desired state and the difference to the observed one."""
+
+    desired: frozenset[Circuit]
+    add: frozenset[Circuit]
+    remove: frozenset[Circuit]
+
+    @property
+    def empty(self) -> bool:
+        return not self.add and not self.remove
+
+
+def diff(observed: Iterable[Circuit], desired: Iterable[Circuit]) -> CircuitPlan:
+    obs, des = frozenset(observed), frozenset(desired)
+    return CircuitPlan(desired=des, add=des - obs, remove=obs - des)
+
+
+def allocate(
+    wiring: Wiring,
+    demand: Mapping[PodPair, float],
+    keep: Iterable[Circuit] = (),
+    unavailable_ports: Iterable[tuple[str, int]] = (),
+) -> frozenset[Circuit]:
+    """Allocate circuits for a pod-pair demand within every pod's OCS port budget.
+
+    ``keep`` are circuits that exist now: each pod pair reuses its existing circuits
+    (same ports) before taking fresh ports. ``unavailable_ports`` (failed ports) are
+    never used. Deterministic: the same inputs give the same circuits.
+    """
+    down = set(unavailable_ports)
+    free: dict[tuple[str, str], list[int]] = defaultdict(list)  # (pod, ocs) -> ports
+    for pod, ocs, port in wiring.uplink_ports():
+        if (ocs, port) not in down:
+            free[(pod, ocs)].append(port)
+    for ports in free.values():
+        ports.sort()
+
+    existing: dict[tuple[PodPair, str], list[Circuit]] = defaultdict(list)
+    for c in sorted(set(keep)):
+        pa, pb = wiring.circuit_pods(c)
+        if not pa or not pb or pa == pb or (c.ocs, c.a) in down or (c.ocs, c.b) in down:
+            continue
+        existing[(pair(pa, pb), c.ocs)].append(c)
+
+    # Pass 1: how many circuits each pair gets on each OCS (bottleneck first).
+    budget: dict[tuple[str, str], int] = {k: len(v) for k, v in free.items()}
+    count: dict[PodPair, int] = defaultdict(int)
+    per_ocs: dict[tuple[PodPair, str], int] = defaultdict(int)
+    ocs_names = [o.name for o in wiring.ocses]
+    active = {p: w for p, w in demand.items() if w > 0 and p[0] != p[1]}
+    while True:
+        best: tuple[float, PodPair, str] | None = None
+        for p, weight in sorted(active.items()):
+            ocs = _choose_ocs(p, ocs_names, budget, existing, per_ocs)
+            if ocs is None:
+                continue
+            score = count[p] / weight
+            if best is None or score < best[0]:
+                best = (score, p, ocs)
+        if best is None:
+            break
+        _, p, ocs = best
+        count[p] += 1
+        per_ocs[(p, ocs)] += 1
+        budget[(p[0], ocs)] -= 1
+        budget[(p[1], ocs)] -= 1
+
+    # Pass 2: concrete ports; existing circuits first, then the lowest free ports.
+    taken: set[tuple[str, int]] = set()
+    chosen: list[Circuit] = []
+    for (p, ocs), n in sorted(per_ocs.items()):
+        kept = existing.get((p, ocs), [])[:n]
+        chosen.extend(kept)
+        taken.update(port for c in kept for port in c.ports())
+    for (p, ocs), n in sorted(per_ocs.items()):
+        fresh = n - min(n, len(existing.get((p, ocs), [])))
+        for _ in range(fresh):
+            pa = next(x for x in free[(p[0], ocs)] if (ocs, x) not in taken)
+            taken.add((ocs, pa))
+            pb = next(x for x in free[(p[1], ocs)] if (ocs, x) not in taken)
+            taken.add((ocs, pb))
+            chosen.append(Circuit(ocs, pa, pb))
+    return frozenset(chosen)
+
+
+def _choose_ocs(
+    p: PodPair,
+    ocs_names: list[str],
+    budget: Mapping[tuple[str, str], int],
+    existing: Mapping[tuple[PodPair, str], list[Circuit]],
+    per_ocs: Mapping[tuple[PodPair, str], int],
+) -> str | None:
+    """The OCS for the pair's next circuit: one holding an existing circuit of the
+    pair not yet reused, else the one with the most ports free on both sides."""
+    best: tuple[int, int, str] | None = None
+    for ocs in ocs_names:
+        room = min(budget.get((p[0], ocs), 0), budget.get((p[1], ocs), 0))
+        if room <= 0:
+            continue
+        reusable = len(existing.get((p, ocs), [])) - per_ocs.get((p, ocs), 0)
+        key = (1 if reusable > 0 else 0, room, ocs)
+        if best is None or key[:2] > best[:2]:
+            best = key
+    return None if best is None else best[2]
+
+
+def plan_phase(
+    wiring: Wiring,
+    phase: Phase,
+    observed: Iterable[Circuit],
+    unavailable_ports: Iterable[tuple[str, int]] = (),
+) -> CircuitPlan:
+    """The circuits of ``phase``'s template and the change from ``observed``.
+
+    Observed circuits on ports the wiring does not cable to any pod are left alone
+    (they are not ours to move); every other observed circuit is kept, moved or removed.
+    """
+    observed = frozenset(observed)
+    ours = frozenset(
+        c for c in observed
+        if wiring.port_owner(c.ocs, c.a) is not None or wiring.port_owner(c.ocs, c.b) is not None
+    )
+    desired = allocate(wiring, template_demand(wiring, phase), ours, unavailable_ports)
+    return diff(ours, desired)
