@@ -4,7 +4,6 @@ reflection, readiness handshake, domain-error to status mapping, channels."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import inspect
 import ipaddress
@@ -55,7 +54,9 @@ def parse_address(value: str, field: str) -> tuple[str, int]:
         try:
             ipaddress.IPv6Address(host[1:-1])
         except ValueError:
-            raise errors.field_error(field, value, "bracketed host must be an IPv6 address") from None
+            raise errors.field_error(
+                field, value, "bracketed host must be an IPv6 address"
+            ) from None
     elif not all(c.isalnum() or c in ".-_" for c in host):
         raise errors.field_error(field, value, "host must be a name or an IP address")
     return host, port
@@ -140,7 +141,11 @@ async def start_server(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        (
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
         server,
     )
     try:
@@ -179,18 +184,19 @@ def sd_notify(message: str) -> None:
         sock.sendall(message.encode())
 
 
-async def wait_for_signal() -> None:
-    """Return when SIGTERM or SIGINT arrives."""
+def shutdown_signal() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT. Call it before announcing readiness, so a
+    signal that arrives right after the ready file is written is never missed."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(Exception):
-                loop.remove_signal_handler(sig)
+    return stop
+
+
+async def wait_for_signal() -> None:
+    """Return when SIGTERM or SIGINT arrives (handlers installed on the first await)."""
+    await shutdown_signal().wait()
 
 
 def run(main: Callable[[], Awaitable[int]]) -> int:

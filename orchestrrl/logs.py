@@ -7,20 +7,22 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Literal
+from typing import Literal, TextIO
 
 import structlog
 
 LogFormat = Literal["auto", "json", "console"]
 
 
-def setup_logging(level: str = "info", fmt: LogFormat = "auto", stream: object = None) -> None:
+def setup_logging(
+    level: str = "info", fmt: LogFormat = "auto", stream: TextIO | None = None
+) -> None:
     """Configure structlog and the stdlib root logger once per process."""
     out = stream if stream is not None else sys.stderr
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         raise ValueError(f"log level {level!r} is not one of debug, info, warning, error")
-    use_json = fmt == "json" or (fmt == "auto" and not getattr(out, "isatty", lambda: False)())
+    use_json = fmt == "json" or (fmt == "auto" and not out.isatty())
     processors: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -36,7 +38,7 @@ def setup_logging(level: str = "info", fmt: LogFormat = "auto", stream: object =
     structlog.configure(
         processors=[*processors, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=out),  # type: ignore[arg-type]
+        logger_factory=structlog.PrintLoggerFactory(file=out),
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=numeric, stream=out, format="%(levelname)s %(name)s %(message)s")

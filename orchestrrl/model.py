@@ -128,9 +128,7 @@ class Wiring:
     @cached_property
     def _port_owner(self) -> dict[tuple[str, int], str]:
         tor_pod = {t.name: t.pod for t in self.tors}
-        return {
-            (u.ocs, u.ocs_port): tor_pod[t.name] for t in self.tors for u in t.uplinks
-        }
+        return {(u.ocs, u.ocs_port): tor_pod[t.name] for t in self.tors for u in t.uplinks}
 
     def pod(self, name: str) -> Pod:
         try:

@@ -128,7 +128,9 @@ def load(path: str | Path) -> Wiring:
     try:
         text = p.read_text()
     except OSError as exc:
-        raise errors.InvalidArgument(f"wiring file {str(p)!r}: cannot read: {exc.strerror}") from None
+        raise errors.InvalidArgument(
+            f"wiring file {str(p)!r}: cannot read: {exc.strerror}"
+        ) from None
     return parse(text, source=str(p))
 
 
@@ -140,7 +142,7 @@ def parse(text: str, source: str = "<wiring>") -> Wiring:
     return validate(doc, source)
 
 
-def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:  # noqa: C901
+def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:
     c = _Checker([])
     for key in sorted(set(doc) - SECTIONS):
         c.problems.append(f"{key}: unknown section (allowed: {', '.join(sorted(SECTIONS))})")
@@ -220,15 +222,15 @@ def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:  # noq
             elif ocs_port is not None:
                 ocs_port = c.integer(f"{uwhere}.ocs_port", ocs_port, 1, MAX_OCS_PORTS)
             if ocs and isinstance(ocs_port, int):
-                key = (ocs, ocs_port)
-                if key in used_ocs_ports:
+                owner = used_ocs_ports.get((ocs, ocs_port))
+                if owner:
                     c.add(
                         f"{uwhere}.ocs_port",
                         ocs_port,
-                        f"port {ocs_port} of OCS {ocs!r} is already cabled to {used_ocs_ports[key]}",
+                        f"port {ocs_port} of OCS {ocs!r} is already cabled to {owner}",
                     )
                 else:
-                    used_ocs_ports[key] = f"{where}.uplinks[{j}]"
+                    used_ocs_ports[(ocs, ocs_port)] = uwhere
                     if port:
                         uplinks.append(Uplink(port, ocs, ocs_port))
         if name and pod:
@@ -238,14 +240,15 @@ def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:  # noq
     tor_ports_used: dict[tuple[str, str], str] = {
         (t.name, u.port): f"tor {t.name!r} uplink" for t in tors for u in t.uplinks
     }
-    for t in tors:
-        for port, count in Counter(u.port for u in t.uplinks).items():
+    for tor_entry in tors:
+        for port, count in Counter(u.port for u in tor_entry.uplinks).items():
             if count > 1:
-                c.add(f"tor {t.name!r}.uplinks", port, "ToR port used by more than one uplink")
+                c.add(f"tor {tor_entry.name!r}.uplinks", port, "ToR port used by two uplinks")
 
     # Nodes and their NICs
     nodes: list[Node] = []
     agents: dict[str, str] = {}
+    pods_referenced: set[str] = set()  # by any node entry, valid or not
     for i, raw in enumerate(c.array("node", doc.get("node"))):
         t = c.table(f"node[{i}]", raw, "node")
         if t is None:
@@ -253,6 +256,7 @@ def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:  # noq
         name = c.name(f"node[{i}].name", t.get("name"))
         where = f"node {name!r}" if name else f"node[{i}]"
         pod = pod_ref(f"{where}.pod", t.get("pod"))
+        pods_referenced.add(str(t.get("pod")))
         role_raw = t.get("role")
         role: Role | None = None
         if role_raw is not None:
@@ -289,15 +293,15 @@ def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:  # noq
             tor_port = c.name(f"{nwhere}.tor_port", n.get("tor_port"))
             gbps = c.number(f"{nwhere}.gbps", n.get("gbps", DEFAULT_NIC_GBPS), 0.0, 3200.0)
             if tor and tor_port:
-                key = (tor, tor_port)
-                if key in tor_ports_used:
+                user = tor_ports_used.get((tor, tor_port))
+                if user:
                     c.add(
                         f"{nwhere}.tor_port",
                         tor_port,
-                        f"port {tor_port!r} of ToR {tor!r} is already used by {tor_ports_used[key]}",
+                        f"port {tor_port!r} of ToR {tor!r} is already used by {user}",
                     )
                 else:
-                    tor_ports_used[key] = nwhere
+                    tor_ports_used[(tor, tor_port)] = nwhere
             if nic_name and tor and tor_port and gbps is not None:
                 nics.append(Nic(nic_name, tor, tor_port, gbps))
         for nic_name, count in Counter(n.name for n in nics).items():
@@ -313,6 +317,8 @@ def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:  # noq
         members = [n for n in nodes if n.pod == pod_name]
         roles = sorted({n.role.value for n in members})
         if not members:
+            if pod_name in pods_referenced:
+                continue  # its nodes have problems of their own, reported above
             c.problems.append(f"pod {pod_name!r}: has no nodes (every pod needs at least one)")
             continue
         if len(roles) > 1:

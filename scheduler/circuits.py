@@ -79,10 +79,10 @@ def allocate(
 
     existing: dict[tuple[PodPair, str], list[Circuit]] = defaultdict(list)
     for c in sorted(set(keep)):
-        pa, pb = wiring.circuit_pods(c)
-        if not pa or not pb or pa == pb or (c.ocs, c.a) in down or (c.ocs, c.b) in down:
+        pod_a, pod_b = wiring.circuit_pods(c)
+        if not pod_a or not pod_b or pod_a == pod_b or (c.ocs, c.a) in down or (c.ocs, c.b) in down:
             continue
-        existing[(pair(pa, pb), c.ocs)].append(c)
+        existing[(pair(pod_a, pod_b), c.ocs)].append(c)
 
     # Pass 1: how many circuits each pair gets on each OCS (bottleneck first).
     budget: dict[tuple[str, str], int] = {k: len(v) for k, v in free.items()}
@@ -93,12 +93,12 @@ def allocate(
     while True:
         best: tuple[float, PodPair, str] | None = None
         for p, weight in sorted(active.items()):
-            ocs = _choose_ocs(p, ocs_names, budget, existing, per_ocs)
-            if ocs is None:
+            candidate = _choose_ocs(p, ocs_names, budget, existing, per_ocs)
+            if candidate is None:
                 continue
             score = count[p] / weight
             if best is None or score < best[0]:
-                best = (score, p, ocs)
+                best = (score, p, candidate)
         if best is None:
             break
         _, p, ocs = best
@@ -117,11 +117,11 @@ def allocate(
     for (p, ocs), n in sorted(per_ocs.items()):
         fresh = n - min(n, len(existing.get((p, ocs), [])))
         for _ in range(fresh):
-            pa = next(x for x in free[(p[0], ocs)] if (ocs, x) not in taken)
-            taken.add((ocs, pa))
-            pb = next(x for x in free[(p[1], ocs)] if (ocs, x) not in taken)
-            taken.add((ocs, pb))
-            chosen.append(Circuit(ocs, pa, pb))
+            port_a = next(x for x in free[(p[0], ocs)] if (ocs, x) not in taken)
+            taken.add((ocs, port_a))
+            port_b = next(x for x in free[(p[1], ocs)] if (ocs, x) not in taken)
+            taken.add((ocs, port_b))
+            chosen.append(Circuit(ocs, port_a, port_b))
     return frozenset(chosen)
 
 
@@ -159,7 +159,8 @@ def plan_phase(
     """
     observed = frozenset(observed)
     ours = frozenset(
-        c for c in observed
+        c
+        for c in observed
         if wiring.port_owner(c.ocs, c.a) is not None or wiring.port_owner(c.ocs, c.b) is not None
     )
     desired = allocate(wiring, template_demand(wiring, phase), ours, unavailable_ports)

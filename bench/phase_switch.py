@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Phase-switch latency of the controller against the OCS alone.
+
+Starts an in-process fabric (simulated OCS servers + controller over real gRPC on
+loopback) from a wiring file, walks the RL phases N times through the client, and
+for every change also replays the *same* OCS batch directly against a second,
+identical simulated switch: the baseline. The ratio controller/baseline is the
+controller's overhead (observe, plan, verify, commit) over the optics themselves,
+measured in the same run so the machine's noise cancels out.
+
+    python bench/phase_switch.py [--rounds 20] [--switching-ms 10] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from fabric_controller.drivers.ocs import GrpcOcsDriver
+from orchestrrl import wiring as wiring_mod
+from orchestrrl.client import AsyncClient
+from orchestrrl.logs import setup_logging
+from orchestrrl.model import Phase
+from sim_backends.harness import start_fabric
+from sim_backends.ocs_server import serve as serve_ocs
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+async def run(wiring_path: Path, rounds: int, switching_s: float) -> dict[str, object]:
+    w = wiring_mod.load(wiring_path)
+    with tempfile.TemporaryDirectory() as tmp:
+        fabric = await start_fabric(w, Path(tmp) / "state.db", switching_time_s=switching_s)
+        baseline_servers = []
+        baseline = {}
+        for o in w.ocses:
+            server, _ = await serve_ocs(
+                "127.0.0.1:0", name=o.name, port_count=o.ports, switching_time_s=switching_s
+            )
+            baseline_servers.append(server)
+            baseline[o.name] = GrpcOcsDriver(o.name, server.address)
+        controller_s: list[float] = []
+        direct_s: list[float] = []
+        stage_s: dict[str, list[float]] = {}
+        moved = 0
+        try:
+            async with AsyncClient(fabric.address, timeout_s=60) as client:
+                for i in range(rounds):
+                    for phase in Phase:
+                        t0 = time.perf_counter()
+                        r = await client.set_phase(phase, request_id=f"bench-{i}-{phase.value}")
+                        elapsed = time.perf_counter() - t0
+                        if not (r.added or r.removed):
+                            continue  # nothing for the optics to do: no baseline to compare
+                        controller_s.append(elapsed)
+                        for k, v in r.stages.items():
+                            stage_s.setdefault(k, []).append(v)
+                        moved += len(r.added) + len(r.removed)
+                        # the same batches, straight to an identical switch
+                        t0 = time.perf_counter()
+                        for name in {c.ocs for c in r.added + r.removed}:
+                            await baseline[name].apply(
+                                [(c.a, c.b) for c in r.removed if c.ocs == name],
+                                [(c.a, c.b) for c in r.added if c.ocs == name],
+                            )
+                        direct_s.append(time.perf_counter() - t0)
+        finally:
+            for d in baseline.values():
+                await d.close()
+            for s in baseline_servers:
+                await s.stop(0.1)
+            await fabric.stop()
+    ratio = statistics.median(controller_s) / statistics.median(direct_s)
+    return {
+        "wiring": str(wiring_path),
+        "rounds": rounds,
+        "phase_changes": len(controller_s),
+        "circuit_changes": moved,
+        "switching_time_ms": switching_s * 1000,
+        "controller_set_phase_ms": {
+            "p50": statistics.median(controller_s) * 1000,
+            "p95": pct(controller_s, 0.95) * 1000,
+            "max": max(controller_s) * 1000,
+        },
+        "direct_ocs_apply_ms": {
+            "p50": statistics.median(direct_s) * 1000,
+            "p95": pct(direct_s, 0.95) * 1000,
+            "max": max(direct_s) * 1000,
+        },
+        "stages_p50_ms": {k: statistics.median(v) * 1000 for k, v in stage_s.items()},
+        "overhead_ratio_p50": ratio,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--wiring", type=Path, default=wiring_mod.default_wiring_path())
+    p.add_argument("--rounds", type=int, default=20, help="phase cycles (3 changes each)")
+    p.add_argument("--switching-ms", type=float, default=10.0, help="simulated OCS switching time")
+    p.add_argument("--json", type=Path, help="also write the figures as JSON here")
+    args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds={args.rounds}: must be at least 1")
+    setup_logging("warning")
+    res = asyncio.run(run(args.wiring, args.rounds, args.switching_ms / 1000))
+    c, d = res["controller_set_phase_ms"], res["direct_ocs_apply_ms"]
+    assert isinstance(c, dict) and isinstance(d, dict)
+    print(
+        f"phase-switch latency: {res['phase_changes']} phase changes, "
+        f"{res['circuit_changes']} circuit changes, OCS switching {res['switching_time_ms']} ms"
+    )
+    print(f"{'what':<34}{'p50 ms':>10}{'p95 ms':>10}{'max ms':>10}")
+    print(
+        f"{'controller SetPhase (end to end)':<34}{c['p50']:>10.2f}{c['p95']:>10.2f}{c['max']:>10.2f}"
+    )
+    print(
+        f"{'baseline: same batch, OCS direct':<34}{d['p50']:>10.2f}{d['p95']:>10.2f}{d['max']:>10.2f}"
+    )
+    stages = res["stages_p50_ms"]
+    assert isinstance(stages, dict)
+    print("stages p50: " + ", ".join(f"{k} {v:.2f} ms" for k, v in stages.items()))
+    print(f"overhead ratio (controller p50 / baseline p50): {res['overhead_ratio_p50']:.2f}x")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""orlctl: the operator's and the RL loop's command line for OrchestrRL.
+
+Every command takes --json for scripts; --controller HOST:PORT or $ORL_CONTROLLER
+selects the controller (default 127.0.0.1:50051).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from fabric_controller import local
+from orchestrrl import errors
+from orchestrrl import wiring as wiring_mod
+from orchestrrl.client import (
+    CircuitView,
+    Client,
+    NodeView,
+    PhaseChange,
+    controller_address,
+    to_json,
+)
+from orchestrrl.model import Phase
+
+PHASES = [p.value for p in Phase]
+
+
+def _common() -> argparse.ArgumentParser:
+    """Options accepted before or after the sub-command."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "--controller",
+        default=argparse.SUPPRESS,
+        metavar="HOST:PORT",
+        help="controller address (default: $ORL_CONTROLLER or 127.0.0.1:50051)",
+    )
+    p.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="print machine-readable JSON"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=argparse.SUPPRESS,
+        metavar="S",
+        help="seconds to wait for the controller (default 30)",
+    )
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _common()
+    p = argparse.ArgumentParser(
+        prog="orlctl",
+        description="Control an OrchestrRL fabric: phases, nodes, topology, local clusters.",
+        parents=[common],
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(parent: Any, name: str, help_text: str) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = parent.add_parser(
+            name, help=help_text, description=help_text, parents=[common]
+        )
+        return parser
+
+    phase = add(sub, "phase", "get, set or plan the cluster phase")
+    psub = phase.add_subparsers(dest="action", required=True, metavar="ACTION")
+    add(psub, "get", "show the committed phase, epoch and circuits")
+    pset = add(psub, "set", "change the phase: program the OCS and commit a new epoch")
+    pset.add_argument("phase", choices=PHASES)
+    pset.add_argument(
+        "--request-id",
+        default="",
+        help="idempotency key: a retry returns the first result instead of applying again",
+    )
+    pplan = add(psub, "plan", "show what `phase set` would change, without changing anything")
+    pplan.add_argument("phase", choices=PHASES)
+
+    add(sub, "nodes", "list the nodes of the wiring with their health and telemetry")
+    topo = add(sub, "topology", "show the wiring and the current circuits")
+    tsub = topo.add_subparsers(dest="action", required=True, metavar="ACTION")
+    add(tsub, "show", "show pods, ToRs, OCSes and the circuits of the current epoch")
+
+    events = add(sub, "events", "print controller events as they happen")
+    events.add_argument("--count", type=int, default=0, help="stop after N events (0: never)")
+
+    config = add(sub, "config", "validate wiring files")
+    csub = config.add_subparsers(dest="action", required=True, metavar="ACTION")
+    check = add(csub, "check", "validate a wiring file and print it normalised")
+    check.add_argument("file", type=Path)
+
+    loc = add(sub, "local", "run a whole cluster locally (simulated OCS, controller, agents)")
+    lsub = loc.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for name, text in (
+        ("up", "start the cluster in the background"),
+        ("down", "stop the cluster"),
+        ("status", "show the cluster's processes"),
+    ):
+        lp = add(lsub, name, text)
+        lp.add_argument(
+            "--run-dir",
+            type=Path,
+            default=local.run_dir_default(),
+            help="where pids, addresses, logs and state live (default: $ORL_RUN_DIR "
+            "or ./.orl-local)",
+        )
+        if name == "up":
+            lp.add_argument(
+                "--wiring",
+                type=Path,
+                default=wiring_mod.default_wiring_path(),
+                help="wiring file (default: the embedded 8-node example)",
+            )
+            lp.add_argument(
+                "--ephemeral-ports",
+                action="store_true",
+                help="bind every daemon to a free port instead of the wiring's",
+            )
+
+    demo = add(sub, "demo", "start a local cluster, walk RL phases for a few steps, stop it")
+    demo.add_argument("--wiring", type=Path, default=wiring_mod.default_wiring_path())
+    demo.add_argument("--steps", type=int, default=3, help="RL steps to simulate (1-100)")
+    demo.add_argument(
+        "--run-dir", type=Path, default=None, help="run directory (default: a temporary directory)"
+    )
+    return p
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+def _stages(stages: dict[str, float]) -> str:
+    return ", ".join(f"{k} {_ms(v)}" for k, v in stages.items())
+
+
+def _by_pair(circuits: Sequence[CircuitView]) -> list[str]:
+    groups: dict[tuple[str, str], list[CircuitView]] = defaultdict(list)
+    for c in circuits:
+        groups[tuple(sorted((c.pod_a, c.pod_b)))].append(c)  # type: ignore[index]
+    return [
+        f"  {a} <-> {b}: {len(cs)} circuit(s) "
+        f"[{', '.join(f'{c.ocs}:{c.a}-{c.b}' for c in sorted(cs, key=lambda c: (c.ocs, c.a)))}]"
+        for (a, b), cs in sorted(groups.items())
+    ]
+
+
+def describe_change(r: PhaseChange) -> str:
+    if not r.changed:
+        return f"epoch {r.epoch}: {r.message}"
+    lines = [
+        f"epoch {r.epoch}: phase {r.phase}  (+{len(r.added)} -{len(r.removed)} circuits, "
+        f"{len(r.circuits)} in place)",
+        f"  stages: {_stages(r.stages)}",
+    ]
+    return "\n".join(lines + _by_pair(r.circuits))
+
+
+def _print(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(to_json(data), indent=2, sort_keys=True))
+    else:
+        print(text())
+
+
+def _client(args: argparse.Namespace) -> Client:
+    return Client(
+        controller_address(getattr(args, "controller", None)), getattr(args, "timeout", 30.0)
+    )
+
+
+def cmd_phase(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        if args.action == "get":
+            s = c.get_phase()
+            when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.committed_at))
+            header = (
+                f"epoch {s.epoch}: phase {s.phase}, {len(s.circuits)} circuit(s), committed {when}"
+                if s.epoch
+                else "epoch 0: no phase set yet"
+            )
+            _print(args, s, lambda: "\n".join([header, *_by_pair(s.circuits)]))
+        elif args.action == "set":
+            r = c.set_phase(args.phase, args.request_id)
+            _print(args, r, lambda: describe_change(r))
+        else:
+            plan = c.plan_phase(args.phase)
+            _print(
+                args,
+                plan,
+                lambda: "\n".join(
+                    [
+                        f"phase {plan.phase} would add {len(plan.added)} and remove "
+                        f"{len(plan.removed)} circuit(s); resulting circuits:",
+                        *_by_pair(plan.circuits),
+                    ]
+                ),
+            )
+    return 0
+
+
+def _node_row(n: NodeView) -> str:
+    seen = "never" if n.last_seen_age_s is None else f"{n.last_seen_age_s:.1f}s ago"
+    t = n.telemetry
+    util = f"{t['gpu_utilization_mean'] * 100:.0f}%" if t else "-"
+    tps = f"{t['tokens_per_s']:.0f}" if t else "-"
+    layout = "x".join(str(x) for x in t.get("tp_layout", [])) if t else "-"
+    return (
+        f"{n.node:<14} {n.pod:<10} {n.role:<6} {n.health:<8} {n.agent_address:<22} "
+        f"{seen:<11} {n.gpu_backend or '-':<5} {util:>5} {tps:>8} {layout}"
+    )
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        nodes = c.nodes()
+    header = (
+        f"{'NODE':<14} {'POD':<10} {'ROLE':<6} {'HEALTH':<8} {'AGENT':<22} {'LAST SEEN':<11} "
+        f"{'GPUS':<5} {'UTIL':>5} {'TOK/S':>8} TP"
+    )
+    _print(args, nodes, lambda: "\n".join([header, *(_node_row(n) for n in nodes)]))
+    return 0
+
+
+def cmd_topology(args: argparse.Namespace) -> int:
+    from google.protobuf import json_format
+
+    with _client(args) as c:
+        t = c.topology()
+    if getattr(args, "json", False):
+        print(json.dumps(json_format.MessageToDict(t, preserving_proto_field_name=True), indent=2))
+        return 0
+    circuits = [CircuitView(x.ocs, x.port_a, x.port_b, x.pod_a, x.pod_b) for x in t.circuits]
+    lines = [f"cluster {t.cluster}: {len(t.pods)} pods, {len(t.nodes)} nodes, epoch {t.epoch}"]
+    for p in t.pods:
+        uplinks = sum(len(tor.uplinks) for tor in t.tors if tor.pod == p.name)
+        lines.append(
+            f"  pod {p.name:<10} role {p.role:<5} nodes {', '.join(p.nodes)}; "
+            f"ToRs {', '.join(p.tors) or '-'} ({uplinks} OCS uplinks)"
+        )
+    for o in t.ocses:
+        lines.append(
+            f"  OCS {o.name}: {o.port_count} ports, switching {_ms(o.switching_time_s)}, "
+            f"at {o.address}"
+        )
+    lines.append(f"circuits ({len(circuits)}):")
+    lines += _by_pair(circuits) or ["  none"]
+    print("\n".join(lines))
+    return 0
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    seen = 0
+    with _client(args) as c:
+        for e in c.watch():
+            if getattr(args, "json", False):
+                print(json.dumps(to_json(e), sort_keys=True), flush=True)
+            else:
+                when = time.strftime("%H:%M:%S", time.localtime(e.timestamp))
+                where = e.node or (f"epoch {e.epoch}" if e.epoch else "")
+                stages = f" [{_stages(e.stages)}]" if e.stages else ""
+                print(f"{when} #{e.sequence} {e.kind:<16} {where}  {e.message}{stages}", flush=True)
+            seen += 1
+            if args.count and seen >= args.count:
+                break
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    w = wiring_mod.load(args.file)
+    data = wiring_mod.to_dict(w)
+    _print(args, data, lambda: _describe_wiring(w, data))
+    return 0
+
+
+def _describe_wiring(w: Any, data: dict[str, Any]) -> str:
+    lines = [f"{w.source}: valid wiring for cluster {w.cluster!r} (controller {w.controller})"]
+    for o in data["ocs"]:
+        lines.append(
+            f"  ocs {o['name']}: {o['ports']} ports, {o['switching_time_ms']} ms, at {o['address']}"
+        )
+    for p in data["pod"]:
+        lines.append(f"  pod {p['name']} ({p['role']}): nodes {', '.join(p['nodes'])}")
+    for t in data["tor"]:
+        ports = ", ".join(f"{u['port']}->{u['ocs']}:{u['ocs_port']}" for u in t["uplinks"])
+        lines.append(f"  tor {t['name']} (pod {t['pod']}): uplinks {ports or 'none'}")
+    for n in data["node"]:
+        lines.append(
+            f"  node {n['name']} (pod {n['pod']}, {n['role']}): {n['gpus']} GPUs, "
+            f"{len(n['nics'])} NICs, agent {n['agent']}"
+        )
+    return "\n".join(lines)
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    as_json = getattr(args, "json", False)
+    if args.action == "up":
+        cluster = local.up(
+            args.wiring,
+            args.run_dir,
+            ephemeral_ports=args.ephemeral_ports,
+            progress=(lambda m: None) if as_json else (lambda m: print(m, flush=True)),
+        )
+        _print(
+            args,
+            cluster,
+            lambda: (
+                f"local cluster up: controller at {cluster.controller}\n"
+                f"  export ORL_CONTROLLER={cluster.controller}\n"
+                f"  logs in {cluster.run_dir}/logs; stop with `orlctl local down`"
+            ),
+        )
+    elif args.action == "down":
+        report = local.down(args.run_dir)
+        _print(
+            args,
+            {"stopped": report},
+            lambda: "\n".join(report) if report else f"no local cluster in {args.run_dir}",
+        )
+    else:
+        found, alive = local.status(args.run_dir)
+        if found is None:
+            _print(args, {"running": False}, lambda: f"no local cluster in {args.run_dir}")
+            return 1
+        rows = [{**to_json(p), "alive": alive[p.pid]} for p in found.procs]
+        _print(
+            args,
+            {"running": any(alive.values()), "controller": found.controller, "procs": rows},
+            lambda: "\n".join(
+                [f"controller {found.controller}; run dir {found.run_dir}"]
+                + [
+                    f"  {r['role']:<10} {r['name']:<14} pid {r['pid']:<8} "
+                    f"{'running' if r['alive'] else 'EXITED':<8} {r['address']}"
+                    for r in rows
+                ]
+            ),
+        )
+        return 0 if all(alive.values()) else 1
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from fabric_controller.demo import run_demo
+
+    if not 1 <= args.steps <= 100:
+        raise errors.field_error("--steps", args.steps, "an integer from 1 to 100")
+    return run_demo(args.wiring, args.steps, args.run_dir)
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "phase": cmd_phase,
+    "nodes": cmd_nodes,
+    "topology": cmd_topology,
+    "events": cmd_events,
+    "config": cmd_config,
+    "local": cmd_local,
+    "demo": cmd_demo,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except errors.OrlError as exc:
+        if getattr(args, "json", False):
+            kind = type(exc).__name__
+            print(json.dumps({"error": {"kind": kind, "message": str(exc)}}, indent=2))
+        print(f"orlctl: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, errors.InvalidArgument) else 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

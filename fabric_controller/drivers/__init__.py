@@ -1,0 +1,1 @@
+"""Southbound drivers: the controller's only way to touch switches."""

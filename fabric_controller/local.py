@@ -1,0 +1,283 @@
+"""`orlctl local up|down|status`: a whole cluster as background processes on loopback.
+
+The simulated OCS(es), the controller and one agent per node of a wiring file are
+started from this Python (``python -m ...``), each writing its bound address to a
+ready file; everything about the run (pids, addresses, logs, state) lives in a run
+directory so that `down` and `status` work from any later shell.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from orchestrrl import errors
+from orchestrrl import wiring as wiring_mod
+from orchestrrl.model import Wiring
+
+DEFAULT_RUN_DIR = Path(".orl-local")
+STATE_FILE = "cluster.json"
+
+
+@dataclass(frozen=True)
+class Proc:
+    role: str  # "ocs", "controller" or "agent"
+    name: str
+    pid: int
+    address: str
+    log: str
+
+
+@dataclass(frozen=True)
+class LocalCluster:
+    run_dir: str
+    wiring: str
+    controller: str
+    procs: list[Proc]
+    started_at: float
+
+
+def run_dir_default() -> Path:
+    return Path(os.environ.get("ORL_RUN_DIR", str(DEFAULT_RUN_DIR)))
+
+
+def _alive(pid: int, marker: str) -> bool:
+    """True when pid runs and is ours (its command line names our run directory)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":  # zombie: exited, not yet reaped
+            return False
+    except (OSError, IndexError):
+        return False
+    return marker in cmdline
+
+
+def _marker(run_dir: Path) -> str:
+    return str(run_dir.resolve())
+
+
+def load(run_dir: Path) -> LocalCluster | None:
+    path = run_dir / STATE_FILE
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    return LocalCluster(
+        run_dir=data["run_dir"],
+        wiring=data["wiring"],
+        controller=data["controller"],
+        procs=[Proc(**p) for p in data["procs"]],
+        started_at=data["started_at"],
+    )
+
+
+def status(run_dir: Path) -> tuple[LocalCluster | None, dict[int, bool]]:
+    cluster = load(run_dir)
+    if cluster is None:
+        return None, {}
+    marker = _marker(run_dir)
+    return cluster, {p.pid: _alive(p.pid, marker) for p in cluster.procs}
+
+
+def _listen(address: str, ephemeral: bool) -> str:
+    host = address.rpartition(":")[0]
+    return f"{host}:0" if ephemeral else address
+
+
+def up(
+    wiring_path: Path,
+    run_dir: Path,
+    *,
+    ephemeral_ports: bool = False,
+    timeout_s: float = 30.0,
+    heartbeat_interval_s: float = 0.5,
+    progress: Callable[[str], None] = lambda _msg: None,
+) -> LocalCluster:
+    """Start the cluster; on any failure stop what was started and raise."""
+    w = wiring_mod.load(wiring_path)
+    existing, alive = status(run_dir)
+    if existing is not None and any(alive.values()):
+        raise errors.FailedPrecondition(
+            f"a local cluster is already running from {run_dir} (controller at "
+            f"{existing.controller}); run `orlctl local down --run-dir {run_dir}` first"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    for stale in [run_dir / STATE_FILE, *run_dir.glob("*.addr")]:
+        stale.unlink(missing_ok=True)
+    state_db = run_dir / "state.db"
+    for suffix in ("", "-wal", "-shm"):  # a fresh simulated OCS needs a fresh epoch history
+        Path(f"{state_db}{suffix}").unlink(missing_ok=True)
+
+    procs: list[Proc] = []
+    try:
+        ocs_addr = {}
+        for o in w.ocses:
+            proc, ocs_addr[o.name] = _spawn(
+                run_dir,
+                "ocs",
+                o.name,
+                [
+                    "sim_backends.ocs_server",
+                    "--name",
+                    o.name,
+                    "--ports",
+                    str(o.ports),
+                    "--switching-time-ms",
+                    str(o.switching_time_s * 1000.0),
+                    "--listen",
+                    _listen(o.address, ephemeral_ports),
+                ],
+                timeout_s,
+            )
+            procs.append(proc)
+            progress(f"OCS {o.name} serving on {ocs_addr[o.name]}")
+        overrides = [
+            arg for name, a in ocs_addr.items() for arg in ("--ocs-address", f"{name}={a}")
+        ]
+        proc, controller = _spawn(
+            run_dir,
+            "controller",
+            "controller",
+            [
+                "fabric_controller.main",
+                "--wiring",
+                str(Path(wiring_path).resolve()),
+                "--state",
+                str(state_db.resolve()),
+                "--listen",
+                _listen(w.controller, ephemeral_ports),
+                "--heartbeat-interval",
+                str(heartbeat_interval_s),
+                *overrides,
+            ],
+            timeout_s,
+        )
+        procs.append(proc)
+        progress(f"controller serving on {controller}")
+        for n in w.nodes:
+            proc, _ = _spawn(
+                run_dir,
+                "agent",
+                n.name,
+                [
+                    "node_agent.main",
+                    "--node",
+                    n.name,
+                    "--listen",
+                    _listen(n.agent, ephemeral_ports),
+                    "--controller",
+                    controller,
+                    "--gpus",
+                    str(n.gpus),
+                    "--gpu-backend",
+                    "auto",
+                ],
+                timeout_s,
+            )
+            procs.append(proc)
+        progress(f"{len(w.nodes)} node agents started")
+        cluster = LocalCluster(
+            str(run_dir.resolve()), str(Path(wiring_path).resolve()), controller, procs, time.time()
+        )
+        (run_dir / STATE_FILE).write_text(json.dumps(asdict(cluster), indent=2) + "\n")
+        _wait_registered(w, controller, timeout_s)
+        progress(f"all {len(w.nodes)} nodes registered")
+        return cluster
+    except BaseException:
+        _stop(procs, _marker(run_dir))
+        (run_dir / STATE_FILE).unlink(missing_ok=True)
+        raise
+
+
+def _spawn(
+    run_dir: Path, role: str, name: str, args: list[str], timeout_s: float
+) -> tuple[Proc, str]:
+    ready = (run_dir / f"{role}-{name}.addr").resolve()
+    log_path = (run_dir / "logs" / f"{role}-{name}.log").resolve()
+    cmd = [sys.executable, "-m", *args, "--ready-file", str(ready), "--log-format", "json"]
+    with open(log_path, "ab") as log_file:
+        popen = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        if popen.poll() is not None:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
+            raise errors.FailedPrecondition(
+                f"{role} {name} exited with code {popen.returncode} before serving; "
+                f"last log lines ({log_path}):\n    " + "\n    ".join(tail)
+            )
+        if time.monotonic() > deadline:
+            popen.kill()
+            raise errors.Unavailable(f"{role} {name} did not become ready in {timeout_s:.0f} s")
+        time.sleep(0.02)
+    address = ready.read_text().strip()
+    return Proc(role, name, popen.pid, address, str(log_path)), address
+
+
+def _wait_registered(w: Wiring, controller: str, timeout_s: float) -> None:
+    from orchestrrl.client import Client
+
+    deadline = time.monotonic() + timeout_s
+    with Client(controller, timeout_s=5.0) as client:
+        while True:
+            nodes = client.nodes()
+            missing = [n.node for n in nodes if n.health != "up"]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise errors.Unavailable(
+                    f"nodes not registered after {timeout_s:.0f} s: {', '.join(missing)}"
+                )
+            time.sleep(0.05)
+
+
+def _stop(procs: list[Proc], marker: str, grace_s: float = 10.0) -> list[str]:
+    """SIGTERM in reverse start order, SIGKILL after the grace period; returns a report."""
+    report = []
+    for p in reversed(procs):
+        if _alive(p.pid, marker):
+            os.kill(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in reversed(procs):
+        while _alive(p.pid, marker) and time.monotonic() < deadline:
+            _reap(p.pid)
+            time.sleep(0.02)
+        if _alive(p.pid, marker):
+            os.kill(p.pid, signal.SIGKILL)
+            report.append(f"{p.role} {p.name} (pid {p.pid}) killed after {grace_s:.0f} s")
+        else:
+            report.append(f"{p.role} {p.name} (pid {p.pid}) stopped")
+        _reap(p.pid)
+    return report
+
+
+def _reap(pid: int) -> None:
+    """Collect our own exited children so they do not linger as zombies."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def down(run_dir: Path, grace_s: float = 10.0) -> list[str]:
+    cluster = load(run_dir)
+    if cluster is None:
+        return []
+    report = _stop(cluster.procs, _marker(run_dir), grace_s)
+    (run_dir / STATE_FILE).unlink(missing_ok=True)
+    return report

@@ -1,0 +1,175 @@
+"""orl-fabric-controller: the central daemon (one per cluster)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from fabric_controller.controller import Controller
+from fabric_controller.drivers.ocs import GrpcOcsDriver, OcsDriver
+from fabric_controller.servicer import FabricControllerServicer
+from fabric_controller.store import Store
+from orchestrrl import errors, grpcutil
+from orchestrrl import wiring as wiring_mod
+from orchestrrl.logs import get_logger, setup_logging
+from orchestrrl.v1 import fabric_controller_pb2, fabric_controller_pb2_grpc
+
+log = get_logger("fabric_controller")
+
+
+def _positive(name: str, lo: float, hi: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}={text!r}: expected a number") from None
+        if not lo < value <= hi:
+            raise argparse.ArgumentTypeError(f"{name}={text!r}: must be > {lo} and <= {hi}")
+        return value
+
+    return parse
+
+
+def _override(text: str) -> tuple[str, str]:
+    name, sep, address = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--ocs-address={text!r}: expected NAME=HOST:PORT")
+    try:
+        grpcutil.parse_address(address, f"--ocs-address {name}")
+    except errors.InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name, address
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="orl-fabric-controller",
+        description="OrchestrRL fabric controller: phases, epochs, OCS circuits, node registry.",
+    )
+    p.add_argument(
+        "--wiring",
+        type=Path,
+        default=wiring_mod.default_wiring_path(),
+        help="cluster wiring file (TOML); default: the embedded 8-node example",
+    )
+    p.add_argument(
+        "--state",
+        type=Path,
+        default=Path("orchestrrl-state.db"),
+        help="SQLite state file (created if missing)",
+    )
+    p.add_argument(
+        "--listen",
+        help="HOST:PORT to serve on (default: cluster.controller "
+        "of the wiring); port 0 picks a free port",
+    )
+    p.add_argument(
+        "--ocs-address",
+        type=_override,
+        action="append",
+        default=[],
+        metavar="NAME=HOST:PORT",
+        help="override an OCS address of the wiring",
+    )
+    p.add_argument(
+        "--heartbeat-interval",
+        type=_positive("--heartbeat-interval", 0.0, 600.0),
+        default=1.0,
+        help="seconds between agent heartbeats (deadline: 3 intervals)",
+    )
+    p.add_argument("--ready-file", type=Path, help="write the bound address here when serving")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+    return p
+
+
+async def serve(args: argparse.Namespace) -> int:
+    w = wiring_mod.load(args.wiring)
+    overrides = dict(args.ocs_address)
+    unknown = sorted(set(overrides) - {o.name for o in w.ocses})
+    if unknown:
+        known = ", ".join(o.name for o in w.ocses) or "none"
+        raise errors.field_error(
+            "--ocs-address", unknown[0], f"no such OCS in the wiring ({known})"
+        )
+    drivers: dict[str, OcsDriver] = {
+        o.name: GrpcOcsDriver(o.name, overrides.get(o.name, o.address)) for o in w.ocses
+    }
+    store = Store(args.state)
+    interval = float(args.heartbeat_interval)
+    controller = Controller(
+        w, store, drivers, heartbeat_interval_s=interval, heartbeat_deadline_s=3 * interval
+    )
+    await controller.start()
+    for d in drivers.values():
+        await _probe(d, w.ocs(d.name).ports)
+    server = await grpcutil.start_server(
+        args.listen or w.controller,
+        lambda s: fabric_controller_pb2_grpc.add_FabricControllerServicer_to_server(
+            FabricControllerServicer(controller), s
+        ),
+        [fabric_controller_pb2.DESCRIPTOR.services_by_name["FabricController"].full_name],
+    )
+    log.info(
+        "fabric controller serving",
+        address=server.address,
+        cluster=w.cluster,
+        nodes=len(w.nodes),
+        ocses=len(w.ocses),
+        state=str(args.state),
+    )
+    stop = grpcutil.shutdown_signal()
+    grpcutil.write_ready_file(args.ready_file, server.address)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            liveness = tg.create_task(controller.run_liveness())
+            await stop.wait()
+            log.info("shutting down")
+            liveness.cancel()
+    finally:
+        await server.stop(grace=5.0)
+        for d in drivers.values():
+            await d.close()
+        store.close()
+    return 0
+
+
+async def _probe(driver: OcsDriver, wired_ports: int) -> None:
+    """Log whether an OCS answers and agrees with the wiring; never fatal at start-up."""
+    try:
+        info = await driver.info()
+    except errors.OrlError as exc:
+        log.warning(
+            "OCS not reachable yet; phase changes fail until it is", ocs=driver.name, error=str(exc)
+        )
+        return
+    if info.port_count < wired_ports:
+        log.error(
+            "OCS has fewer ports than the wiring says",
+            ocs=driver.name,
+            switch_ports=info.port_count,
+            wiring_ports=wired_ports,
+        )
+    else:
+        log.info("OCS reachable", ocs=driver.name, ports=info.port_count, backend=info.backend)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level, args.log_format)
+    try:
+        return grpcutil.run(lambda: serve(args))
+    except errors.OrlError as exc:
+        print(f"orl-fabric-controller: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        raise SystemExit(main())

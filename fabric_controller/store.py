@@ -1,0 +1,158 @@
+"""Persistent controller state in SQLite (WAL, one transaction per state change).
+
+Blocking sqlite3 calls run in a worker thread; callers use the async methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrrl import errors
+from orchestrrl.model import Circuit, Phase
+
+SCHEMA_VERSION = 1
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS epochs (
+    epoch        INTEGER PRIMARY KEY,
+    phase        TEXT NOT NULL,
+    circuits     TEXT NOT NULL,   -- JSON [[ocs, a, b], ...]
+    added        TEXT NOT NULL,
+    removed      TEXT NOT NULL,
+    stages       TEXT NOT NULL,   -- JSON {stage: seconds}
+    committed_at REAL NOT NULL,
+    request_id   TEXT
+);
+CREATE UNIQUE INDEX IF NOT EXISTS epochs_request_id ON epochs(request_id)
+    WHERE request_id IS NOT NULL;
+"""
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    """A committed desired state of the fabric."""
+
+    epoch: int
+    phase: Phase | None
+    circuits: frozenset[Circuit]
+    added: frozenset[Circuit]
+    removed: frozenset[Circuit]
+    stages: dict[str, float]
+    committed_at: float
+    request_id: str | None = None
+
+
+GENESIS = EpochRecord(0, None, frozenset(), frozenset(), frozenset(), {}, 0.0)
+
+
+def _circuits_json(cs: frozenset[Circuit]) -> str:
+    return json.dumps([[c.ocs, c.a, c.b] for c in sorted(cs)])
+
+
+def _circuits_load(text: str) -> frozenset[Circuit]:
+    return frozenset(Circuit(o, a, b) for o, a, b in json.loads(text))
+
+
+class Store:
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        self._lock = threading.Lock()
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(SCHEMA)
+            self._check_version()
+        except sqlite3.Error as exc:
+            raise errors.FailedPrecondition(f"state file {self.path!r}: {exc}") from None
+
+    def _check_version(self) -> None:
+        row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if row is None:
+            self._db.execute(
+                "INSERT INTO meta(key, value) VALUES('schema_version', ?)", (str(SCHEMA_VERSION),)
+            )
+        elif int(row[0]) != SCHEMA_VERSION:
+            raise errors.FailedPrecondition(
+                f"state file {self.path!r} has schema version {row[0]}, "
+                f"this controller reads version {SCHEMA_VERSION}"
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- synchronous core (runs in a worker thread) --
+
+    def _row(self, where: str, args: tuple[object, ...]) -> EpochRecord | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT epoch, phase, circuits, added, removed, stages, committed_at, request_id "
+                f"FROM epochs {where}",
+                args,
+            ).fetchone()
+        if row is None:
+            return None
+        return EpochRecord(
+            epoch=row[0],
+            phase=Phase(row[1]),
+            circuits=_circuits_load(row[2]),
+            added=_circuits_load(row[3]),
+            removed=_circuits_load(row[4]),
+            stages=json.loads(row[5]),
+            committed_at=row[6],
+            request_id=row[7],
+        )
+
+    def current_sync(self) -> EpochRecord:
+        return self._row("ORDER BY epoch DESC LIMIT 1", ()) or GENESIS
+
+    def by_request_sync(self, request_id: str) -> EpochRecord | None:
+        return self._row("WHERE request_id = ?", (request_id,))
+
+    def commit_sync(self, record: EpochRecord) -> EpochRecord:
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                (last,) = self._db.execute("SELECT COALESCE(MAX(epoch), 0) FROM epochs").fetchone()
+                if record.epoch != last + 1:
+                    self._db.execute("ROLLBACK")
+                    raise errors.Aborted(
+                        f"epoch {record.epoch} cannot follow epoch {last} (another writer?)"
+                    )
+                assert record.phase is not None
+                self._db.execute(
+                    "INSERT INTO epochs VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        record.epoch,
+                        record.phase.value,
+                        _circuits_json(record.circuits),
+                        _circuits_json(record.added),
+                        _circuits_json(record.removed),
+                        json.dumps(record.stages),
+                        record.committed_at,
+                        record.request_id,
+                    ),
+                )
+                self._db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise errors.FailedPrecondition(f"state file {self.path!r}: {exc}") from None
+        return record
+
+    # -- async API --
+
+    async def current(self) -> EpochRecord:
+        return await asyncio.to_thread(self.current_sync)
+
+    async def by_request(self, request_id: str) -> EpochRecord | None:
+        return await asyncio.to_thread(self.by_request_sync, request_id)
+
+    async def commit(self, record: EpochRecord) -> EpochRecord:
+        return await asyncio.to_thread(self.commit_sync, record)

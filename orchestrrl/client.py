@@ -1,0 +1,321 @@
+"""Python client of the fabric controller, for RL trainers, scripts and orlctl.
+
+``AsyncClient`` for asyncio code; ``Client`` for synchronous code (it runs the async
+client on a private event loop). Every call has a timeout; errors arrive as
+``orchestrrl.errors`` exceptions carrying the controller's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from dataclasses import asdict, dataclass, field
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+
+from orchestrrl import grpcutil
+from orchestrrl.convert import optional_phase_from_pb, phase_to_pb, stages_from_pb
+from orchestrrl.model import Phase
+from orchestrrl.v1 import fabric_controller_pb2 as pb
+from orchestrrl.v1 import fabric_controller_pb2_grpc as pb_grpc
+
+DEFAULT_CONTROLLER = "127.0.0.1:50051"
+T = TypeVar("T")
+
+
+def controller_address(explicit: str | None = None) -> str:
+    """--controller, else $ORL_CONTROLLER, else the local default."""
+    return explicit or os.environ.get("ORL_CONTROLLER") or DEFAULT_CONTROLLER
+
+
+@dataclass(frozen=True)
+class CircuitView:
+    ocs: str
+    a: int
+    b: int
+    pod_a: str
+    pod_b: str
+
+    def __str__(self) -> str:
+        return f"{self.ocs}:{self.a}<->{self.b} ({self.pod_a}<->{self.pod_b})"
+
+
+def _circuits(ms: Any) -> list[CircuitView]:
+    return [CircuitView(m.ocs, m.port_a, m.port_b, m.pod_a, m.pod_b) for m in ms]
+
+
+def _phase_name(value: int) -> str | None:
+    phase = optional_phase_from_pb(value)
+    return None if phase is None else phase.value
+
+
+@dataclass(frozen=True)
+class PhaseState:
+    epoch: int
+    phase: str | None
+    circuits: list[CircuitView]
+    committed_at: float
+
+
+@dataclass(frozen=True)
+class PhaseChange:
+    epoch: int
+    phase: str | None
+    changed: bool
+    circuits: list[CircuitView]
+    added: list[CircuitView]
+    removed: list[CircuitView]
+    stages: dict[str, float]
+    message: str
+
+
+@dataclass(frozen=True)
+class PhasePlan:
+    phase: str | None
+    circuits: list[CircuitView]
+    added: list[CircuitView]
+    removed: list[CircuitView]
+
+
+@dataclass(frozen=True)
+class NodeView:
+    node: str
+    pod: str
+    role: str
+    health: str
+    agent_address: str
+    last_seen_age_s: float | None
+    gpu_backend: str
+    telemetry: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EventView:
+    sequence: int
+    timestamp: float
+    kind: str
+    node: str
+    epoch: int
+    phase: str | None
+    message: str
+    stages: dict[str, float]
+
+
+def to_json(value: Any) -> Any:
+    """Plain JSON-able data of a client result (dataclass, list of them, or dict)."""
+    if isinstance(value, list):
+        return [to_json(v) for v in value]
+    if hasattr(value, "__dataclass_fields__"):
+        return asdict(value)
+    return value
+
+
+_HEALTH_NAMES = {
+    pb.NODE_HEALTH_UP: "up",
+    pb.NODE_HEALTH_DOWN: "down",
+    pb.NODE_HEALTH_UNKNOWN: "unknown",
+}
+
+
+def _telemetry_summary(n: pb.NodeState) -> dict[str, Any]:
+    if not n.HasField("last_telemetry"):
+        return {}
+    t = n.last_telemetry
+    gpus = list(t.gpus)
+    return {
+        "timestamp": t.timestamp,
+        "gpus": len(gpus),
+        "gpu_utilization_mean": sum(g.utilization for g in gpus) / len(gpus) if gpus else 0.0,
+        "gpu_memory_used_bytes": sum(g.memory_used_bytes for g in gpus),
+        "tokens_per_s": t.engine.tokens_per_s,
+        "running_requests": t.engine.running_requests,
+        "queued_requests": t.engine.queued_requests,
+        "kv_cache_usage": t.engine.kv_cache_usage,
+        "tp_layout": list(t.tp_layout),
+    }
+
+
+class AsyncClient:
+    def __init__(self, address: str | None = None, timeout_s: float = 30.0) -> None:
+        self.address = controller_address(address)
+        self.timeout_s = timeout_s
+        self._channel = grpcutil.insecure_channel(self.address)
+        self._stub = pb_grpc.FabricControllerStub(self._channel)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def _what(self, rpc: str) -> str:
+        return f"controller {self.address}: {rpc}"
+
+    async def set_phase(self, phase: Phase | str, request_id: str = "") -> PhaseChange:
+        p = phase if isinstance(phase, Phase) else Phase.parse(phase)
+        r = await grpcutil.call(
+            self._what("SetPhase"),
+            self._stub.SetPhase(
+                pb.SetPhaseRequest(phase=phase_to_pb(p), request_id=request_id),
+                timeout=self.timeout_s,
+            ),
+        )
+        return PhaseChange(
+            epoch=r.epoch,
+            phase=_phase_name(r.phase),
+            changed=r.changed,
+            circuits=_circuits(r.circuits),
+            added=_circuits(r.added),
+            removed=_circuits(r.removed),
+            stages=stages_from_pb(r.stages),
+            message=r.message,
+        )
+
+    async def get_phase(self) -> PhaseState:
+        r = await grpcutil.call(
+            self._what("GetPhase"),
+            self._stub.GetPhase(pb.GetPhaseRequest(), timeout=self.timeout_s),
+        )
+        return PhaseState(r.epoch, _phase_name(r.phase), _circuits(r.circuits), r.committed_at)
+
+    async def plan_phase(self, phase: Phase | str) -> PhasePlan:
+        p = phase if isinstance(phase, Phase) else Phase.parse(phase)
+        r = await grpcutil.call(
+            self._what("PlanPhase"),
+            self._stub.PlanPhase(pb.PlanPhaseRequest(phase=phase_to_pb(p)), timeout=self.timeout_s),
+        )
+        return PhasePlan(
+            _phase_name(r.phase), _circuits(r.circuits), _circuits(r.added), _circuits(r.removed)
+        )
+
+    async def topology(self) -> pb.Topology:
+        return await grpcutil.call(
+            self._what("GetTopology"),
+            self._stub.GetTopology(pb.GetTopologyRequest(), timeout=self.timeout_s),
+        )
+
+    async def nodes(self) -> list[NodeView]:
+        r = await grpcutil.call(
+            self._what("ListNodes"),
+            self._stub.ListNodes(pb.ListNodesRequest(), timeout=self.timeout_s),
+        )
+        return [
+            NodeView(
+                node=n.node,
+                pod=n.pod,
+                role=n.role,
+                health=_HEALTH_NAMES.get(n.health, "unknown"),
+                agent_address=n.agent_address,
+                last_seen_age_s=None if n.last_seen_age_s < 0 else n.last_seen_age_s,
+                gpu_backend=n.gpu_backend,
+                telemetry=_telemetry_summary(n),
+            )
+            for n in r.nodes
+        ]
+
+    async def watch(self) -> AsyncIterator[EventView]:
+        """Events as they happen, until the caller stops iterating."""
+        call = self._stub.WatchEvents(pb.WatchEventsRequest())
+        try:
+            while True:
+                e = await grpcutil.call(self._what("WatchEvents"), call.read())
+                if e is grpc.aio.EOF:
+                    return
+                assert isinstance(e, pb.Event)
+                yield EventView(
+                    sequence=e.sequence,
+                    timestamp=e.timestamp,
+                    kind=e.kind,
+                    node=e.node,
+                    epoch=e.epoch,
+                    phase=_phase_name(e.phase),
+                    message=e.message,
+                    stages=stages_from_pb(e.stages),
+                )
+        finally:
+            call.cancel()
+
+
+class Client:
+    """Synchronous client: the same calls as ``AsyncClient``, blocking."""
+
+    def __init__(self, address: str | None = None, timeout_s: float = 30.0) -> None:
+        self._runner = asyncio.Runner()
+        self._async = self._runner.run(_make(address, timeout_s))
+        self.address = self._async.address
+
+    def _run(self, coro: Any) -> Any:
+        return self._runner.run(coro)
+
+    def close(self) -> None:
+        try:
+            self._run(self._async.close())
+        finally:
+            self._runner.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def set_phase(self, phase: Phase | str, request_id: str = "") -> PhaseChange:
+        result: PhaseChange = self._run(self._async.set_phase(phase, request_id))
+        return result
+
+    def get_phase(self) -> PhaseState:
+        result: PhaseState = self._run(self._async.get_phase())
+        return result
+
+    def plan_phase(self, phase: Phase | str) -> PhasePlan:
+        result: PhasePlan = self._run(self._async.plan_phase(phase))
+        return result
+
+    def topology(self) -> pb.Topology:
+        result: pb.Topology = self._run(self._async.topology())
+        return result
+
+    def nodes(self) -> list[NodeView]:
+        result: list[NodeView] = self._run(self._async.nodes())
+        return result
+
+    def watch(self) -> Iterator[EventView]:
+        stream = aiter(self._async.watch())
+        assert isinstance(stream, AsyncGenerator)
+        try:
+            while True:
+                try:
+                    yield self._run(anext(stream))
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(stream.aclose())
+
+
+async def _make(address: str | None, timeout_s: float) -> AsyncClient:
+    return AsyncClient(address, timeout_s)
+
+
+__all__ = [
+    "AsyncClient",
+    "CircuitView",
+    "Client",
+    "EventView",
+    "NodeView",
+    "PhaseChange",
+    "PhasePlan",
+    "PhaseState",
+    "controller_address",
+    "to_json",
+]

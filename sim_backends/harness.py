@@ -1,0 +1,128 @@
+"""An in-process fabric for tests, benchmarks and notebooks: one simulated OCS
+server per OCS of a wiring and a controller, all real grpc.aio servers bound to
+free loopback ports in the running event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from fabric_controller.controller import Controller
+from fabric_controller.drivers.ocs import GrpcOcsDriver, OcsDriver
+from fabric_controller.servicer import FabricControllerServicer
+from fabric_controller.store import Store
+from orchestrrl import grpcutil
+from orchestrrl.model import Wiring
+from orchestrrl.v1 import fabric_controller_pb2, fabric_controller_pb2_grpc
+from sim_backends.ocs import SimulatedOcs
+from sim_backends.ocs_server import serve as serve_ocs
+
+SERVICE = fabric_controller_pb2.DESCRIPTOR.services_by_name["FabricController"].full_name
+
+
+@dataclass
+class _ControllerProcess:
+    controller: Controller
+    server: grpcutil.RunningServer
+    drivers: list[OcsDriver]
+    liveness: asyncio.Task[None]
+
+    async def stop(self) -> None:
+        self.liveness.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.liveness
+        await self.server.stop(0.1)
+        for d in self.drivers:
+            await d.close()
+        self.controller.store.close()
+
+
+async def _start_controller(
+    wiring: Wiring,
+    ocs_addresses: dict[str, str],
+    state: Path,
+    heartbeat_interval_s: float,
+    deadline_s: float,
+) -> _ControllerProcess:
+    drivers: dict[str, OcsDriver] = {
+        name: GrpcOcsDriver(name, addr) for name, addr in ocs_addresses.items()
+    }
+    controller = Controller(
+        wiring,
+        Store(state),
+        drivers,
+        heartbeat_interval_s=heartbeat_interval_s,
+        heartbeat_deadline_s=deadline_s,
+    )
+    await controller.start()
+    server = await grpcutil.start_server(
+        "127.0.0.1:0",
+        lambda s: fabric_controller_pb2_grpc.add_FabricControllerServicer_to_server(
+            FabricControllerServicer(controller), s
+        ),
+        [SERVICE],
+    )
+    liveness = asyncio.create_task(controller.run_liveness())
+    return _ControllerProcess(controller, server, list(drivers.values()), liveness)
+
+
+@dataclass
+class Fabric:
+    wiring: Wiring
+    state: Path
+    ocs: dict[str, SimulatedOcs]
+    ocs_addresses: dict[str, str]
+    heartbeat_interval_s: float
+    deadline_s: float
+    _ocs_servers: list[grpcutil.RunningServer]
+    _proc: _ControllerProcess
+
+    @property
+    def controller(self) -> Controller:
+        return self._proc.controller
+
+    @property
+    def address(self) -> str:
+        return self._proc.server.address
+
+    async def restart_controller(self) -> None:
+        """Stop the controller and start a new one on the same state file (OCSes keep state)."""
+        await self._proc.stop()
+        self._proc = await _start_controller(
+            self.wiring, self.ocs_addresses, self.state, self.heartbeat_interval_s, self.deadline_s
+        )
+
+    async def stop(self) -> None:
+        await self._proc.stop()
+        for server in self._ocs_servers:
+            await server.stop(0.1)
+
+
+async def start_fabric(
+    wiring: Wiring,
+    state: Path,
+    *,
+    switching_time_s: float | None = None,
+    heartbeat_interval_s: float = 1.0,
+    deadline_s: float = 3.0,
+) -> Fabric:
+    """Start the simulated OCSes of ``wiring`` and a controller keeping state in ``state``."""
+    servers: list[grpcutil.RunningServer] = []
+    switches: dict[str, SimulatedOcs] = {}
+    addresses: dict[str, str] = {}
+    for o in wiring.ocses:
+        running, sim = await serve_ocs(
+            "127.0.0.1:0",
+            name=o.name,
+            port_count=o.ports,
+            switching_time_s=o.switching_time_s if switching_time_s is None else switching_time_s,
+        )
+        servers.append(running)
+        switches[o.name] = sim
+        addresses[o.name] = running.address
+    proc = await _start_controller(wiring, addresses, state, heartbeat_interval_s, deadline_s)
+    return Fabric(
+        wiring, state, switches, addresses, heartbeat_interval_s, deadline_s, servers, proc
+    )

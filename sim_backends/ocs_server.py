@@ -1,0 +1,204 @@
+"""orl-sim-ocs: the simulated optical circuit switch as a gRPC daemon.
+
+The servicer only translates between protobuf and ``SimulatedOcs`` and adds the one
+thing the pure model leaves out: the time the optics take to switch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeAlias
+
+import grpc
+
+from orchestrrl import errors
+from orchestrrl.grpcutil import (
+    RunningServer,
+    domain_errors_to_status,
+    parse_address,
+    run,
+    shutdown_signal,
+    start_server,
+    write_ready_file,
+)
+from orchestrrl.logs import get_logger, setup_logging
+from orchestrrl.v1 import optical_switch_pb2 as pb
+from orchestrrl.v1 import optical_switch_pb2_grpc as pb_grpc
+from sim_backends.ocs import MAX_PORTS, Pair, SimulatedOcs
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["OpticalSwitch"].full_name
+
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+
+class OpticalSwitchServicer(pb_grpc.OpticalSwitchServicer):
+    def __init__(self, ocs: SimulatedOcs) -> None:
+        self._ocs = ocs
+        self._apply_lock = asyncio.Lock()  # batches never interleave, switching included
+        self._log = get_logger("sim_backends.ocs", ocs=ocs.name)
+
+    @domain_errors_to_status
+    async def GetInfo(self, request: pb.GetInfoRequest, context: Context) -> pb.SwitchInfo:
+        ocs = self._ocs
+        return pb.SwitchInfo(
+            name=ocs.name,
+            port_count=ocs.port_count,
+            switching_time_s=ocs.switching_time_s,
+            backend="simulated",
+        )
+
+    @domain_errors_to_status
+    async def ListPorts(
+        self, request: pb.ListPortsRequest, context: Context
+    ) -> pb.ListPortsResponse:
+        return pb.ListPortsResponse(
+            ports=[
+                pb.Port(
+                    port=s.port,
+                    state=pb.PORT_STATE_UP if s.up else pb.PORT_STATE_DOWN,
+                    peer=s.peer or 0,
+                )
+                for s in self._ocs.port_states()
+            ]
+        )
+
+    @domain_errors_to_status
+    async def ListCrossConnects(
+        self, request: pb.ListCrossConnectsRequest, context: Context
+    ) -> pb.ListCrossConnectsResponse:
+        return pb.ListCrossConnectsResponse(cross_connects=_messages(self._ocs.cross_connects()))
+
+    @domain_errors_to_status
+    async def ApplyCrossConnects(
+        self, request: pb.ApplyCrossConnectsRequest, context: Context
+    ) -> pb.ApplyCrossConnectsResponse:
+        async with self._apply_lock:
+            result = self._ocs.apply(
+                _pairs(request.disconnect), _pairs(request.connect), request_id=request.request_id
+            )
+            # The optics only move when the table changes (not for replays or no-op batches).
+            switching_time_s = self._ocs.switching_time_s if result.changed else 0.0
+            await asyncio.sleep(switching_time_s)
+        self._log.info(
+            "ocs.applied",
+            added=len(result.added),
+            removed=len(result.removed),
+            cross_connects=len(result.cross_connects),
+            switching_time_s=switching_time_s,
+            replayed=result.replayed,
+            request_id=request.request_id,
+        )
+        return pb.ApplyCrossConnectsResponse(
+            cross_connects=_messages(result.cross_connects),
+            switching_time_s=switching_time_s,
+            replayed=result.replayed,
+        )
+
+
+def _pairs(messages: Iterable[pb.CrossConnect]) -> list[Pair]:
+    return [(m.a, m.b) for m in messages]
+
+
+def _messages(pairs: Iterable[Pair]) -> list[pb.CrossConnect]:
+    return [pb.CrossConnect(a=a, b=b) for a, b in sorted(pairs)]
+
+
+async def serve(
+    listen: str, *, name: str = "ocs0", port_count: int = 32, switching_time_s: float = 0.01
+) -> tuple[RunningServer, SimulatedOcs]:
+    """Start a simulated OCS on ``listen`` (port 0: any free port; see ``.address``)."""
+    ocs = SimulatedOcs(name, port_count, switching_time_s)
+    servicer = OpticalSwitchServicer(ocs)
+    running = await start_server(
+        listen,
+        lambda server: pb_grpc.add_OpticalSwitchServicer_to_server(servicer, server),
+        [SERVICE_NAME],
+    )
+    return running, ocs
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="orl-sim-ocs", description="A simulated optical circuit switch."
+    )
+    p.add_argument("--name", default="ocs0", help="switch name (default: %(default)s)")
+    p.add_argument(
+        "--ports", type=int, default=32, help=f"port count, 1..{MAX_PORTS} (default: %(default)s)"
+    )
+    p.add_argument(
+        "--switching-time-ms",
+        type=float,
+        default=10.0,
+        help="time a batch of circuits takes to switch (default: %(default)s)",
+    )
+    p.add_argument(
+        "--listen", default="127.0.0.1:50061", help="HOST:PORT, port 0 = any (default: %(default)s)"
+    )
+    p.add_argument("--ready-file", type=Path, help="write the bound address here once serving")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    if not args.name:
+        raise errors.field_error("--name", args.name, "must be a non-empty name, e.g. ocs0")
+    if not 1 <= args.ports <= MAX_PORTS:
+        raise errors.field_error("--ports", args.ports, f"must be 1..{MAX_PORTS}")
+    if not (math.isfinite(args.switching_time_ms) and args.switching_time_ms >= 0):
+        raise errors.field_error("--switching-time-ms", args.switching_time_ms, "must be >= 0")
+    parse_address(args.listen, "--listen")
+    if args.ready_file is not None and not args.ready_file.parent.is_dir():
+        raise errors.field_error("--ready-file", str(args.ready_file), "its directory must exist")
+
+
+async def _run(args: argparse.Namespace) -> int:
+    log = get_logger("sim_backends.ocs", ocs=args.name)
+    try:
+        running, ocs = await serve(
+            args.listen,
+            name=args.name,
+            port_count=args.ports,
+            switching_time_s=args.switching_time_ms / 1000,
+        )
+    except errors.OrlError as exc:
+        log.error("ocs.start_failed", error=str(exc))
+        return 1
+    try:
+        stop = shutdown_signal()
+        log.info(
+            "ocs.started",
+            ports=ocs.port_count,
+            switching_time_s=ocs.switching_time_s,
+            address=running.address,
+        )
+        write_ready_file(args.ready_file, running.address)
+        await stop.wait()
+    finally:
+        log.info("ocs.stopping", address=running.address)
+        await running.stop()
+    log.info("ocs.stopped")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+        try:
+            _check(args)
+        except errors.InvalidArgument as exc:
+            parser.error(str(exc))
+    except SystemExit as exc:  # argparse printed the usage or the error: --help is 0, bad flags 2
+        return exc.code if isinstance(exc.code, int) else 2
+    setup_logging(args.log_level, args.log_format)
+    return run(lambda: _run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

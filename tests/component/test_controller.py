@@ -1,0 +1,247 @@
+"""The fabric controller over real gRPC, against simulated OCS servers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from orchestrrl import errors
+from orchestrrl import wiring as wiring_mod
+from orchestrrl.client import AsyncClient, PhaseChange
+from orchestrrl.model import Circuit, Wiring
+from orchestrrl.v1 import common_pb2, node_agent_pb2
+from orchestrrl.v1 import fabric_controller_pb2 as pb
+from orchestrrl.v1 import fabric_controller_pb2_grpc as pb_grpc
+from sim_backends.harness import Fabric, start_fabric
+
+pytestmark = pytest.mark.component
+
+
+@pytest.fixture
+async def fabric(example_wiring: Wiring, tmp_path: Path) -> AsyncIterator[Fabric]:
+    f = await start_fabric(example_wiring, tmp_path / "state.db", switching_time_s=0.001)
+    try:
+        yield f
+    finally:
+        await f.stop()
+
+
+@pytest.fixture
+async def client(fabric: Fabric) -> AsyncIterator[AsyncClient]:
+    async with AsyncClient(fabric.address, timeout_s=10) as c:
+        yield c
+
+
+def table(fabric: Fabric) -> set[Circuit]:
+    return {Circuit(name, a, b) for name, o in fabric.ocs.items() for a, b in o.cross_connects()}
+
+
+def circuits(r: PhaseChange) -> set[Circuit]:
+    return {Circuit(c.ocs, c.a, c.b) for c in r.circuits}
+
+
+async def test_set_phase_programs_the_ocs_and_commits_an_epoch(
+    fabric: Fabric, client: AsyncClient
+) -> None:
+    r = await client.set_phase("weight-sync")
+    assert (r.epoch, r.phase, r.changed) == (1, "weight-sync", True)
+    assert len(r.circuits) == 16 and len(r.added) == 16 and r.removed == []
+    assert list(r.stages) == ["observe", "plan", "program_ocs", "verify", "commit"]
+    assert table(fabric) == circuits(r)
+    assert {tuple(sorted((c.pod_a, c.pod_b))) for c in r.circuits} == {
+        ("gen0", "train0"), ("gen0", "train1"), ("gen1", "train0"), ("gen1", "train1")
+    }
+    got = await client.get_phase()
+    assert (got.epoch, got.phase) == (1, "weight-sync")
+    assert {Circuit(c.ocs, c.a, c.b) for c in got.circuits} == circuits(r)
+
+    r2 = await client.set_phase("training")
+    assert (r2.epoch, r2.phase) == (2, "training")
+    assert len(r2.removed) == 16 and len(r2.added) == 8
+    assert table(fabric) == circuits(r2)
+
+    r3 = await client.set_phase("generation")
+    assert r3.epoch == 3 and r3.circuits == [] and table(fabric) == set()
+
+
+async def test_same_phase_twice_changes_nothing(fabric: Fabric, client: AsyncClient) -> None:
+    first = await client.set_phase("training")
+    again = await client.set_phase("training")
+    assert again.epoch == first.epoch and not again.changed
+    assert "already in phase training" in again.message
+    assert table(fabric) == circuits(first)
+
+
+async def test_request_id_replays_the_first_result(client: AsyncClient) -> None:
+    first = await client.set_phase("weight-sync", request_id="step-7-sync")
+    await client.set_phase("training")
+    replay = await client.set_phase("weight-sync", request_id="step-7-sync")
+    assert replay.epoch == first.epoch and not replay.changed
+    assert (await client.get_phase()).phase == "training"
+
+
+async def test_plan_phase_changes_nothing(fabric: Fabric, client: AsyncClient) -> None:
+    await client.set_phase("training")
+    before = table(fabric)
+    plan = await client.plan_phase("weight-sync")
+    assert len(plan.added) == 16 and len(plan.removed) == 8
+    assert table(fabric) == before
+    assert (await client.get_phase()).epoch == 1
+
+
+async def test_unknown_phase_is_invalid_argument(fabric: Fabric) -> None:
+    async with grpc.aio.insecure_channel(fabric.address) as ch:
+        stub = pb_grpc.FabricControllerStub(ch)
+        for phase in (common_pb2.PHASE_UNSPECIFIED, 42):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.SetPhase(pb.SetPhaseRequest(phase=phase), timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "phase=" in info.value.details()
+            assert "generation" in info.value.details()
+    assert table(fabric) == set()
+
+
+async def test_ocs_failure_rolls_back_and_keeps_the_epoch(
+    fabric: Fabric, client: AsyncClient
+) -> None:
+    good = await client.set_phase("training")
+    fabric.ocs["ocs0"].fail_next_apply("laser bank 3 offline")
+    with pytest.raises(errors.FailedPrecondition) as info:
+        await client.set_phase("weight-sync")
+    msg = str(info.value)
+    assert "epoch 2 (weight-sync) not committed" in msg
+    assert "program_ocs" in msg and "ocs0" in msg and "laser bank 3 offline" in msg
+    assert "stays at epoch 1" in msg
+    assert table(fabric) == circuits(good)
+    assert (await client.get_phase()).epoch == 1
+    # and the next attempt succeeds
+    assert (await client.set_phase("weight-sync")).epoch == 2
+
+
+async def test_multi_ocs_failure_rolls_back_switches_already_changed(tmp_path: Path) -> None:
+    text = wiring_mod.default_wiring_path().read_text()
+    # move gen1's uplinks to a second OCS
+    text = text.replace(
+        '[[pod]]\nname = "train0"',
+        '[[ocs]]\nname = "ocs1"\naddress = "127.0.0.1:50062"\nports = 32\n\n[[pod]]\nname = "train0"',
+    )
+    for port in range(25, 33):
+        text = text.replace(f'ocs = "ocs0", ocs_port = {port} ', f'ocs = "ocs1", ocs_port = {port} ')
+    w = wiring_mod.parse(text)
+    # give train pods uplinks on ocs1 too is not needed: ocs1 only holds gen1, so
+    # weight-sync uses ocs0 only; use training (ocs0) then break ocs0 and check ocs1 untouched
+    f = await start_fabric(w, tmp_path / "s.db", switching_time_s=0.0)
+    try:
+        async with AsyncClient(f.address, timeout_s=10) as c:
+            await c.set_phase("weight-sync")
+            before = {n: o.cross_connects() for n, o in f.ocs.items()}
+            f.ocs["ocs0"].fail_next_apply("injected")
+            with pytest.raises(errors.FailedPrecondition, match="ocs0"):
+                await c.set_phase("training")
+            assert {n: o.cross_connects() for n, o in f.ocs.items()} == before
+    finally:
+        await f.stop()
+
+
+async def test_state_survives_a_controller_restart(fabric: Fabric, client: AsyncClient) -> None:
+    r = await client.set_phase("weight-sync")
+    await fabric.restart_controller()
+    async with AsyncClient(fabric.address, timeout_s=10) as c2:
+        got = await c2.get_phase()
+        assert (got.epoch, got.phase) == (r.epoch, "weight-sync")
+        nxt = await c2.set_phase("training")
+        assert nxt.epoch == r.epoch + 1
+
+
+async def test_registration_heartbeat_and_liveness(example_wiring: Wiring, tmp_path: Path) -> None:
+    f = await start_fabric(example_wiring, tmp_path / "s.db", heartbeat_interval_s=0.05,
+                           deadline_s=0.2)  # fmt: skip
+    try:
+        async with grpc.aio.insecure_channel(f.address) as ch, AsyncClient(f.address) as c:
+            stub = pb_grpc.FabricControllerStub(ch)
+            events = c.watch()
+            pending = asyncio.ensure_future(anext(events))
+            while f.controller.events.subscriber_count == 0:
+                await asyncio.sleep(0.01)
+            status = node_agent_pb2.NodeStatus(node="gen0-n0", gpu_backend="sim")
+            status.gpus.add(index=0)
+            reg = await stub.Register(
+                pb.RegisterRequest(node="gen0-n0", agent_address="127.0.0.1:1", status=status),
+                timeout=5,
+            )
+            assert reg.session_id and reg.heartbeat_interval_s == pytest.approx(0.05)
+            first = await asyncio.wait_for(pending, 5)
+            assert (first.kind, first.node) == ("node_registered", "gen0-n0")
+            assert "reports 1 GPUs but the wiring says 8" in first.message
+
+            nodes = {n.node: n for n in await c.nodes()}
+            assert nodes["gen0-n0"].health == "up"
+            assert nodes["gen0-n0"].agent_address == "127.0.0.1:1"
+            assert nodes["train0-n0"].health == "unknown"
+
+            # telemetry counts as liveness and is shown by ListNodes
+            sample = node_agent_pb2.TelemetrySample(node="gen0-n0", timestamp=1.0)
+            sample.engine.tokens_per_s = 1234.0
+            resp = await stub.ReportTelemetry(iter([sample]), timeout=5)
+            assert resp.accepted == 1
+            nodes = {n.node: n for n in await c.nodes()}
+            assert nodes["gen0-n0"].telemetry["tokens_per_s"] == 1234.0
+
+            # no heartbeats: the node goes down (an event says so), then comes back
+            kinds = []
+            async with asyncio.timeout(5):
+                async for e in events:
+                    kinds.append(e.kind)
+                    if e.kind == "node_down":
+                        break
+            assert {n.node: n.health for n in await c.nodes()}["gen0-n0"] == "down"
+            await stub.Heartbeat(
+                pb.HeartbeatRequest(node="gen0-n0", session_id=reg.session_id), timeout=5
+            )
+            e = await asyncio.wait_for(anext(events), 5)
+            assert (e.kind, e.node) == ("node_up", "gen0-n0")
+            await events.aclose()  # type: ignore[attr-defined]
+    finally:
+        await f.stop()
+
+
+async def test_agent_call_errors_have_the_right_status(fabric: Fabric) -> None:
+    async with grpc.aio.insecure_channel(fabric.address) as ch:
+        stub = pb_grpc.FabricControllerStub(ch)
+        cases = [
+            (stub.Register(pb.RegisterRequest(node="nope", agent_address="127.0.0.1:1")),
+             grpc.StatusCode.NOT_FOUND, "node 'nope' is not in the wiring"),
+            (stub.Register(pb.RegisterRequest(node="", agent_address="127.0.0.1:1")),
+             grpc.StatusCode.INVALID_ARGUMENT, "node=''"),
+            (stub.Register(pb.RegisterRequest(node="gen0-n0", agent_address="nohost")),
+             grpc.StatusCode.INVALID_ARGUMENT, "agent_address='nohost'"),
+            (stub.Heartbeat(pb.HeartbeatRequest(node="gen0-n0", session_id="stale")),
+             grpc.StatusCode.FAILED_PRECONDITION, "register again"),
+        ]  # fmt: skip
+        for call, code, text in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call
+            assert info.value.code() == code
+            assert text in info.value.details()
+
+
+async def test_health_and_reflection_are_served(fabric: Fabric) -> None:
+    async with grpc.aio.insecure_channel(fabric.address) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "orchestrrl.v1.FabricController"):
+            r = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert r.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_topology_reports_wiring_and_circuits(fabric: Fabric, client: AsyncClient) -> None:
+    await client.set_phase("training")
+    t = await client.topology()
+    assert t.cluster == "local-8node" and t.epoch == 1
+    assert [p.name for p in t.pods] == ["train0", "train1", "gen0", "gen1"]
+    assert len(t.nodes) == 8 and len(t.tors) == 4 and len(t.circuits) == 8
+    assert t.ocses[0].port_count == 32

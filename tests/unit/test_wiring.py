@@ -1,0 +1,173 @@
+"""Wiring file validation: every problem named precisely, valid files frozen."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from orchestrrl import errors, wiring
+from orchestrrl.model import Role, Wiring
+
+pytestmark = pytest.mark.unit
+
+SMALL = """
+[cluster]
+name = "small"
+controller = "127.0.0.1:50051"
+
+[[ocs]]
+name = "ocs0"
+address = "127.0.0.1:50061"
+ports = 8
+
+[[pod]]
+name = "t0"
+[[pod]]
+name = "g0"
+
+[[tor]]
+name = "tor-t0"
+pod = "t0"
+uplinks = [{ port = "up0", ocs = "ocs0", ocs_port = 1 }, { port = "up1", ocs = "ocs0", ocs_port = 2 }]
+[[tor]]
+name = "tor-g0"
+pod = "g0"
+uplinks = [{ port = "up0", ocs = "ocs0", ocs_port = 3 }]
+
+[[node]]
+name = "t0-n0"
+pod = "t0"
+role = "train"
+agent = "127.0.0.1:50101"
+gpus = 8
+nics = [{ name = "eth0", tor = "tor-t0", tor_port = "p0" }]
+[[node]]
+name = "g0-n0"
+pod = "g0"
+role = "gen"
+agent = "127.0.0.1:50102"
+gpus = 8
+nics = [{ name = "eth0", tor = "tor-g0", tor_port = "p0", gbps = 200 }]
+"""
+
+
+def problems_of(text: str) -> list[str]:
+    with pytest.raises(wiring.WiringError) as info:
+        wiring.parse(text, "test.toml")
+    return info.value.problems
+
+
+def one_problem(text: str) -> str:
+    found = problems_of(text)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_small_wiring_is_valid_and_frozen() -> None:
+    w = wiring.parse(SMALL)
+    assert w.cluster == "small"
+    assert [p.name for p in w.pods] == ["t0", "g0"]
+    assert w.pod("t0").role is Role.TRAIN
+    assert w.pod("g0").role is Role.GEN
+    assert w.ocs("ocs0").switching_time_s == pytest.approx(0.010)  # default 10 ms
+    assert w.node("t0-n0").nics[0].gbps == 400.0  # default
+    assert w.node("g0-n0").nics[0].gbps == 200.0
+    assert w.port_owner("ocs0", 3) == "g0"
+    assert w.port_owner("ocs0", 4) is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        w.cluster = "x"  # type: ignore[misc]
+
+
+def test_example_wiring_matches_the_issue(example_wiring: Wiring) -> None:
+    w = example_wiring
+    assert len(w.pods) == 4 and len(w.nodes) == 8
+    assert w.pods_with_role(Role.TRAIN) == ("train0", "train1")
+    assert w.pods_with_role(Role.GEN) == ("gen0", "gen1")
+    assert [(o.name, o.ports) for o in w.ocses] == [("ocs0", 32)]
+    assert all(n.gpus == 8 and len(n.nics) == 8 for n in w.nodes)
+
+
+def test_examples_file_is_the_embedded_default() -> None:
+    examples = Path(__file__).parents[2] / "examples" / "local-8node.toml"
+    assert examples.read_text() == wiring.default_wiring_path().read_text()
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        ('ocs_port = 2 }]', 'ocs_port = 1 }]', r"tor 'tor-t0'\.uplinks\[1\]\.ocs_port = 1: port 1 of "
+         r"OCS 'ocs0' is already cabled to tor 'tor-t0'\.uplinks\[0\]"),
+        ('ocs_port = 3 }]', 'ocs_port = 9 }]', r"ocs_port = 9: an integer from 1 to 8"),
+        ('tor = "tor-g0", tor_port', 'tor = "tor-x", tor_port',
+         r"nics\[0\]\.tor = 'tor-x': no such ToR; defined ToRs: tor-t0, tor-g0"),
+        ('tor = "tor-g0", tor_port', 'tor = "tor-t0", tor_port',
+         r"ToR is in pod 't0' but the node is in pod 'g0'"),
+        ('role = "gen"', 'role = "rollout"', r"role = 'rollout': expected 'train' or 'gen'"),
+        ('ports = 8', 'ports = 1', r"ocs 'ocs0'\.ports = 1: an integer from 2 to 4096"),
+        ('gpus = 8\nnics = [{ name = "eth0", tor = "tor-g0"', 'gpus = -1\nnics = [{ name = "eth0", '
+         'tor = "tor-g0"', r"gpus = -1: an integer from 0 to 64"),
+        ('agent = "127.0.0.1:50102"', 'agent = "127.0.0.1:50101"',
+         r"agent = '127.0.0.1:50101': address already used by node 't0-n0'"),
+        ('agent = "127.0.0.1:50102"', 'agent = "localhost"', r"expected HOST:PORT"),
+        ('ocs = "ocs0", ocs_port = 3', 'ocs = "ocs7", ocs_port = 3',
+         r"uplinks\[0\]\.ocs = 'ocs7': no such OCS; defined OCSes: ocs0"),
+        ('pod = "g0"\nrole', 'pod = "g9"\nrole', r"pod = 'g9': no such pod; defined pods: t0, g0"),
+        ('name = "g0-n0"', 'name = "t0-n0"', r"node: name 't0-n0' is defined 2 times"),
+        ('gbps = 200', 'gbps = 0', r"gbps = 0: a number greater than 0.0"),
+        ('ports = 8', 'ports = 8\nspeed = 1', r"ocs\[0\]\.speed: unknown key \(allowed: address, "
+         r"name, ports, switching_time_ms\)"),
+        ('name = "small"', 'name = "bad name!"', r"cluster\.name = 'bad name!': 1-63 characters"),
+    ],
+)
+def test_each_problem_is_named_precisely(old: str, new: str, expected: str) -> None:
+    assert old in SMALL, old
+    found = problems_of(SMALL.replace(old, new, 1))
+    assert any(re.search(expected, p) for p in found), found
+
+
+def test_duplicate_tor_port_between_nics() -> None:
+    text = SMALL.replace(
+        'nics = [{ name = "eth0", tor = "tor-t0", tor_port = "p0" }]',
+        'nics = [{ name = "eth0", tor = "tor-t0", tor_port = "p0" }, '
+        '{ name = "eth1", tor = "tor-t0", tor_port = "p0" }]',
+    )
+    assert "port 'p0' of ToR 'tor-t0' is already used by node 't0-n0'.nics[0]" in one_problem(text)
+
+
+def test_mixed_roles_in_one_pod() -> None:
+    text = SMALL.replace('pod = "g0"\nrole = "gen"', 'pod = "t0"\nrole = "gen"').replace(
+        'tor = "tor-g0", tor_port = "p0"', 'tor = "tor-t0", tor_port = "p9"'
+    )
+    found = problems_of(text)
+    assert any("nodes have different roles" in p for p in found), found
+
+
+def test_all_problems_reported_at_once() -> None:
+    text = SMALL.replace('role = "gen"', 'role = "x"').replace("ports = 8", "ports = 0")
+    assert len(problems_of(text)) >= 2
+
+
+def test_not_toml_and_empty() -> None:
+    assert "not valid TOML" in one_problem("[[node]\nname=")
+    assert any("no nodes" in p for p in problems_of(""))
+
+
+def test_missing_file_names_the_path(tmp_path: Path) -> None:
+    with pytest.raises(errors.InvalidArgument, match="nope.toml"):
+        wiring.load(tmp_path / "nope.toml")
+
+
+def test_error_message_lists_source_and_count() -> None:
+    with pytest.raises(wiring.WiringError) as info:
+        wiring.parse(SMALL.replace('role = "gen"', 'role = "x"'), "cluster.toml")
+    assert str(info.value).startswith("cluster.toml: 1 problem(s) in the wiring:")
+
+
+def test_to_dict_is_the_normalised_wiring() -> None:
+    d = wiring.to_dict(wiring.parse(SMALL))
+    assert d["ocs"][0]["switching_time_ms"] == 10.0
+    assert d["pod"][0] == {"name": "t0", "role": "train", "nodes": ["t0-n0"], "tors": ["tor-t0"]}
+    assert d["node"][0]["nics"][0]["gbps"] == 400.0
