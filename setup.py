@@ -9,7 +9,7 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 sys.path.insert(0, str(Path(__file__).parent))
-from orchestrrl._protogen import generate  # noqa: E402
+from orchestrrl._protogen import generate
 
 
 class BuildWithProtos(build_py):

@@ -33,7 +33,7 @@ from sim_backends.ocs_server import serve as serve_ocs
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 async def run(wiring_path: Path, rounds: int, switching_s: float) -> dict[str, object]:
@@ -119,12 +119,11 @@ def main() -> int:
         f"{res['circuit_changes']} circuit changes, OCS switching {res['switching_time_ms']} ms"
     )
     print(f"{'what':<34}{'p50 ms':>10}{'p95 ms':>10}{'max ms':>10}")
-    print(
-        f"{'controller SetPhase (end to end)':<34}{c['p50']:>10.2f}{c['p95']:>10.2f}{c['max']:>10.2f}"
-    )
-    print(
-        f"{'baseline: same batch, OCS direct':<34}{d['p50']:>10.2f}{d['p95']:>10.2f}{d['max']:>10.2f}"
-    )
+    for label, row in (
+        ("controller SetPhase (end to end)", c),
+        ("baseline: same batch, OCS direct", d),
+    ):
+        print(f"{label:<34}{row['p50']:>10.2f}{row['p95']:>10.2f}{row['max']:>10.2f}")
     stages = res["stages_p50_ms"]
     assert isinstance(stages, dict)
     print("stages p50: " + ", ".join(f"{k} {v:.2f} ms" for k, v in stages.items()))

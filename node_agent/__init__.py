@@ -1,0 +1,1 @@
+"""orl-node-agent: the per-node daemon (telemetry up to the controller, commands down)."""

@@ -194,11 +194,6 @@ def shutdown_signal() -> asyncio.Event:
     return stop
 
 
-async def wait_for_signal() -> None:
-    """Return when SIGTERM or SIGINT arrives (handlers installed on the first await)."""
-    await shutdown_signal().wait()
-
-
 def run(main: Callable[[], Awaitable[int]]) -> int:
     """Run a daemon's async main on uvloop when available."""
     try:

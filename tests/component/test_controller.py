@@ -54,7 +54,10 @@ async def test_set_phase_programs_the_ocs_and_commits_an_epoch(
     assert list(r.stages) == ["observe", "plan", "program_ocs", "verify", "commit"]
     assert table(fabric) == circuits(r)
     assert {tuple(sorted((c.pod_a, c.pod_b))) for c in r.circuits} == {
-        ("gen0", "train0"), ("gen0", "train1"), ("gen1", "train0"), ("gen1", "train1")
+        ("gen0", "train0"),
+        ("gen0", "train1"),
+        ("gen1", "train0"),
+        ("gen1", "train1"),
     }
     got = await client.get_phase()
     assert (got.epoch, got.phase) == (1, "weight-sync")
@@ -123,27 +126,38 @@ async def test_ocs_failure_rolls_back_and_keeps_the_epoch(
     assert (await client.set_phase("weight-sync")).epoch == 2
 
 
-async def test_multi_ocs_failure_rolls_back_switches_already_changed(tmp_path: Path) -> None:
-    text = wiring_mod.default_wiring_path().read_text()
-    # move gen1's uplinks to a second OCS
-    text = text.replace(
-        '[[pod]]\nname = "train0"',
-        '[[ocs]]\nname = "ocs1"\naddress = "127.0.0.1:50062"\nports = 32\n\n[[pod]]\nname = "train0"',
+def two_ocs_wiring() -> Wiring:
+    """The example wiring with the upper half of every ToR's uplinks moved to a second OCS."""
+    text = (
+        wiring_mod.default_wiring_path()
+        .read_text()
+        .replace(
+            "[[pod]]",
+            '[[ocs]]\nname = "ocs1"\naddress = "127.0.0.1:50062"\nports = 32\n\n[[pod]]',
+            1,
+        )
     )
-    for port in range(25, 33):
-        text = text.replace(f'ocs = "ocs0", ocs_port = {port} ', f'ocs = "ocs1", ocs_port = {port} ')
-    w = wiring_mod.parse(text)
-    # give train pods uplinks on ocs1 too is not needed: ocs1 only holds gen1, so
-    # weight-sync uses ocs0 only; use training (ocs0) then break ocs0 and check ocs1 untouched
-    f = await start_fabric(w, tmp_path / "s.db", switching_time_s=0.0)
+    for port in range(1, 33):
+        if (port - 1) % 8 >= 4:
+            text = text.replace(
+                f'ocs = "ocs0", ocs_port = {port} ', f'ocs = "ocs1", ocs_port = {port} '
+            )
+    return wiring_mod.parse(text)
+
+
+async def test_multi_ocs_failure_rolls_back_switches_already_changed(tmp_path: Path) -> None:
+    f = await start_fabric(two_ocs_wiring(), tmp_path / "s.db", switching_time_s=0.0)
     try:
         async with AsyncClient(f.address, timeout_s=10) as c:
-            await c.set_phase("weight-sync")
+            ws = await c.set_phase("weight-sync")
+            assert {x.ocs for x in ws.circuits} == {"ocs0", "ocs1"}
             before = {n: o.cross_connects() for n, o in f.ocs.items()}
-            f.ocs["ocs0"].fail_next_apply("injected")
-            with pytest.raises(errors.FailedPrecondition, match="ocs0"):
+            # ocs0 is programmed first and succeeds; ocs1 then fails: ocs0 must be undone
+            f.ocs["ocs1"].fail_next_apply("injected")
+            with pytest.raises(errors.FailedPrecondition, match="OCS 'ocs1' refused the batch"):
                 await c.set_phase("training")
             assert {n: o.cross_connects() for n, o in f.ocs.items()} == before
+            assert (await c.get_phase()).epoch == ws.epoch
     finally:
         await f.stop()
 
@@ -166,7 +180,7 @@ async def test_registration_heartbeat_and_liveness(example_wiring: Wiring, tmp_p
             stub = pb_grpc.FabricControllerStub(ch)
             events = c.watch()
             pending = asyncio.ensure_future(anext(events))
-            while f.controller.events.subscriber_count == 0:
+            while f.controller.events.subscriber_count == 0:  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
             status = node_agent_pb2.NodeStatus(node="gen0-n0", gpu_backend="sim")
             status.gpus.add(index=0)

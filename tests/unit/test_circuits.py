@@ -41,8 +41,13 @@ def make_wiring(pods: list[tuple[str, list[tuple[str, int]]]], ocs_ports: dict[s
                 next_port[ocs] += 1
         doc["tor"].append({"name": f"tor-{name}", "pod": name, "uplinks": ups})
         doc["node"].append(
-            {"name": f"{name}-n0", "pod": name, "role": role, "agent": f"127.0.0.1:{7000 + i}",
-             "gpus": 8}
+            {
+                "name": f"{name}-n0",
+                "pod": name,
+                "role": role,
+                "agent": f"127.0.0.1:{7000 + i}",
+                "gpus": 8,
+            }
         )
     return wiring_mod.validate(doc)
 

@@ -31,7 +31,10 @@ name = "g0"
 [[tor]]
 name = "tor-t0"
 pod = "t0"
-uplinks = [{ port = "up0", ocs = "ocs0", ocs_port = 1 }, { port = "up1", ocs = "ocs0", ocs_port = 2 }]
+uplinks = [
+  { port = "up0", ocs = "ocs0", ocs_port = 1 },
+  { port = "up1", ocs = "ocs0", ocs_port = 2 },
+]
 [[tor]]
 name = "tor-g0"
 pod = "g0"
@@ -98,27 +101,50 @@ def test_examples_file_is_the_embedded_default() -> None:
 @pytest.mark.parametrize(
     ("old", "new", "expected"),
     [
-        ('ocs_port = 2 }]', 'ocs_port = 1 }]', r"tor 'tor-t0'\.uplinks\[1\]\.ocs_port = 1: port 1 of "
-         r"OCS 'ocs0' is already cabled to tor 'tor-t0'\.uplinks\[0\]"),
-        ('ocs_port = 3 }]', 'ocs_port = 9 }]', r"ocs_port = 9: an integer from 1 to 8"),
-        ('tor = "tor-g0", tor_port', 'tor = "tor-x", tor_port',
-         r"nics\[0\]\.tor = 'tor-x': no such ToR; defined ToRs: tor-t0, tor-g0"),
-        ('tor = "tor-g0", tor_port', 'tor = "tor-t0", tor_port',
-         r"ToR is in pod 't0' but the node is in pod 'g0'"),
+        (
+            "ocs_port = 2 },",
+            "ocs_port = 1 },",
+            r"tor 'tor-t0'\.uplinks\[1\]\.ocs_port = 1: port 1 of "
+            r"OCS 'ocs0' is already cabled to tor 'tor-t0'\.uplinks\[0\]",
+        ),
+        ("ocs_port = 3 }]", "ocs_port = 9 }]", r"ocs_port = 9: an integer from 1 to 8"),
+        (
+            'tor = "tor-g0", tor_port',
+            'tor = "tor-x", tor_port',
+            r"nics\[0\]\.tor = 'tor-x': no such ToR; defined ToRs: tor-t0, tor-g0",
+        ),
+        (
+            'tor = "tor-g0", tor_port',
+            'tor = "tor-t0", tor_port',
+            r"ToR is in pod 't0' but the node is in pod 'g0'",
+        ),
         ('role = "gen"', 'role = "rollout"', r"role = 'rollout': expected 'train' or 'gen'"),
-        ('ports = 8', 'ports = 1', r"ocs 'ocs0'\.ports = 1: an integer from 2 to 4096"),
-        ('gpus = 8\nnics = [{ name = "eth0", tor = "tor-g0"', 'gpus = -1\nnics = [{ name = "eth0", '
-         'tor = "tor-g0"', r"gpus = -1: an integer from 0 to 64"),
-        ('agent = "127.0.0.1:50102"', 'agent = "127.0.0.1:50101"',
-         r"agent = '127.0.0.1:50101': address already used by node 't0-n0'"),
+        ("ports = 8", "ports = 1", r"ocs 'ocs0'\.ports = 1: an integer from 2 to 4096"),
+        (
+            'gpus = 8\nnics = [{ name = "eth0", tor = "tor-g0"',
+            'gpus = -1\nnics = [{ name = "eth0", tor = "tor-g0"',
+            r"gpus = -1: an integer from 0 to 64",
+        ),
+        (
+            'agent = "127.0.0.1:50102"',
+            'agent = "127.0.0.1:50101"',
+            r"agent = '127.0.0.1:50101': address already used by node 't0-n0'",
+        ),
         ('agent = "127.0.0.1:50102"', 'agent = "localhost"', r"expected HOST:PORT"),
-        ('ocs = "ocs0", ocs_port = 3', 'ocs = "ocs7", ocs_port = 3',
-         r"uplinks\[0\]\.ocs = 'ocs7': no such OCS; defined OCSes: ocs0"),
+        (
+            'ocs = "ocs0", ocs_port = 3',
+            'ocs = "ocs7", ocs_port = 3',
+            r"uplinks\[0\]\.ocs = 'ocs7': no such OCS; defined OCSes: ocs0",
+        ),
         ('pod = "g0"\nrole', 'pod = "g9"\nrole', r"pod = 'g9': no such pod; defined pods: t0, g0"),
         ('name = "g0-n0"', 'name = "t0-n0"', r"node: name 't0-n0' is defined 2 times"),
-        ('gbps = 200', 'gbps = 0', r"gbps = 0: a number greater than 0.0"),
-        ('ports = 8', 'ports = 8\nspeed = 1', r"ocs\[0\]\.speed: unknown key \(allowed: address, "
-         r"name, ports, switching_time_ms\)"),
+        ("gbps = 200", "gbps = 0", r"gbps = 0: a number greater than 0.0"),
+        (
+            "ports = 8",
+            "ports = 8\nspeed = 1",
+            r"ocs\[0\]\.speed: unknown key \(allowed: address, "
+            r"name, ports, switching_time_ms\)",
+        ),
         ('name = "small"', 'name = "bad name!"', r"cluster\.name = 'bad name!': 1-63 characters"),
     ],
 )
@@ -156,7 +182,7 @@ def test_not_toml_and_empty() -> None:
 
 
 def test_missing_file_names_the_path(tmp_path: Path) -> None:
-    with pytest.raises(errors.InvalidArgument, match="nope.toml"):
+    with pytest.raises(errors.InvalidArgument, match=r"nope\.toml"):
         wiring.load(tmp_path / "nope.toml")
 
 

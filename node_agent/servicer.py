@@ -1,0 +1,106 @@
+"""The NodeAgent gRPC service: translates requests to the collector, engine and command log."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, TypeAlias
+
+import grpc
+
+from node_agent import convert
+from node_agent.commands import CommandLog
+from node_agent.engine import RolloutEngine
+from node_agent.telemetry import Collector, check_interval
+from orchestrrl.grpcutil import domain_errors_to_status
+from orchestrrl.logs import get_logger
+from orchestrrl.v1 import node_agent_pb2, node_agent_pb2_grpc
+
+log = get_logger("node_agent.servicer")
+
+SERVICE_NAME = node_agent_pb2.DESCRIPTOR.services_by_name["NodeAgent"].full_name
+APPLY_ROUTES_UNIMPLEMENTED = (
+    "ApplyRoutes: host route programming is not implemented in this version of the agent"
+)
+
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+
+class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
+    def __init__(
+        self,
+        collector: Collector,
+        engine: RolloutEngine,
+        commands: CommandLog,
+        default_interval_s: float,
+    ) -> None:
+        self._collector = collector
+        self._engine = engine
+        self._commands = commands
+        self._default_interval_s = default_interval_s
+
+    @domain_errors_to_status
+    async def GetStatus(
+        self, request: node_agent_pb2.GetStatusRequest, context: Context
+    ) -> node_agent_pb2.NodeStatus:
+        return convert.status_to_pb(self._collector.status())
+
+    @domain_errors_to_status
+    async def StreamTelemetry(
+        self, request: node_agent_pb2.StreamTelemetryRequest, context: Context
+    ) -> AsyncIterator[node_agent_pb2.TelemetrySample]:
+        interval = request.interval_s or self._default_interval_s
+        check_interval(interval, "interval_s")
+        async for sample in self._collector.every(interval):
+            yield convert.telemetry_to_pb(sample)
+
+    @domain_errors_to_status
+    async def Reshard(
+        self, request: node_agent_pb2.ReshardRequest, context: Context
+    ) -> node_agent_pb2.ReshardResponse:
+        async def reshard() -> node_agent_pb2.ReshardResponse:
+            result = await self._engine.reshard(list(request.tp_layout))
+            log.info(
+                "resharded",
+                command_id=request.command_id,
+                old_layout=list(result.old_layout),
+                new_layout=list(result.new_layout),
+                stages={s.stage: round(s.seconds, 6) for s in result.stages},
+                bytes_moved=result.bytes_moved,
+                message=result.message,
+            )
+            return convert.reshard_to_pb(request.command_id, result)
+
+        return await self._commands.run("Reshard", request.command_id, _key(request), reshard)
+
+    @domain_errors_to_status
+    async def Drain(
+        self, request: node_agent_pb2.DrainRequest, context: Context
+    ) -> node_agent_pb2.EngineStateResponse:
+        async def drain() -> node_agent_pb2.EngineStateResponse:
+            await self._engine.drain()
+            log.info("drained", command_id=request.command_id)
+            return convert.engine_state_to_pb(self._engine.state, self._engine.stats())
+
+        return await self._commands.run("Drain", request.command_id, _key(request), drain)
+
+    @domain_errors_to_status
+    async def Resume(
+        self, request: node_agent_pb2.ResumeRequest, context: Context
+    ) -> node_agent_pb2.EngineStateResponse:
+        async def resume() -> node_agent_pb2.EngineStateResponse:
+            await self._engine.resume()
+            log.info("resumed", command_id=request.command_id)
+            return convert.engine_state_to_pb(self._engine.state, self._engine.stats())
+
+        return await self._commands.run("Resume", request.command_id, _key(request), resume)
+
+    async def ApplyRoutes(
+        self, request: node_agent_pb2.ApplyRoutesRequest, context: Context
+    ) -> node_agent_pb2.ApplyRoutesResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, APPLY_ROUTES_UNIMPLEMENTED)
+        raise AssertionError("unreachable: context.abort raises")
+
+
+def _key(request: Any) -> bytes:
+    data: bytes = request.SerializeToString(deterministic=True)
+    return data

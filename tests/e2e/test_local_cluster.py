@@ -1,0 +1,130 @@
+"""The real daemons as subprocesses, driven through orlctl, as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from orchestrrl import wiring as wiring_mod
+from orchestrrl.v1 import optical_switch_pb2, optical_switch_pb2_grpc
+
+pytestmark = pytest.mark.e2e
+
+ORLCTL = [sys.executable, "-m", "fabric_controller.cli"]
+
+
+def orlctl(*args: str, check: bool = True, env: dict[str, str] | None = None) -> Any:
+    r = subprocess.run([*ORLCTL, *args], capture_output=True, text=True, timeout=120, env=env)
+    if check and r.returncode != 0:
+        raise AssertionError(f"orlctl {' '.join(args)} exited {r.returncode}:\n{r.stderr}")
+    return r
+
+
+def orljson(*args: str, env: dict[str, str] | None = None) -> Any:
+    return json.loads(orlctl("--json", *args, env=env).stdout)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    run_dir = tmp_path_factory.mktemp("run")
+    up = orljson("local", "up", "--run-dir", str(run_dir), "--ephemeral-ports")
+    try:
+        yield {**up, "run_dir_path": run_dir}
+    finally:
+        down = orljson("local", "down", "--run-dir", str(run_dir))
+        assert all("stopped" in line for line in down["stopped"]), down
+        for proc in up["procs"]:
+            assert not Path(f"/proc/{proc['pid']}").exists() or _zombie(proc["pid"]), proc
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def ocs_table(address: str) -> set[tuple[str, int, int]]:
+    with grpc.insecure_channel(address) as ch:
+        r = optical_switch_pb2_grpc.OpticalSwitchStub(ch).ListCrossConnects(
+            optical_switch_pb2.ListCrossConnectsRequest(), timeout=5
+        )
+    return {("ocs0", x.a, x.b) for x in r.cross_connects}
+
+
+def test_local_cluster_walks_phases_through_orlctl(cluster: dict[str, Any]) -> None:
+    ctl = ["--controller", cluster["controller"]]
+    ocs = next(p for p in cluster["procs"] if p["role"] == "ocs")
+
+    nodes = orljson(*ctl, "nodes")
+    assert len(nodes) == 8
+    assert all(n["health"] == "up" for n in nodes), nodes
+    assert all(n["gpu_backend"] == "sim" for n in nodes)
+
+    r = orljson(*ctl, "phase", "set", "weight-sync")
+    assert r["phase"] == "weight-sync" and r["changed"] and r["epoch"] >= 1
+    assert len(r["circuits"]) == 16
+    got = orljson(*ctl, "phase", "get")
+    assert (got["epoch"], got["phase"]) == (r["epoch"], "weight-sync")
+    want = {(c["ocs"], c["a"], c["b"]) for c in r["circuits"]}
+    assert {(c["ocs"], c["a"], c["b"]) for c in got["circuits"]} == want
+    assert ocs_table(ocs["address"]) == want
+
+    # ORL_CONTROLLER selects the controller too; options may follow the sub-command
+    env = {**os.environ, "ORL_CONTROLLER": cluster["controller"]}
+    plan = json.loads(orlctl("phase", "plan", "training", "--json", env=env).stdout)
+    assert len(plan["added"]) == 8 and len(plan["removed"]) == 16
+    assert ocs_table(ocs["address"]) == want  # planning changed nothing
+
+    t = orlctl(*ctl, "topology", "show").stdout
+    assert "cluster local-8node: 4 pods, 8 nodes" in t and "gen0 <-> train0: 4 circuit(s)" in t
+    text = orlctl(*ctl, "nodes").stdout
+    assert text.count(" up ") == 8
+
+
+def test_bad_input_gives_one_clear_error_and_changes_nothing(cluster: dict[str, Any]) -> None:
+    ctl = ["--controller", cluster["controller"]]
+    before = orljson(*ctl, "phase", "get")
+    r = orlctl(*ctl, "phase", "set", "warmup", check=False)
+    assert r.returncode == 2
+    assert "invalid choice: 'warmup'" in r.stderr and "weight-sync" in r.stderr
+    assert orljson(*ctl, "phase", "get") == before
+
+
+def test_local_status_and_double_up(cluster: dict[str, Any]) -> None:
+    run_dir = str(cluster["run_dir_path"])
+    st = orljson("local", "status", "--run-dir", run_dir)
+    assert st["running"] and all(p["alive"] for p in st["procs"])
+    assert sorted({p["role"] for p in st["procs"]}) == ["agent", "controller", "ocs"]
+    again = orlctl("local", "up", "--run-dir", run_dir, "--ephemeral-ports", check=False)
+    assert again.returncode == 1 and "already running" in again.stderr
+
+
+def test_unreachable_controller_is_a_clear_error(tmp_path: Path) -> None:
+    r = orlctl("--controller", "127.0.0.1:1", "--timeout", "2", "phase", "get", check=False)
+    assert r.returncode == 1
+    assert "controller 127.0.0.1:1: GetPhase" in r.stderr and "UNAVAILABLE" in r.stderr
+
+
+def test_config_check(tmp_path: Path) -> None:
+    ok = orlctl("config", "check", str(wiring_mod.default_wiring_path()))
+    assert "valid wiring for cluster 'local-8node'" in ok.stdout
+    data = orljson("config", "check", str(wiring_mod.default_wiring_path()))
+    assert len(data["node"]) == 8
+    bad = tmp_path / "bad.toml"
+    bad.write_text(
+        wiring_mod.default_wiring_path().read_text().replace("ocs_port = 2 ", "ocs_port = 1 ", 1)
+    )
+    r = orlctl("config", "check", str(bad), check=False)
+    assert r.returncode == 2
+    assert "port 1 of OCS 'ocs0' is already cabled to tor 'tor-train0'.uplinks[0]" in r.stderr
+    j = orlctl("--json", "config", "check", str(bad), check=False)
+    assert json.loads(j.stdout)["error"]["kind"] == "WiringError"
