@@ -16,16 +16,9 @@ from node_agent.engine import (
 )
 from orchestrrl import errors
 from sim_backends.engine import SimEngineConfig, SimulatedEngine
+from tests.helpers import FakeClock
 
 pytestmark = pytest.mark.unit
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def engine(

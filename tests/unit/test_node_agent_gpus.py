@@ -10,16 +10,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from node_agent.gpus import GIB, NvmlGpus, NvmlUnavailable, SimulatedGpus, select_backend
+from tests.helpers import FakeClock
 
 pytestmark = pytest.mark.unit
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 # -- simulated GPUs ----------------------------------------------------------------------

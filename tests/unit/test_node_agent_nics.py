@@ -9,16 +9,9 @@ from structlog.testing import capture_logs
 
 from node_agent.nics import NicSample, NicSpec, SysfsNics, parse_nic
 from orchestrrl import errors
+from tests.helpers import FakeClock
 
 pytestmark = pytest.mark.unit
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def write_nic(
@@ -74,7 +67,7 @@ async def test_inventory_speed_from_flag_or_sysfs(tmp_path: Path) -> None:
 
 
 async def test_rates_come_from_counter_deltas(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     write_nic(tmp_path, "eth0", rx=1_000, tx=2_000)
     nics = SysfsNics([("eth0", 400.0)], root=tmp_path, clock=clock)
     assert await nics.sample() == [NicSample("eth0", 1_000, 2_000, 0.0, 0.0, True)]
@@ -87,7 +80,7 @@ async def test_rates_come_from_counter_deltas(tmp_path: Path) -> None:
 
 
 async def test_counter_reset_gives_no_negative_rate(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     write_nic(tmp_path, "eth0", rx=10_000, tx=10_000)
     nics = SysfsNics([("eth0", None)], root=tmp_path, clock=clock)
     await nics.sample()
@@ -98,7 +91,7 @@ async def test_counter_reset_gives_no_negative_rate(tmp_path: Path) -> None:
 
 
 async def test_same_instant_keeps_the_previous_rate(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     write_nic(tmp_path, "eth0", rx=0, tx=0)
     nics = SysfsNics([("eth0", None)], root=tmp_path, clock=clock)
     await nics.sample()
@@ -110,7 +103,7 @@ async def test_same_instant_keeps_the_previous_rate(tmp_path: Path) -> None:
 
 
 async def test_missing_nic_is_down_with_one_warning(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     write_nic(tmp_path, "eth0", rx=1, tx=1)
     nics = SysfsNics([("eth0", None), ("eth9", 400.0)], root=tmp_path, clock=clock)
     with capture_logs() as logs:
