@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     pset = add(psub, "set", "change the phase: program the OCS and commit a new epoch")
     pset.add_argument("phase", choices=PHASES)
     pset.add_argument(
+        "--idle-window-ms",
+        type=float,
+        default=0.0,
+        help="predicted idle window of the traffic; when shorter than the OCS switching "
+        "time plus settling, the topology is kept (default 0: unknown, no gate)",
+    )
+    pset.add_argument(
         "--request-id",
         default="",
         help="idempotency key: a retry returns the first result instead of applying again",
@@ -151,6 +158,8 @@ def _by_pair(circuits: Sequence[CircuitView]) -> list[str]:
 
 
 def describe_change(r: PhaseChange) -> str:
+    if r.gated:
+        return f"epoch {r.epoch}: not changed: {r.message}"
     if not r.changed:
         return f"epoch {r.epoch}: {r.message}"
     lines = [
@@ -186,7 +195,9 @@ def cmd_phase(args: argparse.Namespace) -> int:
             )
             _print(args, s, lambda: "\n".join([header, *_by_pair(s.circuits)]))
         elif args.action == "set":
-            r = c.set_phase(args.phase, args.request_id)
+            if not args.idle_window_ms >= 0:
+                raise errors.field_error("--idle-window-ms", args.idle_window_ms, "a number >= 0")
+            r = c.set_phase(args.phase, args.request_id, args.idle_window_ms / 1000.0)
             _print(args, r, lambda: describe_change(r))
         else:
             plan = c.plan_phase(args.phase)

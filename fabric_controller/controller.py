@@ -1,30 +1,44 @@
 """The fabric controller's imperative shell: it observes switches, asks the pure
-planner what to change, programs the OCSes, verifies, and commits epochs.
+planners what to change, programs the OCSes, verifies, and commits epochs.
 
 Every decision lives in ``scheduler`` and ``fabric_controller.reconcile``; this
-module only sequences I/O, measures stages, and reports what happened.
+module sequences I/O, journals each stage in the store before moving on (so a
+restart after ``kill -9`` knows where it stopped), measures stages, and reports.
+
+Recovery rule after a crash: a reconfiguration whose OCS batches were all
+acknowledged (stage ``ocs_programmed`` or later) is rolled forward and committed;
+anything earlier is rolled back to the last committed epoch. Either way the
+switches are re-read and repaired to exactly the chosen epoch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
+
+import structlog
 
 from fabric_controller.drivers.ocs import OcsDriver
 from fabric_controller.events import Event, EventHub
-from fabric_controller.reconcile import batches_by_ocs, check_applied, inverse
+from fabric_controller.metrics import ControllerMetrics
+from fabric_controller.reconcile import check_applied, converge, ours, steps
 from fabric_controller.registry import Health, NodeRecord, Registry, health
-from fabric_controller.store import EpochRecord, Store
+from fabric_controller.store import EpochRecord, PendingRecord, Store
 from orchestrrl import errors
 from orchestrrl.logs import get_logger
 from orchestrrl.model import Circuit, Phase, Wiring
 from orchestrrl.v1 import node_agent_pb2
 from scheduler.circuits import CircuitPlan, plan_phase
+from scheduler.gate import DEFAULT_SETTLING_MARGIN_S, slack_gate
 
 log = get_logger("fabric_controller")
+
+# Stages journaled in the store; a crash hook may fire after each.
+ROLL_FORWARD_STAGES = ("ocs_programmed", "verified")
 
 
 @dataclass(frozen=True)
@@ -32,13 +46,15 @@ class PhaseResult:
     record: EpochRecord
     changed: bool
     message: str
+    gated: bool = False
 
 
 class _Stages:
     """Wall time per stage, in the order the stages ran."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self, clock: Callable[[], float], metrics: ControllerMetrics) -> None:
         self._clock = clock
+        self._metrics = metrics
         self.times: dict[str, float] = {}
 
     @contextlib.contextmanager
@@ -48,6 +64,11 @@ class _Stages:
             yield
         finally:
             self.times[name] = self._clock() - start
+            self._metrics.stage_seconds.labels(name).observe(self.times[name])
+
+
+def _pairs(circuits: frozenset[Circuit]) -> str:
+    return ", ".join(str(c) for c in sorted(circuits)) or "none"
 
 
 class Controller:
@@ -60,27 +81,43 @@ class Controller:
         heartbeat_interval_s: float = 1.0,
         heartbeat_deadline_s: float = 3.0,
         lock_timeout_s: float = 30.0,
+        settling_margin_s: float = DEFAULT_SETTLING_MARGIN_S,
         wall_clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        fault_hook: Callable[[str], None] = lambda _stage: None,
+        metrics: ControllerMetrics | None = None,
     ) -> None:
-        missing = sorted({o.name for o in wiring.ocses} - set(ocs))
-        if missing:
-            raise errors.FailedPrecondition(f"no driver for OCS {', '.join(missing)}")
-        self.wiring = wiring
         self.store = store
         self.ocs = dict(ocs)
         self.heartbeat_interval_s = heartbeat_interval_s
         self.lock_timeout_s = lock_timeout_s
+        self.settling_margin_s = settling_margin_s
         self._wall = wall_clock
         self._mono = monotonic
-        self.registry = Registry(wiring, heartbeat_deadline_s)
+        self._fault = fault_hook
+        self.metrics = metrics or ControllerMetrics()
         self.events = EventHub(wall_clock)
         self._reconfig = asyncio.Lock()
-        self._in_progress: str = ""
+        self._in_progress = ""
         self._current: EpochRecord | None = None
+        self._needs_recovery = True
+        self.wiring = wiring
+        self.registry = Registry(wiring, heartbeat_deadline_s)
+        self._check_drivers(wiring)
+
+    def _check_drivers(self, wiring: Wiring) -> None:
+        missing = sorted({o.name for o in wiring.ocses} - set(self.ocs))
+        if missing:
+            raise errors.FailedPrecondition(f"no driver for OCS {', '.join(missing)}")
+
+    # -- life cycle --
 
     async def start(self) -> EpochRecord:
+        """Load the committed epoch and converge the switches to it (or to the
+        interrupted epoch, see the module docstring). A switch that cannot be reached
+        leaves the controller serving; recovery is retried before the next change."""
         self._current = await self.store.current()
+        self.metrics.epoch.set(self._current.epoch)
         log.info(
             "controller state loaded",
             epoch=self._current.epoch,
@@ -88,13 +125,45 @@ class Controller:
             circuits=len(self._current.circuits),
             state=self.store.path,
         )
-        return self._current
+        try:
+            async with self._locked("recovery"):
+                await self._recover()
+        except errors.OrlError as exc:
+            log.error("recovery incomplete; retried before the next phase change", error=str(exc))
+            self.events.publish(Event("recovery_failed", message=str(exc)))
+        return self.current
 
     @property
     def current(self) -> EpochRecord:
         if self._current is None:
             raise errors.FailedPrecondition("controller not started")
         return self._current
+
+    def reload(self, wiring: Wiring) -> None:
+        """Adopt a new (already validated) wiring; known nodes keep their state."""
+        self._check_drivers(wiring)
+        self.wiring = wiring
+        self.registry = self.registry.with_wiring(wiring)
+        self.events.publish(Event("wiring_reloaded", message=f"{len(wiring.nodes)} nodes"))
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, what: str) -> AsyncIterator[None]:
+        if self._reconfig.locked():
+            log.info("waiting for the reconfiguration in progress", in_progress=self._in_progress)
+        try:
+            async with asyncio.timeout(self.lock_timeout_s):
+                await self._reconfig.acquire()
+        except TimeoutError:
+            raise errors.Aborted(
+                f"another reconfiguration ({self._in_progress}) is still in progress after "
+                f"{self.lock_timeout_s:g} s; try again"
+            ) from None
+        self._in_progress = what
+        try:
+            yield
+        finally:
+            self._in_progress = ""
+            self._reconfig.release()
 
     # -- agents --
 
@@ -117,17 +186,15 @@ class Controller:
 
     def telemetry(self, sample: node_agent_pb2.TelemetrySample) -> None:
         self.registry.telemetry(sample.node, sample, self._mono())
+        self.metrics.telemetry_samples.inc()
 
     def nodes(self) -> list[tuple[NodeRecord, Health, float | None]]:
         now = self._mono()
         out = []
         for r in self.registry.records():
             age = None if r.last_seen is None else now - r.last_seen
-            out.append((r, self._health(r, now), age))
+            out.append((r, health(r, now, self.registry.deadline_s), age))
         return out
-
-    def _health(self, record: NodeRecord, now: float) -> Health:
-        return health(record, now, self.registry.deadline_s)
 
     def _check_liveness(self) -> None:
         for node, before, after in self.registry.transitions(self._mono()):
@@ -139,6 +206,21 @@ class Controller:
             elif after is Health.UP and before is Health.DOWN:
                 log.info("node is back", node=node)
                 self.events.publish(Event("node_up", node=node, message="heartbeats resumed"))
+        counts = {h: 0 for h in Health}
+        for _, h, _ in self.nodes():
+            counts[h] += 1
+        for h, n in counts.items():
+            self.metrics.nodes.labels(h.value).set(n)
+
+    def _down_pod_ports(self) -> frozenset[tuple[str, int]]:
+        """Uplink ports of pods whose every node is down: planners leave them out."""
+        state = {r.name: h for r, h, _ in self.nodes()}
+        down_pods = {
+            p.name for p in self.wiring.pods if all(state[n] is Health.DOWN for n in p.nodes)
+        }
+        return frozenset(
+            (o, port) for pod, o, port in self.wiring.uplink_ports() if pod in down_pods
+        )
 
     async def run_liveness(self) -> None:
         """Mark nodes down when they miss their deadline (runs until cancelled)."""
@@ -146,7 +228,7 @@ class Controller:
             await asyncio.sleep(self.heartbeat_interval_s / 2)
             self._check_liveness()
 
-    # -- phases --
+    # -- switches --
 
     async def _observe(self) -> tuple[frozenset[Circuit], frozenset[tuple[str, int]]]:
         async def one(name: str, drv: OcsDriver) -> tuple[set[Circuit], set[tuple[str, int]]]:
@@ -158,68 +240,223 @@ class Controller:
         down = frozenset(p for _, ds in results for p in ds)
         return circuits, down
 
-    async def plan(self, phase: Phase) -> CircuitPlan:
-        observed, down = await self._observe()
-        return plan_phase(self.wiring, phase, observed, down)
+    async def _program(self, plan: CircuitPlan, tag: str) -> None:
+        """Apply a plan as make-before-break steps of per-OCS batches."""
+        for i, step in enumerate(steps(plan)):
+            for batch in step:
+                try:
+                    await self.ocs[batch.ocs].apply(
+                        batch.disconnect, batch.connect, request_id=f"{tag}-{i}-{batch.ocs}"
+                    )
+                except errors.OrlError as exc:
+                    raise _StageError(
+                        "program_ocs",
+                        f"OCS {batch.ocs!r} refused the batch (disconnect "
+                        f"{list(batch.disconnect) or 'none'}, connect "
+                        f"{list(batch.connect) or 'none'}): {exc}",
+                    ) from exc
+            self._fault("program_ocs")
 
-    async def set_phase(self, phase: Phase, request_id: str = "") -> PhaseResult:
+    async def _verify(self, plan: CircuitPlan) -> None:
+        try:
+            observed, _ = await self._observe()
+        except errors.OrlError as exc:
+            raise _StageError("verify", f"reading the switches back failed: {exc}") from exc
+        problems = check_applied(plan, ours(self.wiring, observed))
+        if problems:
+            raise _StageError(
+                "verify", "switch state differs from the plan: " + "; ".join(problems)
+            )
+
+    async def _converge(self, target: frozenset[Circuit], tag: str) -> CircuitPlan:
+        """Observe, then program the switches to exactly ``target`` on our ports, verify."""
+        observed, _ = await self._observe()
+        plan = converge(self.wiring, observed, target)
+        if not plan.empty:
+            await self._program(plan, tag)
+        await self._verify(plan)
+        return plan
+
+    async def _recover(self) -> str:
+        """Converge to the committed epoch, or roll an interrupted one forward or back."""
+        pending = await self.store.pending()
+        current = self.current
+        forward = pending is not None and pending.stage in ROLL_FORWARD_STAGES
+        target = pending.circuits if forward and pending else current.circuits
+        plan = await self._converge(target, f"recover-{current.epoch}-{secrets.token_hex(4)}")
+        self._needs_recovery = False
+        if pending is None:
+            if not plan.empty:
+                self.metrics.drift_repairs.inc()
+                msg = (
+                    f"switches repaired to epoch {current.epoch}: +{len(plan.add)} "
+                    f"-{len(plan.remove)} circuits ({_pairs(plan.add | plan.remove)})"
+                )
+                log.warning("drift repaired", epoch=current.epoch, message=msg)
+                self.events.publish(Event("drift_repaired", epoch=current.epoch, message=msg))
+                return msg
+            return f"switches match epoch {current.epoch}"
+        if forward:
+            record = EpochRecord(
+                epoch=pending.epoch,
+                phase=pending.phase,
+                circuits=pending.circuits,
+                added=pending.added,
+                removed=pending.removed,
+                stages={"recovered": 0.0},
+                committed_at=self._wall(),
+                request_id=pending.request_id,
+            )
+            await self.store.commit(record)
+            self._current = record
+            self.metrics.epochs.inc()
+            self.metrics.epoch.set(record.epoch)
+            msg = (
+                f"interrupted epoch {pending.epoch} ({pending.phase.value}) rolled forward from "
+                f"stage {pending.stage} and committed; fabric at epoch {record.epoch}"
+            )
+            self.events.publish(
+                Event("recovered", epoch=record.epoch, phase=record.phase, message=msg)
+            )
+        else:
+            await self.store.abandon()
+            self.metrics.rollbacks.labels(f"restart:{pending.stage}").inc()
+            msg = (
+                f"interrupted epoch {pending.epoch} ({pending.phase.value}) rolled back from "
+                f"stage {pending.stage}; fabric at epoch {current.epoch}"
+            )
+            self.events.publish(
+                Event("rolled_back", epoch=current.epoch, phase=current.phase, message=msg)
+            )
+        log.warning("recovered", message=msg)
+        return msg
+
+    async def reconcile_once(self) -> str | None:
+        """Repair drift between the switches and the committed epoch (skips when busy)."""
+        if self._reconfig.locked():
+            return None
+        async with self._locked("drift check"):
+            return await self._recover()
+
+    async def run_reconcile(self, interval_s: float) -> None:
+        """Check for drift every ``interval_s`` (runs until cancelled)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.reconcile_once()
+            except errors.OrlError as exc:
+                self._needs_recovery = True
+                log.warning("drift check failed", error=str(exc))
+
+    # -- phases --
+
+    async def plan(self, phase: Phase) -> CircuitPlan:
+        """What a phase change would do to the switches now (nothing is changed)."""
+        observed, down = await self._observe()
+        desired = plan_phase(
+            self.wiring, phase, self.current.circuits, down | self._down_pod_ports()
+        ).desired
+        return converge(self.wiring, observed, desired)
+
+    async def set_phase(
+        self, phase: Phase, request_id: str = "", idle_window_s: float | None = None
+    ) -> PhaseResult:
         if request_id:
             previous = await self.store.by_request(request_id)
             if previous is not None:
                 return PhaseResult(previous, False, f"request {request_id!r} already applied")
-        if self._reconfig.locked():
-            log.info("waiting for the reconfiguration in progress", in_progress=self._in_progress)
-        try:
-            async with asyncio.timeout(self.lock_timeout_s):
-                await self._reconfig.acquire()
-        except TimeoutError:
-            raise errors.Aborted(
-                f"another reconfiguration ({self._in_progress}) is still in progress after "
-                f"{self.lock_timeout_s:.0f} s; try again"
-            ) from None
-        try:
-            self._in_progress = f"epoch {self.current.epoch + 1} ({phase.value})"
+        async with self._locked(f"epoch {self.current.epoch + 1} ({phase.value})"):
             if request_id:  # the first caller with this id may have finished while we waited
                 previous = await self.store.by_request(request_id)
                 if previous is not None:
                     return PhaseResult(previous, False, f"request {request_id!r} already applied")
-            return await self._reconfigure(phase, request_id)
-        finally:
-            self._in_progress = ""
-            self._reconfig.release()
+            if self._needs_recovery:
+                try:
+                    await self._recover()
+                except errors.OrlError as exc:
+                    raise errors.FailedPrecondition(
+                        f"cannot change phase: the switches are not at a known epoch yet "
+                        f"(recovery failed: {exc})"
+                    ) from None
+            return await self._reconfigure(phase, request_id, idle_window_s)
 
-    async def _reconfigure(self, phase: Phase, request_id: str) -> PhaseResult:
+    def _switching_time(self, plan: CircuitPlan) -> float:
+        touched = {c.ocs for c in plan.add | plan.remove}
+        per_step = max((self.wiring.ocs(o).switching_time_s for o in touched), default=0.0)
+        return per_step * len(steps(plan))
+
+    async def _reconfigure(
+        self, phase: Phase, request_id: str, idle_window_s: float | None
+    ) -> PhaseResult:
         current = self.current
         epoch = current.epoch + 1
         bound = log.bind(epoch=epoch, phase=phase.value)
-        st = _Stages(self._mono)
+        st = _Stages(self._mono, self.metrics)
+        t0 = self._mono()
         with st.stage("observe"):
             observed, down = await self._observe()
         with st.stage("plan"):
-            plan = plan_phase(self.wiring, phase, observed, down)
-        if plan.empty and phase is current.phase and plan.desired == current.circuits:
-            bound.info("phase already in place", circuits=len(plan.desired))
-            return PhaseResult(current, False, f"already in phase {phase.value}; nothing to change")
+            # the new epoch relative to the committed one; the switch program from what
+            # the switches really hold (so drift is repaired on the way)
+            epoch_plan = plan_phase(
+                self.wiring, phase, current.circuits, down | self._down_pod_ports()
+            )
+            plan = converge(self.wiring, observed, epoch_plan.desired)
+        if phase is current.phase and epoch_plan.desired == current.circuits:
+            if plan.empty:
+                bound.info("phase already in place", circuits=len(plan.desired))
+                return PhaseResult(
+                    current, False, f"already in phase {phase.value}; nothing to change"
+                )
+            return await self._repair(current, plan, bound)
+        gate = slack_gate(idle_window_s, self._switching_time(plan), self.settling_margin_s)
+        if not gate.reconfigure:
+            self.metrics.gated.inc()
+            bound.info("slack gate kept the topology", reason=gate.reason)
+            self.events.publish(
+                Event("phase_gated", epoch=current.epoch, phase=phase, message=gate.reason)
+            )
+            return PhaseResult(current, False, gate.reason, gated=True)
         bound.info("reconfiguring", add=len(plan.add), remove=len(plan.remove))
-        with st.stage("program_ocs"):
-            await self._program(plan, epoch, phase)
-        with st.stage("verify"):
-            await self._verify(plan, epoch, phase)
+        await self.store.begin(
+            PendingRecord(
+                epoch, phase, plan.desired, epoch_plan.add, epoch_plan.remove, "planned",
+                request_id or None, self._wall(),
+            )
+        )  # fmt: skip
+        self._fault("planned")
+        try:
+            with st.stage("program_ocs"):
+                await self._program(plan, f"epoch-{epoch}-{secrets.token_hex(4)}")
+            await self.store.advance("ocs_programmed")
+            self._fault("ocs_programmed")
+            with st.stage("verify"):
+                await self._verify(plan)
+            await self.store.advance("verified")
+            self._fault("verified")
+        except _StageError as exc:
+            await self._roll_back(epoch, phase, exc)
         record = EpochRecord(
             epoch=epoch,
             phase=phase,
             circuits=plan.desired,
-            added=plan.add,
-            removed=plan.remove,
+            added=epoch_plan.add,
+            removed=epoch_plan.remove,
             stages=dict(st.times),
             committed_at=self._wall(),
             request_id=request_id or None,
         )
         with st.stage("commit"):
             await self.store.commit(record)
+        self._fault("committed")
         # the commit's own duration is known only after it; the caller sees it too
         record = replace(record, stages=dict(st.times))
         self._current = record
+        self.metrics.epochs.inc()
+        self.metrics.epoch.set(epoch)
+        self.metrics.reconfiguration_seconds.observe(self._mono() - t0)
+        self.metrics.circuit_changes.labels("add").inc(len(plan.add))
+        self.metrics.circuit_changes.labels("remove").inc(len(plan.remove))
         bound.info(
             "epoch committed", added=len(plan.add), removed=len(plan.remove), stages=st.times
         )
@@ -228,53 +465,63 @@ class Controller:
                 "epoch_committed",
                 epoch=epoch,
                 phase=phase,
-                message=f"+{len(plan.add)} -{len(plan.remove)} circuits",
+                message=f"+{len(plan.add)} -{len(plan.remove)} circuits; {gate.reason}",
                 stages=dict(st.times),
             )
         )
         return PhaseResult(record, True, f"epoch {epoch}: phase {phase.value}")
 
-    async def _program(self, plan: CircuitPlan, epoch: int, phase: Phase) -> None:
-        done: list[tuple[str, list[tuple[int, int]], list[tuple[int, int]]]] = []
-        for name, (disconnect, connect) in batches_by_ocs(plan).items():
-            try:
-                await self.ocs[name].apply(disconnect, connect, request_id=f"epoch-{epoch}-{name}")
-            except errors.OrlError as exc:
-                await self._rollback(done, epoch)
-                self._fail(epoch, phase, f"program_ocs: OCS {name!r} refused the batch: {exc}")
-            done.append((name, disconnect, connect))
+    async def _repair(
+        self, current: EpochRecord, plan: CircuitPlan, bound: structlog.typing.FilteringBoundLogger
+    ) -> PhaseResult:
+        """The phase is in place but the switches drifted: restore the epoch, no new one."""
+        try:
+            await self._program(plan, f"repair-{current.epoch}-{secrets.token_hex(4)}")
+            await self._verify(plan)
+        except _StageError as exc:
+            self._needs_recovery = True
+            raise errors.FailedPrecondition(
+                f"epoch {current.epoch}: repairing drift failed at stage {exc.stage}: {exc.detail}"
+            ) from None
+        self.metrics.drift_repairs.inc()
+        msg = (
+            f"already in phase {current.phase.value if current.phase else '-'}; repaired drift "
+            f"of epoch {current.epoch}: +{len(plan.add)} -{len(plan.remove)} circuits"
+        )
+        bound.warning("drift repaired", added=len(plan.add), removed=len(plan.remove))
+        self.events.publish(Event("drift_repaired", epoch=current.epoch, message=msg))
+        return PhaseResult(current, False, msg)
 
-    async def _verify(self, plan: CircuitPlan, epoch: int, phase: Phase) -> None:
-        observed, _ = await self._observe()
-        problems = check_applied(plan, observed)
-        if problems:
-            await self._rollback([(n, d, c) for n, (d, c) in batches_by_ocs(plan).items()], epoch)
-            self._fail(
-                epoch, phase, "verify: switch state differs from the plan: " + "; ".join(problems)
+    async def _roll_back(self, epoch: int, phase: Phase, exc: _StageError) -> None:
+        """Return the switches to the committed epoch and raise a precise account."""
+        current = self.current
+        self.metrics.rollbacks.labels(exc.stage).inc()
+        try:
+            undo = await self._converge(
+                current.circuits, f"rollback-{epoch}-{secrets.token_hex(4)}"
             )
-
-    async def _rollback(
-        self, done: list[tuple[str, list[tuple[int, int]], list[tuple[int, int]]]], epoch: int
-    ) -> None:
-        for name, disconnect, connect in reversed(done):
-            undo_disconnect, undo_connect = inverse(disconnect, connect)
-            try:
-                await self.ocs[name].apply(
-                    undo_disconnect, undo_connect, request_id=f"epoch-{epoch}-{name}-rollback"
-                )
-                log.warning("rolled back OCS batch", ocs=name, epoch=epoch)
-            except errors.OrlError as exc:
-                log.error(
-                    "rollback failed; the next phase change will repair it",
-                    ocs=name,
-                    error=str(exc),
-                )
-
-    def _fail(self, epoch: int, phase: Phase, message: str) -> None:
-        full = (
-            f"epoch {epoch} ({phase.value}) not committed: {message}; "
-            f"the fabric stays at epoch {self.current.epoch}"
+            await self.store.abandon()
+            outcome = (
+                f"rolled back ({len(undo.add)} circuit(s) restored, {len(undo.remove)} removed); "
+                f"the fabric is at epoch {current.epoch}"
+            )
+        except errors.OrlError as undo_exc:
+            self._needs_recovery = True
+            outcome = (
+                f"rollback failed too ({undo_exc}); the controller retries the repair to "
+                f"epoch {current.epoch} before the next change"
+            )
+        message = (
+            f"epoch {epoch} ({phase.value}) not committed: stage {exc.stage}: {exc.detail}; "
+            f"{outcome}"
         )
         log.error("reconfiguration failed", epoch=epoch, phase=phase.value, error=message)
-        self.events.publish(Event("phase_failed", epoch=epoch, phase=phase, message=full))
-        raise errors.FailedPrecondition(full)
+        self.events.publish(Event("phase_failed", epoch=epoch, phase=phase, message=message))
+        raise errors.FailedPrecondition(message) from None
+
+
+class _StageError(Exception):
+    def __init__(self, stage: str, detail: str) -> None:
+        super().__init__(f"{stage}: {detail}")
+        self.stage = stage
+        self.detail = detail

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -81,6 +83,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="seconds between agent heartbeats (deadline: 3 intervals)",
     )
+    p.add_argument(
+        "--reconcile-interval",
+        type=_positive("--reconcile-interval", 0.0, 86400.0),
+        default=10.0,
+        help="seconds between drift checks of the switches against the committed epoch",
+    )
+    p.add_argument(
+        "--lock-timeout",
+        type=_positive("--lock-timeout", 0.0, 3600.0),
+        default=30.0,
+        help="how long a phase change waits for one in progress before ABORTED",
+    )
+    p.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve Prometheus /metrics here (off if unset)",
+    )
     p.add_argument("--ready-file", type=Path, help="write the bound address here when serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
@@ -102,9 +121,20 @@ async def serve(args: argparse.Namespace) -> int:
     store = Store(args.state)
     interval = float(args.heartbeat_interval)
     controller = Controller(
-        w, store, drivers, heartbeat_interval_s=interval, heartbeat_deadline_s=3 * interval
+        w,
+        store,
+        drivers,
+        heartbeat_interval_s=interval,
+        heartbeat_deadline_s=3 * interval,
+        lock_timeout_s=args.lock_timeout,
+        fault_hook=_crash_hook(),
     )
     await controller.start()
+    stop_metrics = (
+        grpcutil.start_metrics_server(args.metrics_listen, controller.metrics.registry)
+        if args.metrics_listen
+        else None
+    )
     for d in drivers.values():
         await _probe(d, w.ocs(d.name).ports)
     server = await grpcutil.start_server(
@@ -123,19 +153,54 @@ async def serve(args: argparse.Namespace) -> int:
         state=str(args.state),
     )
     stop = grpcutil.shutdown_signal()
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGHUP, lambda: _reload(controller, args.wiring)
+    )
     grpcutil.write_ready_file(args.ready_file, server.address)
     try:
         async with asyncio.TaskGroup() as tg:
-            liveness = tg.create_task(controller.run_liveness())
+            loops = [
+                tg.create_task(controller.run_liveness()),
+                tg.create_task(controller.run_reconcile(args.reconcile_interval)),
+                tg.create_task(grpcutil.watchdog()),
+            ]
             await stop.wait()
             log.info("shutting down")
-            liveness.cancel()
+            grpcutil.sd_notify("STOPPING=1")
+            for task in loops:
+                task.cancel()
     finally:
         await server.stop(grace=5.0)
+        if stop_metrics:
+            stop_metrics()
         for d in drivers.values():
             await d.close()
         store.close()
     return 0
+
+
+def _reload(controller: Controller, path: Path) -> None:
+    """SIGHUP: validate the wiring file again; adopt it only when valid."""
+    try:
+        controller.reload(wiring_mod.load(path))
+        log.info("wiring reloaded", wiring=str(path), nodes=len(controller.wiring.nodes))
+    except errors.OrlError as exc:
+        log.error("wiring reload rejected; keeping the last good wiring", error=str(exc))
+
+
+def _crash_hook() -> Callable[[str], None]:
+    """Fault injection for crash-recovery tests: ORL_FAULT_CRASH_AT=STAGE makes the
+    controller SIGKILL itself right after that stage (as `kill -9` would)."""
+    stage = os.environ.get("ORL_FAULT_CRASH_AT", "")
+    if not stage:
+        return lambda _stage: None
+    log.warning("fault injection armed: will SIGKILL itself", stage=stage)
+
+    def hook(reached: str) -> None:
+        if reached == stage:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
 
 
 async def _probe(driver: OcsDriver, wired_ports: int) -> None:

@@ -43,6 +43,15 @@ class Registry:
         self._nodes = {n.name: NodeRecord(n.name) for n in wiring.nodes}
         self._health = {n.name: Health.UNKNOWN for n in wiring.nodes}
 
+    def with_wiring(self, wiring: Wiring) -> Registry:
+        """A registry for a reloaded wiring: nodes still wired keep their state."""
+        fresh = Registry(wiring, self.deadline_s)
+        for name in fresh._nodes:
+            if name in self._nodes:
+                fresh._nodes[name] = self._nodes[name]
+                fresh._health[name] = self._health[name]
+        return fresh
+
     def register(self, node: str, address: str, gpu_backend: str, now: float) -> NodeRecord:
         self.wiring.node(node)  # NotFound with the known names
         record = NodeRecord(node, address, secrets.token_hex(8), gpu_backend, now, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from typing import TypeAlias
 
@@ -77,7 +78,9 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
             accepted += 1
         return pb.ReportTelemetryResponse(accepted=accepted)
 
-    def _epoch_reply(self, record: EpochRecord, changed: bool, message: str) -> pb.SetPhaseResponse:
+    def _epoch_reply(
+        self, record: EpochRecord, changed: bool, message: str, gated: bool = False
+    ) -> pb.SetPhaseResponse:
         return pb.SetPhaseResponse(
             epoch=record.epoch,
             phase=phase_to_pb(record.phase),
@@ -87,13 +90,19 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
             removed=self._circuits(record.removed) if changed else [],
             stages=stages_to_pb(record.stages),
             message=message,
+            gated=gated,
         )
 
     @domain_errors_to_status
     async def SetPhase(self, request: pb.SetPhaseRequest, context: Ctx) -> pb.SetPhaseResponse:
         phase = phase_from_pb(request.phase)
-        result = await self.c.set_phase(phase, request.request_id)
-        return self._epoch_reply(result.record, result.changed, result.message)
+        window = request.idle_window_s
+        if not math.isfinite(window) or window < 0:
+            raise errors.field_error(
+                "idle_window_s", window, "seconds >= 0 (0 means unknown: no slack gate)"
+            )
+        result = await self.c.set_phase(phase, request.request_id, window or None)
+        return self._epoch_reply(result.record, result.changed, result.message, result.gated)
 
     @domain_errors_to_status
     async def GetPhase(self, request: pb.GetPhaseRequest, context: Ctx) -> pb.GetPhaseResponse:

@@ -15,7 +15,7 @@ from pathlib import Path
 from orchestrrl import errors
 from orchestrrl.model import Circuit, Phase
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS epochs (
@@ -30,6 +30,19 @@ CREATE TABLE IF NOT EXISTS epochs (
 );
 CREATE UNIQUE INDEX IF NOT EXISTS epochs_request_id ON epochs(request_id)
     WHERE request_id IS NOT NULL;
+-- The reconfiguration in progress (at most one row): written before the first
+-- switch is touched, advanced at every stage, removed by the commit or rollback.
+CREATE TABLE IF NOT EXISTS pending (
+    id         INTEGER PRIMARY KEY CHECK (id = 1),
+    epoch      INTEGER NOT NULL,
+    phase      TEXT NOT NULL,
+    circuits   TEXT NOT NULL,
+    added      TEXT NOT NULL,
+    removed    TEXT NOT NULL,
+    stage      TEXT NOT NULL,
+    request_id TEXT,
+    started_at REAL NOT NULL
+);
 """
 
 
@@ -48,6 +61,20 @@ class EpochRecord:
 
 
 GENESIS = EpochRecord(0, None, frozenset(), frozenset(), frozenset(), {}, 0.0)
+
+
+@dataclass(frozen=True)
+class PendingRecord:
+    """A reconfiguration that started but was neither committed nor rolled back."""
+
+    epoch: int
+    phase: Phase
+    circuits: frozenset[Circuit]
+    added: frozenset[Circuit]
+    removed: frozenset[Circuit]
+    stage: str
+    request_id: str | None
+    started_at: float
 
 
 def _circuits_json(cs: frozenset[Circuit]) -> str:
@@ -76,6 +103,10 @@ class Store:
         if row is None:
             self._db.execute(
                 "INSERT INTO meta(key, value) VALUES('schema_version', ?)", (str(SCHEMA_VERSION),)
+            )
+        elif int(row[0]) == 1:  # v2 added the pending table (created above)
+            self._db.execute(
+                "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),)
             )
         elif int(row[0]) != SCHEMA_VERSION:
             raise errors.FailedPrecondition(
@@ -115,7 +146,59 @@ class Store:
     def by_request_sync(self, request_id: str) -> EpochRecord | None:
         return self._row("WHERE request_id = ?", (request_id,))
 
+    def pending_sync(self) -> PendingRecord | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT epoch, phase, circuits, added, removed, stage, request_id, started_at "
+                "FROM pending WHERE id = 1"
+            ).fetchone()
+        if row is None:
+            return None
+        return PendingRecord(
+            epoch=row[0],
+            phase=Phase(row[1]),
+            circuits=_circuits_load(row[2]),
+            added=_circuits_load(row[3]),
+            removed=_circuits_load(row[4]),
+            stage=row[5],
+            request_id=row[6],
+            started_at=row[7],
+        )
+
+    def _write(self, sql: str, args: tuple[object, ...]) -> None:
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.execute(sql, args)
+                self._db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise errors.FailedPrecondition(f"state file {self.path!r}: {exc}") from None
+
+    def begin_sync(self, p: PendingRecord) -> None:
+        self._write(
+            "INSERT OR REPLACE INTO pending VALUES (1, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                p.epoch,
+                p.phase.value,
+                _circuits_json(p.circuits),
+                _circuits_json(p.added),
+                _circuits_json(p.removed),
+                p.stage,
+                p.request_id,
+                p.started_at,
+            ),
+        )
+
+    def advance_sync(self, stage: str) -> None:
+        self._write("UPDATE pending SET stage = ? WHERE id = 1", (stage,))
+
+    def abandon_sync(self) -> None:
+        self._write("DELETE FROM pending WHERE id = 1", ())
+
     def commit_sync(self, record: EpochRecord) -> EpochRecord:
+        """Insert the epoch and clear the pending row in one transaction."""
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -139,6 +222,7 @@ class Store:
                         record.request_id,
                     ),
                 )
+                self._db.execute("DELETE FROM pending WHERE id = 1")
                 self._db.execute("COMMIT")
             except sqlite3.Error as exc:
                 if self._db.in_transaction:
@@ -156,3 +240,15 @@ class Store:
 
     async def commit(self, record: EpochRecord) -> EpochRecord:
         return await asyncio.to_thread(self.commit_sync, record)
+
+    async def pending(self) -> PendingRecord | None:
+        return await asyncio.to_thread(self.pending_sync)
+
+    async def begin(self, p: PendingRecord) -> None:
+        await asyncio.to_thread(self.begin_sync, p)
+
+    async def advance(self, stage: str) -> None:
+        await asyncio.to_thread(self.advance_sync, stage)
+
+    async def abandon(self) -> None:
+        await asyncio.to_thread(self.abandon_sync)

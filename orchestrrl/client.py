@@ -70,6 +70,7 @@ class PhaseChange:
     removed: list[CircuitView]
     stages: dict[str, float]
     message: str
+    gated: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,12 +158,19 @@ class AsyncClient:
     def _what(self, rpc: str) -> str:
         return f"controller {self.address}: {rpc}"
 
-    async def set_phase(self, phase: Phase | str, request_id: str = "") -> PhaseChange:
+    async def set_phase(
+        self, phase: Phase | str, request_id: str = "", idle_window_s: float = 0.0
+    ) -> PhaseChange:
+        """Change the phase. ``idle_window_s``: predicted idle time of the traffic before
+        the phase needs its circuits (0: unknown); a shorter window than the OCS needs
+        keeps the current topology (``gated`` in the result, ``message`` says why)."""
         p = phase if isinstance(phase, Phase) else Phase.parse(phase)
         r = await grpcutil.call(
             self._what("SetPhase"),
             self._stub.SetPhase(
-                pb.SetPhaseRequest(phase=phase_to_pb(p), request_id=request_id),
+                pb.SetPhaseRequest(
+                    phase=phase_to_pb(p), request_id=request_id, idle_window_s=idle_window_s
+                ),
                 timeout=self.timeout_s,
             ),
         )
@@ -175,6 +183,7 @@ class AsyncClient:
             removed=_circuits(r.removed),
             stages=stages_from_pb(r.stages),
             message=r.message,
+            gated=r.gated,
         )
 
     async def get_phase(self) -> PhaseState:
@@ -270,8 +279,10 @@ class Client:
     ) -> None:
         self.close()
 
-    def set_phase(self, phase: Phase | str, request_id: str = "") -> PhaseChange:
-        result: PhaseChange = self._run(self._async.set_phase(phase, request_id))
+    def set_phase(
+        self, phase: Phase | str, request_id: str = "", idle_window_s: float = 0.0
+    ) -> PhaseChange:
+        result: PhaseChange = self._run(self._async.set_phase(phase, request_id, idle_window_s))
         return result
 
     def get_phase(self) -> PhaseState:

@@ -184,6 +184,38 @@ def sd_notify(message: str) -> None:
         sock.sendall(message.encode())
 
 
+async def watchdog() -> None:
+    """Ping systemd's watchdog at half its interval while the event loop is healthy
+    (runs until cancelled; returns at once when no watchdog is configured)."""
+    usec = os.environ.get("WATCHDOG_USEC")
+    pid = os.environ.get("WATCHDOG_PID")
+    if not usec or (pid and pid != str(os.getpid())):
+        return
+    interval = int(usec) / 2e6
+    while True:
+        sd_notify("WATCHDOG=1")
+        await asyncio.sleep(interval)
+
+
+def start_metrics_server(listen: str, registry: Any) -> Callable[[], None]:
+    """Serve Prometheus /metrics on ``listen`` (HOST:PORT) from a daemon thread;
+    returns a function that stops it."""
+    from prometheus_client import start_http_server
+
+    host, port = parse_address(listen, "--metrics-listen")
+    try:
+        server, thread = start_http_server(port, host.strip("[]"), registry=registry)
+    except OSError as exc:
+        raise errors.Unavailable(f"cannot serve metrics on {listen}: {exc.strerror}") from None
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return stop
+
+
 def shutdown_signal() -> asyncio.Event:
     """An event set by SIGTERM or SIGINT. Call it before announcing readiness, so a
     signal that arrives right after the ready file is written is never missed."""

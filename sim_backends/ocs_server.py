@@ -32,6 +32,7 @@ from orchestrrl.v1 import optical_switch_pb2_grpc as pb_grpc
 from sim_backends.ocs import MAX_PORTS, Pair, SimulatedOcs
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["OpticalSwitch"].full_name
+FAULTS_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["OcsFaultInjection"].full_name
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
@@ -108,17 +109,43 @@ def _messages(pairs: Iterable[Pair]) -> list[pb.CrossConnect]:
     return [pb.CrossConnect(a=a, b=b) for a, b in sorted(pairs)]
 
 
+class FaultInjectionServicer(pb_grpc.OcsFaultInjectionServicer):
+    """Lets tests and demos break a simulated switch from outside its process."""
+
+    def __init__(self, ocs: SimulatedOcs) -> None:
+        self._ocs = ocs
+        self._log = get_logger("sim_backends.ocs", ocs=ocs.name)
+
+    @domain_errors_to_status
+    async def SetPortHealth(
+        self, request: pb.SetPortHealthRequest, context: Context
+    ) -> pb.SetPortHealthResponse:
+        self._ocs.set_port_health(request.port, request.up)
+        self._log.warning("ocs.port_health", port=request.port, up=request.up)
+        return pb.SetPortHealthResponse()
+
+    @domain_errors_to_status
+    async def FailNextApply(
+        self, request: pb.FailNextApplyRequest, context: Context
+    ) -> pb.FailNextApplyResponse:
+        self._ocs.fail_next_apply(request.message or "simulated switching failure")
+        self._log.warning("ocs.fail_next_apply", message=request.message)
+        return pb.FailNextApplyResponse()
+
+
 async def serve(
     listen: str, *, name: str = "ocs0", port_count: int = 32, switching_time_s: float = 0.01
 ) -> tuple[RunningServer, SimulatedOcs]:
     """Start a simulated OCS on ``listen`` (port 0: any free port; see ``.address``)."""
     ocs = SimulatedOcs(name, port_count, switching_time_s)
     servicer = OpticalSwitchServicer(ocs)
-    running = await start_server(
-        listen,
-        lambda server: pb_grpc.add_OpticalSwitchServicer_to_server(servicer, server),
-        [SERVICE_NAME],
-    )
+    faults = FaultInjectionServicer(ocs)
+
+    def register(server: grpc.aio.Server) -> None:
+        pb_grpc.add_OpticalSwitchServicer_to_server(servicer, server)
+        pb_grpc.add_OcsFaultInjectionServicer_to_server(faults, server)
+
+    running = await start_server(listen, register, [SERVICE_NAME, FAULTS_SERVICE_NAME])
     return running, ocs
 
 

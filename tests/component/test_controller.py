@@ -119,7 +119,7 @@ async def test_ocs_failure_rolls_back_and_keeps_the_epoch(
     msg = str(info.value)
     assert "epoch 2 (weight-sync) not committed" in msg
     assert "program_ocs" in msg and "ocs0" in msg and "laser bank 3 offline" in msg
-    assert "stays at epoch 1" in msg
+    assert "rolled back" in msg and "the fabric is at epoch 1" in msg
     assert table(fabric) == circuits(good)
     assert (await client.get_phase()).epoch == 1
     # and the next attempt succeeds

@@ -10,11 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabric_controller.reconcile import batches_by_ocs, check_applied, inverse
 from orchestrrl import errors
 from orchestrrl import wiring as wiring_mod
 from orchestrrl.model import Circuit, Phase, Role, Wiring
-from scheduler.circuits import allocate, diff, pair, plan_phase, template_demand
+from scheduler.circuits import allocate, pair, plan_phase, template_demand
 
 pytestmark = pytest.mark.unit
 
@@ -133,21 +132,6 @@ def test_multiple_ocs_use_common_switches_only() -> None:
     assert_valid(w, plan.desired)
     by_pair = Counter((owners(w, c), c.ocs) for c in plan.desired)
     assert by_pair == {(("p0", "p1"), "a"): 2, (("p0", "p2"), "b"): 1}
-
-
-def test_reconcile_helpers() -> None:
-    observed = {Circuit("o", 1, 2), Circuit("o", 3, 4), Circuit("p", 1, 2)}
-    desired = {Circuit("o", 1, 3), Circuit("p", 1, 2)}
-    plan = diff(observed, desired)
-    batches = batches_by_ocs(plan)
-    assert batches == {"o": ([(1, 2), (3, 4)], [(1, 3)])}
-    assert inverse(*batches["o"]) == ([(1, 3)], [(1, 2), (3, 4)])
-    assert check_applied(plan, desired) == []
-    assert check_applied(plan, observed) == [
-        "circuit o:1<->3 is missing",
-        "circuit o:1<->2 is still connected",
-        "circuit o:3<->4 is still connected",
-    ]
 
 
 def test_circuit_is_normalised_and_refuses_self_loops() -> None:
