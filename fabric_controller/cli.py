@@ -93,8 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     tsub = topo.add_subparsers(dest="action", required=True, metavar="ACTION")
     add(tsub, "show", "show pods, ToRs, OCSes and the circuits of the current epoch")
 
-    events = add(sub, "events", "print controller events as they happen")
+    events = add(sub, "events", "print recent controller events; --follow for new ones")
+    events.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    events.add_argument("--recent", type=int, default=20, help="recent events first (default 20)")
     events.add_argument("--count", type=int, default=0, help="stop after N events (0: never)")
+
+    plan = add(sub, "plan", "show what a change would do, changing nothing")
+    plsub = plan.add_subparsers(dest="action", required=True, metavar="WHAT")
+    plan_phase = add(plsub, "phase", "the circuits a phase change would add and remove")
+    plan_phase.add_argument("phase", choices=PHASES)
 
     config = add(sub, "config", "validate wiring files")
     csub = config.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -266,9 +273,11 @@ def cmd_topology(args: argparse.Namespace) -> int:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
+    if args.recent < 0 or args.count < 0:
+        raise errors.field_error("--recent/--count", min(args.recent, args.count), "N >= 0")
     seen = 0
     with _client(args) as c:
-        for e in c.watch():
+        for e in c.watch(args.recent, args.follow):
             if getattr(args, "json", False):
                 print(json.dumps(to_json(e), sort_keys=True), flush=True)
             else:
@@ -363,8 +372,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.wiring, args.steps, args.run_dir)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    args.action = "plan"
+    return cmd_phase(args)
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "phase": cmd_phase,
+    "plan": cmd_plan,
     "nodes": cmd_nodes,
     "topology": cmd_topology,
     "events": cmd_events,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
@@ -30,15 +31,19 @@ _OVERFLOW = Event(kind="events_dropped", message="subscriber fell behind; reconn
 
 
 class EventHub:
-    def __init__(self, clock: Callable[[], float], maxsize: int = 1000) -> None:
+    def __init__(
+        self, clock: Callable[[], float], maxsize: int = 1000, history: int = 1000
+    ) -> None:
         self._clock = clock
         self._maxsize = maxsize
         self._sequence = 0
         self._subscribers: set[asyncio.Queue[Event]] = set()
+        self._history: deque[Event] = deque(maxlen=history)
 
     def publish(self, event: Event) -> Event:
         self._sequence += 1
         stamped = replace(event, sequence=self._sequence, timestamp=self._clock())
+        self._history.append(stamped)
         for q in list(self._subscribers):
             try:
                 q.put_nowait(stamped)
@@ -49,10 +54,16 @@ class EventHub:
                 q.put_nowait(_OVERFLOW)
         return stamped
 
-    async def subscribe(self) -> AsyncIterator[Event]:
+    def recent(self, n: int) -> list[Event]:
+        return list(self._history)[-n:] if n > 0 else []
+
+    async def subscribe(self, recent: int = 0) -> AsyncIterator[Event]:
+        """The ``recent`` most recent events, then every new one."""
         q: asyncio.Queue[Event] = asyncio.Queue(self._maxsize)
         self._subscribers.add(q)
         try:
+            for event in self.recent(recent):
+                yield event
             while True:
                 event = await q.get()
                 yield event

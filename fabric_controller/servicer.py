@@ -198,7 +198,11 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, context: Ctx
     ) -> AsyncIterator[pb.Event]:
-        async for event in self.c.events.subscribe():
+        if not request.follow:
+            for event in self.c.events.recent(request.recent):
+                yield event_to_pb(event)
+            return
+        async for event in self.c.events.subscribe(request.recent):
             yield event_to_pb(event)
 
 

@@ -8,6 +8,7 @@ client on a private event loop). Every call has a timeout; errors arrive as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import asdict, dataclass, field
@@ -16,13 +17,15 @@ from typing import Any, TypeVar
 
 import grpc
 
-from orchestrrl import grpcutil
+from orchestrrl import errors, grpcutil
 from orchestrrl.convert import optional_phase_from_pb, phase_to_pb, stages_from_pb
+from orchestrrl.logs import get_logger
 from orchestrrl.model import Phase
 from orchestrrl.v1 import fabric_controller_pb2 as pb
 from orchestrrl.v1 import fabric_controller_pb2_grpc as pb_grpc
 
 DEFAULT_CONTROLLER = "127.0.0.1:50051"
+log = get_logger("orchestrrl.client")
 T = TypeVar("T")
 
 
@@ -186,6 +189,34 @@ class AsyncClient:
             gated=r.gated,
         )
 
+    @contextlib.asynccontextmanager
+    async def phase(
+        self,
+        phase: Phase | str,
+        *,
+        restore: bool = True,
+        request_id: str = "",
+        idle_window_s: float = 0.0,
+    ) -> AsyncIterator[PhaseChange]:
+        """``async with orl.phase("weight-sync"): await sync_weights()``: set the phase
+        for the body, then (``restore``) return to the phase that was active before."""
+        before = (await self.get_phase()).phase
+        change = await self.set_phase(phase, request_id, idle_window_s)
+        failed = False
+        try:
+            yield change
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            if restore and before is not None and before != change.phase:
+                try:
+                    await self.set_phase(before)
+                except errors.OrlError as exc:
+                    if not failed:
+                        raise
+                    log.error("could not restore the phase", phase=before, error=str(exc))
+
     async def get_phase(self) -> PhaseState:
         r = await grpcutil.call(
             self._what("GetPhase"),
@@ -228,9 +259,10 @@ class AsyncClient:
             for n in r.nodes
         ]
 
-    async def watch(self) -> AsyncIterator[EventView]:
-        """Events as they happen, until the caller stops iterating."""
-        call = self._stub.WatchEvents(pb.WatchEventsRequest())
+    async def watch(self, recent: int = 0, follow: bool = True) -> AsyncIterator[EventView]:
+        """The ``recent`` most recent events, then (``follow``) new ones as they happen,
+        until the caller stops iterating."""
+        call = self._stub.WatchEvents(pb.WatchEventsRequest(recent=recent, follow=follow))
         try:
             while True:
                 e = await grpcutil.call(self._what("WatchEvents"), call.read())
@@ -289,6 +321,29 @@ class Client:
         result: PhaseState = self._run(self._async.get_phase())
         return result
 
+    @contextlib.contextmanager
+    def phase(
+        self,
+        phase: Phase | str,
+        *,
+        restore: bool = True,
+        request_id: str = "",
+        idle_window_s: float = 0.0,
+    ) -> Iterator[PhaseChange]:
+        """``with orl.phase("weight-sync"): sync_weights()``: set the phase for the body,
+        then (``restore``) return to the phase that was active before."""
+        cm = self._async.phase(
+            phase, restore=restore, request_id=request_id, idle_window_s=idle_window_s
+        )
+        change: PhaseChange = self._run(cm.__aenter__())
+        try:
+            yield change
+        except BaseException as exc:
+            if not self._run(cm.__aexit__(type(exc), exc, exc.__traceback__)):
+                raise
+        else:
+            self._run(cm.__aexit__(None, None, None))
+
     def plan_phase(self, phase: Phase | str) -> PhasePlan:
         result: PhasePlan = self._run(self._async.plan_phase(phase))
         return result
@@ -301,8 +356,8 @@ class Client:
         result: list[NodeView] = self._run(self._async.nodes())
         return result
 
-    def watch(self) -> Iterator[EventView]:
-        stream = aiter(self._async.watch())
+    def watch(self, recent: int = 0, follow: bool = True) -> Iterator[EventView]:
+        stream = aiter(self._async.watch(recent, follow))
         assert isinstance(stream, AsyncGenerator)
         try:
             while True:

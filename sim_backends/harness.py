@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fabric_controller.controller import Controller
 from fabric_controller.drivers.ocs import GrpcOcsDriver, OcsDriver
@@ -45,6 +46,7 @@ async def _start_controller(
     state: Path,
     heartbeat_interval_s: float,
     deadline_s: float,
+    options: dict[str, Any],
 ) -> _ControllerProcess:
     drivers: dict[str, OcsDriver] = {
         name: GrpcOcsDriver(name, addr) for name, addr in ocs_addresses.items()
@@ -55,6 +57,7 @@ async def _start_controller(
         drivers,
         heartbeat_interval_s=heartbeat_interval_s,
         heartbeat_deadline_s=deadline_s,
+        **options,
     )
     await controller.start()
     server = await grpcutil.start_server(
@@ -76,6 +79,7 @@ class Fabric:
     ocs_addresses: dict[str, str]
     heartbeat_interval_s: float
     deadline_s: float
+    options: dict[str, Any]
     _ocs_servers: list[grpcutil.RunningServer]
     _proc: _ControllerProcess
 
@@ -91,7 +95,12 @@ class Fabric:
         """Stop the controller and start a new one on the same state file (OCSes keep state)."""
         await self._proc.stop()
         self._proc = await _start_controller(
-            self.wiring, self.ocs_addresses, self.state, self.heartbeat_interval_s, self.deadline_s
+            self.wiring,
+            self.ocs_addresses,
+            self.state,
+            self.heartbeat_interval_s,
+            self.deadline_s,
+            self.options,
         )
 
     async def stop(self) -> None:
@@ -107,8 +116,10 @@ async def start_fabric(
     switching_time_s: float | None = None,
     heartbeat_interval_s: float = 1.0,
     deadline_s: float = 3.0,
+    **controller_options: Any,
 ) -> Fabric:
-    """Start the simulated OCSes of ``wiring`` and a controller keeping state in ``state``."""
+    """Start the simulated OCSes of ``wiring`` and a controller keeping state in ``state``
+    (``controller_options`` go to :class:`Controller`, e.g. ``lock_timeout_s``)."""
     servers: list[grpcutil.RunningServer] = []
     switches: dict[str, SimulatedOcs] = {}
     addresses: dict[str, str] = {}
@@ -122,7 +133,17 @@ async def start_fabric(
         servers.append(running)
         switches[o.name] = sim
         addresses[o.name] = running.address
-    proc = await _start_controller(wiring, addresses, state, heartbeat_interval_s, deadline_s)
+    proc = await _start_controller(
+        wiring, addresses, state, heartbeat_interval_s, deadline_s, controller_options
+    )
     return Fabric(
-        wiring, state, switches, addresses, heartbeat_interval_s, deadline_s, servers, proc
+        wiring,
+        state,
+        switches,
+        addresses,
+        heartbeat_interval_s,
+        deadline_s,
+        controller_options,
+        servers,
+        proc,
     )

@@ -259,3 +259,84 @@ async def test_topology_reports_wiring_and_circuits(fabric: Fabric, client: Asyn
     assert [p.name for p in t.pods] == ["train0", "train1", "gen0", "gen1"]
     assert len(t.nodes) == 8 and len(t.tors) == 4 and len(t.circuits) == 8
     assert t.ocses[0].port_count == 32
+
+
+async def test_concurrent_phase_changes_are_serialized(
+    example_wiring: Wiring, tmp_path: Path
+) -> None:
+    f = await start_fabric(example_wiring, tmp_path / "s.db", switching_time_s=0.3,
+                           lock_timeout_s=0.1)  # fmt: skip
+    try:
+        async with AsyncClient(f.address, timeout_s=10) as c:
+            first = asyncio.create_task(c.set_phase("training"))
+            while not f.controller._reconfig.locked():  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
+            with pytest.raises(errors.Aborted) as info:
+                await c.set_phase("weight-sync")
+            assert "another reconfiguration (epoch 1 (training)) is still in progress" in str(
+                info.value
+            )
+            assert (await first).epoch == 1
+            assert (await c.get_phase()).phase == "training"
+    finally:
+        await f.stop()
+
+
+async def test_waiting_phase_change_runs_after_the_first(
+    fabric: Fabric, client: AsyncClient
+) -> None:
+    a, b = await asyncio.gather(client.set_phase("training"), client.set_phase("weight-sync"))
+    assert sorted([a.epoch, b.epoch]) == [1, 2]
+    last = a if a.epoch == 2 else b
+    assert table(fabric) == circuits(last)
+
+
+async def test_slack_gate_keeps_the_topology_when_the_window_is_short(
+    fabric: Fabric, client: AsyncClient
+) -> None:
+    # the harness OCS switches in 1 ms; the wiring says 10 ms, the gate uses the wiring
+    first = await client.set_phase("training")
+    gated = await client.set_phase("weight-sync", idle_window_s=0.004)
+    assert gated.gated and not gated.changed and gated.epoch == first.epoch
+    assert "kept the current topology" in gated.message
+    # every new circuit reuses a port of a removed one: one (break) step of 10 ms
+    assert "OCS switching 10.0 ms + settling 5.0 ms" in gated.message
+    assert table(fabric) == circuits(first)
+    ok = await client.set_phase("weight-sync", idle_window_s=0.5)
+    assert ok.changed and not ok.gated and ok.epoch == first.epoch + 1
+
+
+async def test_events_recent_and_follow(fabric: Fabric, client: AsyncClient) -> None:
+    await client.set_phase("training")
+    await client.set_phase("weight-sync")
+    recent = [e async for e in client.watch(recent=10, follow=False)]
+    kinds = [e.kind for e in recent]
+    assert kinds[-2:] == ["epoch_committed", "epoch_committed"]
+    assert recent[-1].phase == "weight-sync" and "program_ocs" in recent[-1].stages
+
+
+async def test_down_pods_are_left_out_of_the_plan(example_wiring: Wiring, tmp_path: Path) -> None:
+    f = await start_fabric(example_wiring, tmp_path / "s.db", heartbeat_interval_s=0.05,
+                           deadline_s=0.15)  # fmt: skip
+    try:
+        async with AsyncClient(f.address, timeout_s=10) as c:
+            for node in ("gen1-n0", "gen1-n1"):
+                f.controller.register(node, "127.0.0.1:1", "sim", 8)
+            await asyncio.sleep(0.4)  # no heartbeats: gen1 is down
+            assert {n.node: n.health for n in await c.nodes()}["gen1-n0"] == "down"
+            r = await c.set_phase("weight-sync")
+            pods = {tuple(sorted((x.pod_a, x.pod_b))) for x in r.circuits}
+            assert pods == {("gen0", "train0"), ("gen0", "train1")}
+            assert len(r.circuits) == 8  # gen0's 8 ports, split over both training pods
+    finally:
+        await f.stop()
+
+
+async def test_metrics_count_epochs_and_stages(fabric: Fabric, client: AsyncClient) -> None:
+    from prometheus_client import generate_latest
+
+    await client.set_phase("training")
+    text = generate_latest(fabric.controller.metrics.registry).decode()
+    assert "orl_epochs_total 1.0" in text
+    assert 'orl_reconfiguration_stage_seconds_count{stage="program_ocs"} 1.0' in text
+    assert "orl_epoch 1.0" in text

@@ -33,17 +33,23 @@ class ControllerProcess:
         return await asyncio.wait_for(self.proc.wait(), 15)
 
 
-async def start_controller(tmp: Path, ocs_address: str, crash_at: str = "") -> ControllerProcess:
+async def start_controller(
+    tmp: Path,
+    ocs_address: str,
+    crash_at: str = "",
+    wiring: Path | None = None,
+    extra: list[str] | None = None,
+) -> ControllerProcess:
     ready = tmp / "controller.addr"
     ready.unlink(missing_ok=True)
     env = {**os.environ, "ORL_FAULT_CRASH_AT": crash_at}
     log_fd = os.open(tmp / "controller.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "fabric_controller.main",
-        "--wiring", str(wiring_mod.default_wiring_path()),
+        "--wiring", str(wiring or wiring_mod.default_wiring_path()),
         "--state", str(tmp / "state.db"), "--listen", "127.0.0.1:0",
         "--ocs-address", f"ocs0={ocs_address}", "--ready-file", str(ready),
-        "--log-format", "json",
+        "--log-format", "json", *(extra or []),
         stdout=asyncio.subprocess.DEVNULL, stderr=log_fd, env=env,
     )  # fmt: skip
     os.close(log_fd)

@@ -128,3 +128,29 @@ def test_config_check(tmp_path: Path) -> None:
     assert "port 1 of OCS 'ocs0' is already cabled to tor 'tor-train0'.uplinks[0]" in r.stderr
     j = orlctl("--json", "config", "check", str(bad), check=False)
     assert json.loads(j.stdout)["error"]["kind"] == "WiringError"
+
+
+def test_python_client_phase_context_manager(cluster: dict[str, Any]) -> None:
+    from orchestrrl.client import Client
+
+    with Client(cluster["controller"], timeout_s=10) as orl:
+        orl.set_phase("generation")
+        with orl.phase("weight-sync") as change:
+            assert change.phase == "weight-sync"
+            assert orl.get_phase().phase == "weight-sync"
+        assert orl.get_phase().phase == "generation"
+        with pytest.raises(RuntimeError, match="sync failed"), orl.phase("weight-sync"):
+            raise RuntimeError("sync failed")
+        assert orl.get_phase().phase == "generation"
+
+
+def test_events_and_plan_commands(cluster: dict[str, Any]) -> None:
+    ctl = ["--controller", cluster["controller"]]
+    orlctl(*ctl, "phase", "set", "training")
+    lines = orlctl(*ctl, "--json", "events", "--recent", "50").stdout.splitlines()
+    events = [json.loads(line) for line in lines]
+    assert {"node_registered", "epoch_committed"} <= {e["kind"] for e in events}
+    text = orlctl(*ctl, "events", "--recent", "3").stdout
+    assert "epoch_committed" in text
+    plan = orljson(*ctl, "plan", "phase", "weight-sync")
+    assert len(plan["added"]) == 16 and len(plan["removed"]) == 8
