@@ -1,0 +1,59 @@
+"""The shipped systemd units: systemd-analyze accepts them, and every flag they pass
+exists in the daemon they start."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from fabric_controller.main import build_parser as controller_parser
+from node_agent.config import build_parser as agent_parser
+from sim_backends.ocs_server import _parser as ocs_parser
+
+pytestmark = pytest.mark.component
+
+UNITS = Path(__file__).parents[2] / "systemd"
+PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
+    "orl-fabric-controller.service": controller_parser,
+    "orl-node-agent.service": agent_parser,
+    "orl-sim-ocs.service": ocs_parser,
+}
+
+
+def exec_start(unit: str) -> list[str]:
+    text = (UNITS / unit).read_text().replace("\\\n", " ")
+    line = next(x for x in text.splitlines() if x.startswith("ExecStart="))
+    return line.removeprefix("ExecStart=").split()
+
+
+@pytest.mark.parametrize("unit", sorted(PARSERS))
+def test_unit_flags_exist_in_the_daemon(unit: str) -> None:
+    known = {o for a in PARSERS[unit]()._actions for o in a.option_strings}
+    flags = [w for w in exec_start(unit)[1:] if w.startswith("--")]
+    assert flags, unit
+    assert set(flags) <= known, set(flags) - known
+
+
+@pytest.mark.parametrize("unit", sorted(PARSERS))
+def test_systemd_analyze_verify_accepts_the_unit(unit: str, tmp_path: Path) -> None:
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed")
+    venv_bin = str(Path(sys.executable).parent) + "/"
+    text = (UNITS / unit).read_text().replace("/opt/orchestrrl/.venv/bin/", venv_bin)
+    copy = tmp_path / unit
+    copy.write_text(text)
+    r = subprocess.run(
+        ["systemd-analyze", "verify", str(copy)], capture_output=True, text=True, timeout=60
+    )
+    problems = [
+        line for line in (r.stdout + r.stderr).splitlines()
+        if line.strip() and not re.search(r"Failed to (connect|prepare filename)", line)
+    ]  # fmt: skip
+    assert r.returncode == 0 and not problems, problems
