@@ -9,6 +9,7 @@ change moves as few OCS ports as possible.
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -65,9 +66,12 @@ def allocate(
 ) -> frozenset[Circuit]:
     """Allocate circuits for a pod-pair demand within every pod's OCS port budget.
 
-    ``keep`` are circuits that exist now: each pod pair reuses its existing circuits
-    (same ports) before taking fresh ports. ``unavailable_ports`` (failed ports) are
-    never used. Deterministic: the same inputs give the same circuits.
+    Pass 1 decides how many circuits each pod pair gets on each OCS from the demand
+    and the budgets alone; pass 2 picks ports, reusing ``keep`` (the circuits that
+    exist now) wherever a pair keeps circuits on that OCS, then the lowest free ports.
+    Because the counts never depend on ``keep``, allocating again from the result
+    reuses every circuit: re-planning an applied plan is a no-op.
+    ``unavailable_ports`` (failed ports) are never used. Deterministic.
     """
     down = set(unavailable_ports)
     free: dict[tuple[str, str], list[int]] = defaultdict(list)  # (pod, ocs) -> ports
@@ -90,22 +94,28 @@ def allocate(
     per_ocs: dict[tuple[PodPair, str], int] = defaultdict(int)
     ocs_names = [o.name for o in wiring.ocses]
     active = {p: w for p, w in demand.items() if w > 0 and p[0] != p[1]}
-    while True:
-        best: tuple[float, PodPair, str] | None = None
-        for p, weight in sorted(active.items()):
-            candidate = _choose_ocs(p, ocs_names, budget, existing, per_ocs)
-            if candidate is None:
-                continue
-            score = count[p] / weight
-            if best is None or score < best[0]:
-                best = (score, p, candidate)
-        if best is None:
-            break
-        _, p, ocs = best
+    # A heap of (circuits per unit of demand, pair): the worst-served pair comes first,
+    # ties to the first pair in sorted order. Budgets only shrink, so a pair with no
+    # common OCS port left never gets one again and is dropped for good.
+    pod_free: dict[str, int] = defaultdict(int)  # over all OCSes: a cheap first test
+    for (pod, _), n in budget.items():
+        pod_free[pod] += n
+    pairs = sorted(active)  # heap entries carry the index: ties go to sorted order
+    heap = [(0.0, i) for i in range(len(pairs))]
+    while heap:
+        _, i = heapq.heappop(heap)
+        p = pairs[i]
+        if not pod_free[p[0]] or not pod_free[p[1]]:
+            continue
+        chosen_ocs = _choose_ocs(p, ocs_names, budget)
+        if chosen_ocs is None:
+            continue
         count[p] += 1
-        per_ocs[(p, ocs)] += 1
-        budget[(p[0], ocs)] -= 1
-        budget[(p[1], ocs)] -= 1
+        per_ocs[(p, chosen_ocs)] += 1
+        for pod in p:
+            budget[(pod, chosen_ocs)] -= 1
+            pod_free[pod] -= 1
+        heapq.heappush(heap, (count[p] / active[p], i))
 
     # Pass 2: concrete ports; existing circuits first, then the lowest free ports.
     taken: set[tuple[str, int]] = set()
@@ -114,36 +124,26 @@ def allocate(
         kept = existing.get((p, ocs), [])[:n]
         chosen.extend(kept)
         taken.update(port for c in kept for port in c.ports())
+    spare = {  # lowest free ports first, minus those the kept circuits hold
+        key: iter([x for x in ports if (key[1], x) not in taken]) for key, ports in free.items()
+    }
     for (p, ocs), n in sorted(per_ocs.items()):
-        fresh = n - min(n, len(existing.get((p, ocs), [])))
-        for _ in range(fresh):
-            port_a = next(x for x in free[(p[0], ocs)] if (ocs, x) not in taken)
-            taken.add((ocs, port_a))
-            port_b = next(x for x in free[(p[1], ocs)] if (ocs, x) not in taken)
-            taken.add((ocs, port_b))
-            chosen.append(Circuit(ocs, port_a, port_b))
+        for _ in range(n - min(n, len(existing.get((p, ocs), [])))):
+            chosen.append(Circuit(ocs, next(spare[(p[0], ocs)]), next(spare[(p[1], ocs)])))
     return frozenset(chosen)
 
 
 def _choose_ocs(
-    p: PodPair,
-    ocs_names: list[str],
-    budget: Mapping[tuple[str, str], int],
-    existing: Mapping[tuple[PodPair, str], list[Circuit]],
-    per_ocs: Mapping[tuple[PodPair, str], int],
+    p: PodPair, ocs_names: list[str], budget: Mapping[tuple[str, str], int]
 ) -> str | None:
-    """The OCS for the pair's next circuit: one holding an existing circuit of the
-    pair not yet reused, else the one with the most ports free on both sides."""
-    best: tuple[int, int, str] | None = None
+    """The OCS for the pair's next circuit: the one with the most ports free on both
+    sides (the first in wiring order on a tie), or None when no OCS has room."""
+    best: tuple[int, str] | None = None
     for ocs in ocs_names:
         room = min(budget.get((p[0], ocs), 0), budget.get((p[1], ocs), 0))
-        if room <= 0:
-            continue
-        reusable = len(existing.get((p, ocs), [])) - per_ocs.get((p, ocs), 0)
-        key = (1 if reusable > 0 else 0, room, ocs)
-        if best is None or key[:2] > best[:2]:
-            best = key
-    return None if best is None else best[2]
+        if room > 0 and (best is None or room > best[0]):
+            best = (room, ocs)
+    return None if best is None else best[1]
 
 
 def plan_phase(
