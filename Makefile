@@ -39,6 +39,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/phase_switch.py --json bench/results/phase_switch.json
+	$(PY) bench/phase_switch.py --nodes 64,512,2048 --switching-ms 0 --rounds 10 \
+		--json bench/results/phase_switch_scale.json
+	$(PY) bench/telemetry_ingest.py --agents 2048 --hz 10 --seconds 10 \
+		--json bench/results/telemetry_ingest.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info orchestrrl/v1 .pytest_cache .mypy_cache .ruff_cache

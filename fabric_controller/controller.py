@@ -38,7 +38,7 @@ from scheduler.gate import DEFAULT_SETTLING_MARGIN_S, slack_gate
 log = get_logger("fabric_controller")
 
 # Stages journaled in the store; a crash hook may fire after each.
-ROLL_FORWARD_STAGES = ("ocs_programmed", "verified")
+ROLL_FORWARD_STAGES = ("ocs_programmed",)
 
 
 @dataclass(frozen=True)
@@ -187,6 +187,8 @@ class Controller:
     def telemetry(self, sample: node_agent_pb2.TelemetrySample) -> None:
         self.registry.telemetry(sample.node, sample, self._mono())
         self.metrics.telemetry_samples.inc()
+        if sample.timestamp > 0:
+            self.metrics.telemetry_lag.observe(max(0.0, self._wall() - sample.timestamp))
 
     def nodes(self) -> list[tuple[NodeRecord, Health, float | None]]:
         now = self._mono()
@@ -232,7 +234,7 @@ class Controller:
 
     async def _observe(self) -> tuple[frozenset[Circuit], frozenset[tuple[str, int]]]:
         async def one(name: str, drv: OcsDriver) -> tuple[set[Circuit], set[tuple[str, int]]]:
-            pairs, down = await asyncio.gather(drv.cross_connects(), drv.down_ports())
+            pairs, down = await drv.snapshot()
             return {Circuit(name, a, b) for a, b in pairs}, {(name, p) for p in down}
 
         results = await asyncio.gather(*(one(n, d) for n, d in sorted(self.ocs.items())))
@@ -432,7 +434,6 @@ class Controller:
             self._fault("ocs_programmed")
             with st.stage("verify"):
                 await self._verify(plan)
-            await self.store.advance("verified")
             self._fault("verified")
         except _StageError as exc:
             await self._roll_back(epoch, phase, exc)

@@ -42,3 +42,9 @@ class ControllerMetrics:
         self.telemetry_samples = Counter(
             "orl_telemetry_samples", "Telemetry samples received", registry=self.registry
         )
+        self.telemetry_lag = Histogram(
+            "orl_telemetry_lag_seconds",
+            "Age of a telemetry sample when the controller processed it",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )

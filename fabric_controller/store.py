@@ -92,7 +92,10 @@ class Store:
         try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
+            # NORMAL in WAL mode: every transaction survives a crash of the process
+            # (kill -9); a power loss may drop the last ones, and recovery then
+            # converges the switches to the epoch before them.
+            self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
             self._check_version()
         except sqlite3.Error as exc:

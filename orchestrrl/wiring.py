@@ -400,3 +400,35 @@ def to_dict(w: Wiring) -> dict[str, Any]:
 def default_wiring_path() -> Path:
     """The wiring embedded in the package (the same as examples/local-8node.toml)."""
     return Path(__file__).parent / "data" / "local-8node.toml"
+
+
+def to_toml(w: Wiring) -> str:
+    """The wiring as a TOML file that :func:`parse` reads back to an equal wiring."""
+
+    def q(v: object) -> str:
+        return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    out = [f"[cluster]\nname = {q(w.cluster)}\ncontroller = {q(w.controller)}\n"]
+    for o in w.ocses:
+        out.append(
+            f"[[ocs]]\nname = {q(o.name)}\naddress = {q(o.address)}\nports = {o.ports}\n"
+            f"switching_time_ms = {o.switching_time_s * 1000.0!r}\n"
+        )
+    out += [f"[[pod]]\nname = {q(p.name)}\n" for p in w.pods]
+    for t in w.tors:
+        ups = ",\n".join(
+            f"  {{ port = {q(u.port)}, ocs = {q(u.ocs)}, ocs_port = {u.ocs_port} }}"
+            for u in t.uplinks
+        )
+        out.append(f"[[tor]]\nname = {q(t.name)}\npod = {q(t.pod)}\nuplinks = [\n{ups}\n]\n")
+    for n in w.nodes:
+        nics = ",\n".join(
+            f"  {{ name = {q(x.name)}, tor = {q(x.tor)}, tor_port = {q(x.tor_port)}, "
+            f"gbps = {x.gbps!r} }}"
+            for x in n.nics
+        )
+        out.append(
+            f"[[node]]\nname = {q(n.name)}\npod = {q(n.pod)}\nrole = {q(n.role.value)}\n"
+            f"agent = {q(n.agent)}\ngpus = {n.gpus}\nnics = [\n{nics}\n]\n"
+        )
+    return "\n".join(out)

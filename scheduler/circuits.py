@@ -100,22 +100,32 @@ def allocate(
     pod_free: dict[str, int] = defaultdict(int)  # over all OCSes: a cheap first test
     for (pod, _), n in budget.items():
         pod_free[pod] += n
-    pairs = sorted(active)  # heap entries carry the index: ties go to sorted order
-    heap = [(0.0, i) for i in range(len(pairs))]
-    while heap:
-        _, i = heapq.heappop(heap)
-        p = pairs[i]
+    pairs = sorted(active)
+
+    def grant(p: PodPair) -> bool:
+        """One more circuit for ``p`` if some OCS has a free port on both sides."""
         if not pod_free[p[0]] or not pod_free[p[1]]:
-            continue
+            return False
         chosen_ocs = _choose_ocs(p, ocs_names, budget)
         if chosen_ocs is None:
-            continue
+            return False
         count[p] += 1
         per_ocs[(p, chosen_ocs)] += 1
         for pod in p:
             budget[(pod, chosen_ocs)] -= 1
             pod_free[pod] -= 1
-        heapq.heappush(heap, (count[p] / active[p], i))
+        return True
+
+    if len(set(active.values())) <= 1:
+        # equal demand: the worst-served-first order is plain round-robin
+        while pairs:
+            pairs = [p for p in pairs if grant(p)]
+    else:
+        heap = [(0.0, i) for i in range(len(pairs))]  # the index breaks ties: sorted order
+        while heap:
+            _, i = heapq.heappop(heap)
+            if grant(pairs[i]):
+                heapq.heappush(heap, (count[pairs[i]] / active[pairs[i]], i))
 
     # Pass 2: concrete ports; existing circuits first, then the lowest free ports.
     taken: set[tuple[str, int]] = set()

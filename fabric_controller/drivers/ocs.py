@@ -32,8 +32,8 @@ class OcsDriver(Protocol):
         """The current table, each pair with a < b."""
         ...
 
-    async def down_ports(self) -> frozenset[int]:
-        """Ports whose health is not UP."""
+    async def snapshot(self) -> tuple[frozenset[PortPair], frozenset[int]]:
+        """The table and the ports whose health is not UP, read at one moment."""
         ...
 
     async def apply(
@@ -71,12 +71,14 @@ class GrpcOcsDriver:
         )
         return frozenset(_norm(x.a, x.b) for x in r.cross_connects)
 
-    async def down_ports(self) -> frozenset[int]:
+    async def snapshot(self) -> tuple[frozenset[PortPair], frozenset[int]]:
         r = await grpcutil.call(
             self._what("ListPorts"),
             self._stub.ListPorts(pb.ListPortsRequest(), timeout=self.timeout_s),
         )
-        return frozenset(p.port for p in r.ports if p.state != pb.PORT_STATE_UP)
+        pairs = frozenset(_norm(p.port, p.peer) for p in r.ports if p.peer)
+        down = frozenset(p.port for p in r.ports if p.state != pb.PORT_STATE_UP)
+        return pairs, down
 
     async def apply(
         self, disconnect: Iterable[PortPair], connect: Iterable[PortPair], request_id: str = ""

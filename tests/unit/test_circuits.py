@@ -212,3 +212,13 @@ def test_roles_drive_templates(example_wiring: Wiring) -> None:
     train = set(example_wiring.pods_with_role(Role.TRAIN))
     for a, b in template_demand(example_wiring, Phase.WEIGHT_SYNC):
         assert (a in train) != (b in train)
+
+
+def test_weighted_demand_is_served_bottleneck_first() -> None:
+    w = make_wiring([("train", [("o", 8)]), ("gen", [("o", 4)]), ("gen", [("o", 4)])], {"o": 16})
+    circuits = allocate(w, {("p0", "p1"): 3.0, ("p0", "p2"): 1.0})
+    # p1 fills up (4 ports) while p0-p1 leads; p0's other 4 ports go to p2
+    assert Counter(owners(w, c) for c in circuits) == {("p0", "p1"): 4, ("p0", "p2"): 4}
+    # p1's 4 ports: one to the light pair first (sorted order), then the heavy pair
+    uneven = allocate(w, {("p1", "p2"): 1.0, ("p0", "p1"): 0.25})
+    assert Counter(owners(w, c) for c in uneven) == {("p0", "p1"): 1, ("p1", "p2"): 3}

@@ -197,3 +197,10 @@ def test_to_dict_is_the_normalised_wiring() -> None:
     assert d["ocs"][0]["switching_time_ms"] == 10.0
     assert d["pod"][0] == {"name": "t0", "role": "train", "nodes": ["t0-n0"], "tors": ["tor-t0"]}
     assert d["node"][0]["nics"][0]["gbps"] == 400.0
+
+
+def test_to_toml_round_trips(example_wiring: Wiring) -> None:
+    from sim_backends.synthetic import synthetic_wiring
+
+    for w in (example_wiring, wiring.parse(SMALL), synthetic_wiring(64, max_ocs_ports=64)):
+        assert wiring.parse(wiring.to_toml(w), w.source) == w
