@@ -77,7 +77,7 @@ async def run(agents: int, hz: float, seconds: float) -> dict[str, object]:
             "--state", str(Path(tmp) / "s.db"), "--listen", "127.0.0.1:0",
             "--ready-file", str(ready), "--heartbeat-interval", "5",
             "--metrics-listen", f"127.0.0.1:{metrics_port}", "--log-level", "warning",
-            "--log-format", "json", stdout=asyncio.subprocess.DEVNULL,
+            "--log-format", "json", "--plaintext", stdout=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         try:
             while not ready.exists():  # noqa: ASYNC110 - another process writes it

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -27,6 +28,7 @@ from orchestrrl.client import (
     to_json,
 )
 from orchestrrl.model import Phase
+from orchestrrl.tls import from_args as tls_from_args
 
 PHASES = [p.value for p in Phase]
 
@@ -50,6 +52,18 @@ def _common() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds to wait for the controller (default 30)",
     )
+    for flag, env, what in (
+        ("--tls-cert", "ORL_TLS_CERT", "operator certificate"),
+        ("--tls-key", "ORL_TLS_KEY", "its private key"),
+        ("--tls-ca", "ORL_TLS_CA", "the CA of the controller's certificate"),
+    ):
+        p.add_argument(
+            flag,
+            type=Path,
+            default=argparse.SUPPRESS,
+            metavar="PEM",
+            help=f"{what}, for mutual TLS (default: ${env}; none of them: plaintext)",
+        )
     return p
 
 
@@ -185,8 +199,15 @@ def _print(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None
 
 
 def _client(args: argparse.Namespace) -> Client:
+    """A client of the controller; mutual TLS when a --tls-* flag or $ORL_TLS_* is set."""
+    files = {
+        key: getattr(args, key, None) or (Path(os.environ[env]) if os.environ.get(env) else None)
+        for key, env in (("tls_cert", "ORL_TLS_CERT"), ("tls_key", "ORL_TLS_KEY"),
+                         ("tls_ca", "ORL_TLS_CA"))
+    }  # fmt: skip
+    tls = tls_from_args(argparse.Namespace(**files), required=False)
     return Client(
-        controller_address(getattr(args, "controller", None)), getattr(args, "timeout", 30.0)
+        controller_address(getattr(args, "controller", None)), getattr(args, "timeout", 30.0), tls
     )
 
 

@@ -138,6 +138,7 @@ def up(
                     str(o.switching_time_s * 1000.0),
                     "--listen",
                     _listen(o.address, ephemeral_ports),
+                    "--plaintext",  # loopback only
                 ],
                 timeout_s,
             )
@@ -160,6 +161,7 @@ def up(
                 _listen(w.controller, ephemeral_ports),
                 "--heartbeat-interval",
                 str(heartbeat_interval_s),
+                "--plaintext",  # loopback only
                 *overrides,
             ],
             timeout_s,

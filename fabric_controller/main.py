@@ -16,8 +16,10 @@ from fabric_controller.drivers.ocs import GrpcOcsDriver, OcsDriver
 from fabric_controller.servicer import FabricControllerServicer
 from fabric_controller.store import Store
 from orchestrrl import errors, grpcutil
+from orchestrrl import tls as tls_mod
 from orchestrrl import wiring as wiring_mod
 from orchestrrl.logs import get_logger, setup_logging
+from orchestrrl.tls import add_tls_arguments
 from orchestrrl.v1 import fabric_controller_pb2, fabric_controller_pb2_grpc
 
 log = get_logger("fabric_controller")
@@ -100,13 +102,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="serve Prometheus /metrics here (off if unset)",
     )
+    p.add_argument(
+        "--operator",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="certificate identity (CN or DNS SAN) allowed to change phases and read state; "
+        "repeatable (with mutual TLS)",
+    )
     p.add_argument("--ready-file", type=Path, help="write the bound address here when serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+    add_tls_arguments(p)
     return p
 
 
 async def serve(args: argparse.Namespace) -> int:
+    tls = tls_mod.from_args(args)
+    if tls is None:
+        log.warning("serving WITHOUT TLS (--plaintext): for local development only")
     w = wiring_mod.load(args.wiring)
     overrides = dict(args.ocs_address)
     unknown = sorted(set(overrides) - {o.name for o in w.ocses})
@@ -116,7 +130,7 @@ async def serve(args: argparse.Namespace) -> int:
             "--ocs-address", unknown[0], f"no such OCS in the wiring ({known})"
         )
     drivers: dict[str, OcsDriver] = {
-        o.name: GrpcOcsDriver(o.name, overrides.get(o.name, o.address)) for o in w.ocses
+        o.name: GrpcOcsDriver(o.name, overrides.get(o.name, o.address), tls=tls) for o in w.ocses
     }
     store = Store(args.state)
     interval = float(args.heartbeat_interval)
@@ -140,9 +154,11 @@ async def serve(args: argparse.Namespace) -> int:
     server = await grpcutil.start_server(
         args.listen or w.controller,
         lambda s: fabric_controller_pb2_grpc.add_FabricControllerServicer_to_server(
-            FabricControllerServicer(controller), s
+            FabricControllerServicer(controller, tls_mod.Authorizer(tls, frozenset(args.operator))),
+            s,
         ),
         [fabric_controller_pb2.DESCRIPTOR.services_by_name["FabricController"].full_name],
+        tls=tls,
     )
     log.info(
         "fabric controller serving",

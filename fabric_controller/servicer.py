@@ -21,6 +21,7 @@ from orchestrrl.convert import (
 )
 from orchestrrl.grpcutil import domain_errors_to_status, parse_address
 from orchestrrl.model import Circuit
+from orchestrrl.tls import Authorizer
 from orchestrrl.v1 import common_pb2, node_agent_pb2
 from orchestrrl.v1 import fabric_controller_pb2 as pb
 from orchestrrl.v1 import fabric_controller_pb2_grpc as pb_grpc
@@ -35,8 +36,12 @@ _HEALTH = {
 
 
 class FabricControllerServicer(pb_grpc.FabricControllerServicer):
-    def __init__(self, controller: Controller) -> None:
+    """Agents may act only for their own node; everything else is for operators
+    (with mutual TLS; plaintext allows all, for local development)."""
+
+    def __init__(self, controller: Controller, auth: Authorizer | None = None) -> None:
         self.c = controller
+        self.auth = auth or Authorizer(None)
 
     def _circuits(self, circuits: frozenset[Circuit]) -> list[common_pb2.Circuit]:
         return [circuit_to_pb(x, self.c.wiring.circuit_pods(x)) for x in sorted(circuits)]
@@ -45,6 +50,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
     async def Register(self, request: pb.RegisterRequest, context: Ctx) -> pb.RegisterResponse:
         if not request.node:
             raise errors.field_error("node", request.node, "the node's name from the wiring file")
+        self.auth.node(context, request.node)
         parse_address(request.agent_address, "agent_address")
         record = self.c.register(
             request.node,
@@ -62,6 +68,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
 
     @domain_errors_to_status
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Ctx) -> pb.HeartbeatResponse:
+        self.auth.node(context, request.node)
         self.c.heartbeat(request.node, request.session_id)
         cur = self.c.current
         return pb.HeartbeatResponse(epoch=cur.epoch, phase=phase_to_pb(cur.phase))
@@ -74,6 +81,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
     ) -> pb.ReportTelemetryResponse:
         accepted = 0
         async for sample in request_iterator:
+            self.auth.node(context, sample.node)
             self.c.telemetry(sample)
             accepted += 1
         return pb.ReportTelemetryResponse(accepted=accepted)
@@ -95,6 +103,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
 
     @domain_errors_to_status
     async def SetPhase(self, request: pb.SetPhaseRequest, context: Ctx) -> pb.SetPhaseResponse:
+        self.auth.operator(context)
         phase = phase_from_pb(request.phase)
         window = request.idle_window_s
         if not math.isfinite(window) or window < 0:
@@ -106,6 +115,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
 
     @domain_errors_to_status
     async def GetPhase(self, request: pb.GetPhaseRequest, context: Ctx) -> pb.GetPhaseResponse:
+        self.auth.operator(context)
         cur = self.c.current
         return pb.GetPhaseResponse(
             epoch=cur.epoch,
@@ -116,6 +126,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
 
     @domain_errors_to_status
     async def PlanPhase(self, request: pb.PlanPhaseRequest, context: Ctx) -> pb.PlanPhaseResponse:
+        self.auth.operator(context)
         phase = phase_from_pb(request.phase)
         plan = await self.c.plan(phase)
         return pb.PlanPhaseResponse(
@@ -127,6 +138,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
 
     @domain_errors_to_status
     async def GetTopology(self, request: pb.GetTopologyRequest, context: Ctx) -> pb.Topology:
+        self.auth.operator(context)
         w = self.c.wiring
         cur = self.c.current
         return pb.Topology(
@@ -177,6 +189,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
 
     @domain_errors_to_status
     async def ListNodes(self, request: pb.ListNodesRequest, context: Ctx) -> pb.ListNodesResponse:
+        self.auth.operator(context)
         out = []
         for record, health, age in self.c.nodes():
             node = self.c.wiring.node(record.name)
@@ -198,6 +211,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, context: Ctx
     ) -> AsyncIterator[pb.Event]:
+        self.auth.operator(context)
         if not request.follow:
             for event in self.c.events.recent(request.recent):
                 yield event_to_pb(event)

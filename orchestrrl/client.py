@@ -21,6 +21,7 @@ from orchestrrl import errors, grpcutil
 from orchestrrl.convert import optional_phase_from_pb, phase_to_pb, stages_from_pb
 from orchestrrl.logs import get_logger
 from orchestrrl.model import Phase
+from orchestrrl.tls import TlsConfig
 from orchestrrl.v1 import fabric_controller_pb2 as pb
 from orchestrrl.v1 import fabric_controller_pb2_grpc as pb_grpc
 
@@ -143,10 +144,12 @@ def _telemetry_summary(n: pb.NodeState) -> dict[str, Any]:
 
 
 class AsyncClient:
-    def __init__(self, address: str | None = None, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, address: str | None = None, timeout_s: float = 30.0, tls: TlsConfig | None = None
+    ) -> None:
         self.address = controller_address(address)
         self.timeout_s = timeout_s
-        self._channel = grpcutil.insecure_channel(self.address)
+        self._channel = grpcutil.channel(self.address, tls)
         self._stub = pb_grpc.FabricControllerStub(self._channel)
 
     async def __aenter__(self) -> AsyncClient:
@@ -286,9 +289,11 @@ class AsyncClient:
 class Client:
     """Synchronous client: the same calls as ``AsyncClient``, blocking."""
 
-    def __init__(self, address: str | None = None, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, address: str | None = None, timeout_s: float = 30.0, tls: TlsConfig | None = None
+    ) -> None:
         self._runner = asyncio.Runner()
-        self._async = self._runner.run(_make(address, timeout_s))
+        self._async = self._runner.run(_make(address, timeout_s, tls))
         self.address = self._async.address
 
     def _run(self, coro: Any) -> Any:
@@ -369,8 +374,8 @@ class Client:
             self._run(stream.aclose())
 
 
-async def _make(address: str | None, timeout_s: float) -> AsyncClient:
-    return AsyncClient(address, timeout_s)
+async def _make(address: str | None, timeout_s: float, tls: TlsConfig | None) -> AsyncClient:
+    return AsyncClient(address, timeout_s, tls)
 
 
 __all__ = [

@@ -30,3 +30,11 @@ class Unavailable(OrlError):
 def field_error(field: str, value: object, allowed: str) -> InvalidArgument:
     """The one shape of a bad-input message: field, value, what is allowed."""
     return InvalidArgument(f"{field}={value!r} is not valid: {allowed}")
+
+
+class Unauthenticated(OrlError):
+    """The caller presented no acceptable identity."""
+
+
+class PermissionDenied(OrlError):
+    """The caller is known but not allowed to do this."""

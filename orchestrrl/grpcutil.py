@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from orchestrrl import errors
 from orchestrrl.logs import get_logger
+from orchestrrl.tls import TlsConfig
 
 log = get_logger("orchestrrl.grpc")
 
@@ -30,6 +31,8 @@ STATUS_OF: dict[type[errors.OrlError], grpc.StatusCode] = {
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
     errors.Aborted: grpc.StatusCode.ABORTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 ERROR_OF: dict[grpc.StatusCode, type[errors.OrlError]] = {v: k for k, v in STATUS_OF.items()}
@@ -132,8 +135,10 @@ async def start_server(
     listen: str,
     register: Callable[[grpc.aio.Server], None],
     service_names: Iterable[str],
+    tls: TlsConfig | None = None,
 ) -> RunningServer:
-    """Start a grpc.aio server with the standard health service and reflection."""
+    """Start a grpc.aio server with the standard health service and reflection;
+    mutual TLS when ``tls`` is given, plaintext otherwise."""
     host, _ = parse_address(listen, "listen")
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     register(server)
@@ -149,7 +154,10 @@ async def start_server(
         server,
     )
     try:
-        port = server.add_insecure_port(listen)
+        if tls is None:
+            port = server.add_insecure_port(listen)
+        else:
+            port = server.add_secure_port(listen, tls.server_credentials())
     except RuntimeError as exc:
         raise errors.Unavailable(f"cannot listen on {listen}: {exc}") from None
     await server.start()
@@ -159,8 +167,15 @@ async def start_server(
 
 
 def insecure_channel(address: str) -> grpc.aio.Channel:
+    return channel(address, None)
+
+
+def channel(address: str, tls: TlsConfig | None) -> grpc.aio.Channel:
+    """A client channel: mutual TLS when ``tls`` is given, plaintext otherwise."""
     parse_address(address, "address")
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
 
 
 def write_ready_file(path: Path | None, address: str) -> None:

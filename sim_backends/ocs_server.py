@@ -27,6 +27,8 @@ from orchestrrl.grpcutil import (
     write_ready_file,
 )
 from orchestrrl.logs import get_logger, setup_logging
+from orchestrrl.tls import Authorizer, TlsConfig, add_tls_arguments
+from orchestrrl.tls import from_args as tls_from_args
 from orchestrrl.v1 import optical_switch_pb2 as pb
 from orchestrrl.v1 import optical_switch_pb2_grpc as pb_grpc
 from sim_backends.ocs import MAX_PORTS, Pair, SimulatedOcs
@@ -38,8 +40,15 @@ Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 
 class OpticalSwitchServicer(pb_grpc.OpticalSwitchServicer):
-    def __init__(self, ocs: SimulatedOcs) -> None:
+    def __init__(
+        self,
+        ocs: SimulatedOcs,
+        auth: Authorizer | None = None,
+        controllers: frozenset[str] = frozenset(),
+    ) -> None:
         self._ocs = ocs
+        self._auth = auth or Authorizer(None)
+        self._controllers = controllers
         self._apply_lock = asyncio.Lock()  # batches never interleave, switching included
         self._log = get_logger("sim_backends.ocs", ocs=ocs.name)
 
@@ -78,6 +87,7 @@ class OpticalSwitchServicer(pb_grpc.OpticalSwitchServicer):
     async def ApplyCrossConnects(
         self, request: pb.ApplyCrossConnectsRequest, context: Context
     ) -> pb.ApplyCrossConnectsResponse:
+        self._auth.peer(context, self._controllers)
         async with self._apply_lock:
             result = self._ocs.apply(
                 _pairs(request.disconnect), _pairs(request.connect), request_id=request.request_id
@@ -134,18 +144,25 @@ class FaultInjectionServicer(pb_grpc.OcsFaultInjectionServicer):
 
 
 async def serve(
-    listen: str, *, name: str = "ocs0", port_count: int = 32, switching_time_s: float = 0.01
+    listen: str,
+    *,
+    name: str = "ocs0",
+    port_count: int = 32,
+    switching_time_s: float = 0.01,
+    tls: TlsConfig | None = None,
+    controllers: frozenset[str] = frozenset({"orl-fabric-controller"}),
 ) -> tuple[RunningServer, SimulatedOcs]:
-    """Start a simulated OCS on ``listen`` (port 0: any free port; see ``.address``)."""
+    """Start a simulated OCS on ``listen`` (port 0: any free port; see ``.address``).
+    With ``tls``, only the ``controllers`` identities may change cross-connects."""
     ocs = SimulatedOcs(name, port_count, switching_time_s)
-    servicer = OpticalSwitchServicer(ocs)
+    servicer = OpticalSwitchServicer(ocs, Authorizer(tls), controllers)
     faults = FaultInjectionServicer(ocs)
 
     def register(server: grpc.aio.Server) -> None:
         pb_grpc.add_OpticalSwitchServicer_to_server(servicer, server)
         pb_grpc.add_OcsFaultInjectionServicer_to_server(faults, server)
 
-    running = await start_server(listen, register, [SERVICE_NAME, FAULTS_SERVICE_NAME])
+    running = await start_server(listen, register, [SERVICE_NAME, FAULTS_SERVICE_NAME], tls=tls)
     return running, ocs
 
 
@@ -169,6 +186,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-file", type=Path, help="write the bound address here once serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+    p.add_argument(
+        "--controller-identity",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with mutual TLS, certificate identities allowed to program the switch "
+        "(default: orl-fabric-controller)",
+    )
+    add_tls_arguments(p)
     return p
 
 
@@ -182,6 +208,7 @@ def _check(args: argparse.Namespace) -> None:
     parse_address(args.listen, "--listen")
     if args.ready_file is not None and not args.ready_file.parent.is_dir():
         raise errors.field_error("--ready-file", str(args.ready_file), "its directory must exist")
+    args.tls = tls_from_args(args)
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -192,6 +219,8 @@ async def _run(args: argparse.Namespace) -> int:
             name=args.name,
             port_count=args.ports,
             switching_time_s=args.switching_time_ms / 1000,
+            tls=args.tls,
+            controllers=frozenset(args.controller_identity or ["orl-fabric-controller"]),
         )
     except errors.OrlError as exc:
         log.error("ocs.start_failed", error=str(exc))

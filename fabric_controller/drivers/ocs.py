@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from orchestrrl import grpcutil
+from orchestrrl.tls import TlsConfig
 from orchestrrl.v1 import optical_switch_pb2 as pb
 from orchestrrl.v1 import optical_switch_pb2_grpc as pb_grpc
 
@@ -48,11 +49,13 @@ class OcsDriver(Protocol):
 class GrpcOcsDriver:
     """Drives any switch that serves the OpticalSwitch gRPC contract (e.g. orl-sim-ocs)."""
 
-    def __init__(self, name: str, address: str, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, name: str, address: str, timeout_s: float = 10.0, tls: TlsConfig | None = None
+    ) -> None:
         self.name = name
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpcutil.insecure_channel(address)
+        self._channel = grpcutil.channel(address, tls)
         self._stub = pb_grpc.OpticalSwitchStub(self._channel)
 
     def _what(self, rpc: str) -> str:

@@ -187,8 +187,13 @@ async def test_reflection_lists_the_service(switch: Switch) -> None:
 def test_main_rejects_bad_flags_with_exit_2(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(argv) == 2
+    assert main([*argv, "--plaintext"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_main_requires_tls_or_plaintext(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--listen", "127.0.0.1:0"]) == 2
+    assert "no TLS configured" in capsys.readouterr().err
 
 
 async def test_daemon_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
@@ -203,6 +208,7 @@ async def test_daemon_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
             f"--ready-file={ready}",
             "--switching-time-ms=0",
             "--log-format=json",
+            "--plaintext",
             cwd=REPO,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=log_file,

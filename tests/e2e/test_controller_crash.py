@@ -49,7 +49,7 @@ async def start_controller(
         "--wiring", str(wiring or wiring_mod.default_wiring_path()),
         "--state", str(tmp / "state.db"), "--listen", "127.0.0.1:0",
         "--ocs-address", f"ocs0={ocs_address}", "--ready-file", str(ready),
-        "--log-format", "json", *(extra or []),
+        "--log-format", "json", "--plaintext", *(extra or []),
         stdout=asyncio.subprocess.DEVNULL, stderr=log_fd, env=env,
     )  # fmt: skip
     os.close(log_fd)

@@ -1,0 +1,256 @@
+"""rtnetlink route messages, encoded and decoded by hand (ABI of linux/rtnetlink.h).
+
+Why not pyroute2 for these: its generic message codec costs about half a millisecond
+of Python per route. Measured on the project's build machine: ~2,000-3,500 routes/s
+with awaited ``AsyncIPRoute.route("add")`` calls, no faster with concurrent calls or
+``nlm_request_batch`` (the encoder is the bottleneck), and ~10,000 routes/s to decode a
+dump; ``ip -batch`` adds ~47,000/s. Routes are the one bulk object of a fabric switch
+and their wire format is small and stable, so ``orchestrrl.netlink`` sends the messages
+built here in batches and reads dumps with :func:`decode_route`. Links, rules and
+namespaces stay on pyroute2.
+
+Only what OrchestrRL needs is covered: unicast routes with a destination, a table, a
+metric, a protocol, one gateway or ECMP next hops (``RTA_MULTIPATH``), an output device.
+Decoding is lenient: attributes we do not use are skipped, so foreign routes (nexthop
+objects, encapsulations) decode enough to know their key.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Iterator
+from typing import Literal, NamedTuple
+
+from orchestrrl.routing import RouteSpec
+
+# nlmsghdr types and flags
+NLMSG_ERROR = 2
+NLMSG_DONE = 3
+NLMSG_OVERRUN = 4
+RTM_NEWROUTE = 24
+RTM_DELROUTE = 25
+RTM_GETROUTE = 26
+NLM_F_REQUEST = 0x1
+NLM_F_MULTI = 0x2
+NLM_F_ACK = 0x4
+NLM_F_DUMP_INTR = 0x10
+NLM_F_DUMP = 0x300
+NLM_F_REPLACE = 0x100
+NLM_F_EXCL = 0x200
+NLM_F_CREATE = 0x400
+NLM_F_CAPPED = 0x100  # on an ACK: only the header of the request is echoed
+NLM_F_ACK_TLVS = 0x200  # on an ACK: extended-ACK attributes follow
+NLMSGERR_ATTR_MSG = 1
+
+# rtmsg fields and attributes
+RT_SCOPE_UNIVERSE = 0
+RT_SCOPE_LINK = 253
+RT_SCOPE_NOWHERE = 255
+RTN_UNICAST = 1
+RT_TABLE_COMPAT = 252  # rtm_table when the table id needs RTA_TABLE (>= 256)
+RTA_DST = 1
+RTA_OIF = 4
+RTA_GATEWAY = 5
+RTA_PRIORITY = 6
+RTA_MULTIPATH = 9
+RTA_TABLE = 15
+RTA_VIA = 18
+
+AF_OF = {4: socket.AF_INET, 6: socket.AF_INET6}
+VERSION_OF = {socket.AF_INET: 4, socket.AF_INET6: 6}
+
+_NLMSGHDR = struct.Struct("=IHHII")  # len, type, flags, seq, pid
+_RTMSG = struct.Struct(
+    "=BBBBBBBBI"
+)  # family, dst_len, src_len, tos, table, proto, scope, type, flags
+_RTATTR = struct.Struct("=HH")  # len, type
+_RTNH = struct.Struct("=HBBi")  # len, flags, hops, ifindex
+_U32 = struct.Struct("=I")
+_I32 = struct.Struct("=i")
+
+RouteOp = Literal["add", "replace", "delete"]
+_FLAGS: dict[RouteOp, int] = {
+    "add": NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL,
+    "replace": NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE,
+    "delete": NLM_F_REQUEST | NLM_F_ACK,
+}
+
+
+def _align(n: int) -> int:
+    return (n + 3) & ~3
+
+
+def _attr(kind: int, payload: bytes) -> bytes:
+    length = 4 + len(payload)
+    return _RTATTR.pack(length, kind) + payload + b"\0" * (_align(length) - length)
+
+
+def _message(kind: int, flags: int, seq: int, body: bytes) -> bytes:
+    return _NLMSGHDR.pack(16 + len(body), kind, flags, seq, 0) + body
+
+
+def encode_route(seq: int, op: RouteOp, route: RouteSpec, proto: int, ifindex: int = 0) -> bytes:
+    """One RTM_NEWROUTE (add: fail if the key exists; replace) or RTM_DELROUTE.
+
+    ``ifindex`` is the index of ``route.device`` (0: let the kernel choose). A delete
+    names only the key and the protocol, so it removes the whole ECMP route and never a
+    route of another protocol.
+    """
+    family = AF_OF[route.family]
+    address, _, length = route.destination.partition("/")
+    table_byte = route.table if route.table < 256 else RT_TABLE_COMPAT
+    if op == "delete":
+        scope = RT_SCOPE_NOWHERE
+    else:
+        scope = RT_SCOPE_LINK if route.family == 4 and not route.gateways else RT_SCOPE_UNIVERSE
+    body = _RTMSG.pack(family, int(length), 0, 0, table_byte, proto, scope, RTN_UNICAST, 0)
+    body += _attr(RTA_TABLE, _U32.pack(route.table))
+    body += _attr(RTA_DST, socket.inet_pton(family, address))
+    body += _attr(RTA_PRIORITY, _U32.pack(route.metric))
+    if op != "delete":
+        if ifindex:
+            body += _attr(RTA_OIF, _U32.pack(ifindex))
+        if len(route.gateways) == 1:
+            body += _attr(RTA_GATEWAY, socket.inet_pton(family, route.gateways[0]))
+        elif route.gateways:
+            hops = b""
+            for gateway in route.gateways:
+                gw = _attr(RTA_GATEWAY, socket.inet_pton(family, gateway))
+                hops += _RTNH.pack(8 + len(gw), 0, 0, ifindex) + gw
+            body += _attr(RTA_MULTIPATH, hops)
+    kind = RTM_DELROUTE if op == "delete" else RTM_NEWROUTE
+    return _message(kind, _FLAGS[op], seq, body)
+
+
+def encode_dump(seq: int, version: int, table: int = 0, proto: int = 0) -> bytes:
+    """RTM_GETROUTE dump of one family; with NETLINK_GET_STRICT_CHK set on the socket the
+    kernel itself filters by ``table`` and ``proto`` (0: any)."""
+    family = AF_OF[version]
+    table_byte = table if table < 256 else RT_TABLE_COMPAT
+    body = _RTMSG.pack(family, 0, 0, 0, table_byte, proto, 0, 0, 0)
+    if table:
+        body += _attr(RTA_TABLE, _U32.pack(table))
+    return _message(RTM_GETROUTE, NLM_F_REQUEST | NLM_F_DUMP, seq, body)
+
+
+class Message(NamedTuple):
+    kind: int
+    flags: int
+    seq: int
+    payload: bytes
+
+
+def iter_messages(data: bytes) -> Iterator[Message]:
+    """The netlink messages in one datagram."""
+    offset = 0
+    while offset + _NLMSGHDR.size <= len(data):
+        length, kind, flags, seq, _ = _NLMSGHDR.unpack_from(data, offset)
+        if length < _NLMSGHDR.size or offset + length > len(data):
+            raise ValueError(f"truncated netlink message at offset {offset} (length {length})")
+        yield Message(kind, flags, seq, data[offset + _NLMSGHDR.size : offset + length])
+        offset += _align(length)
+
+
+def decode_error(message: Message) -> tuple[int, str]:
+    """(errno, extended-ACK text) of an NLMSG_ERROR; errno 0 is a positive ACK."""
+    payload = message.payload
+    (error,) = _I32.unpack_from(payload, 0)
+    text = ""
+    if message.flags & NLM_F_ACK_TLVS and len(payload) >= 4 + _NLMSGHDR.size:
+        echoed = _NLMSGHDR.size
+        if not message.flags & NLM_F_CAPPED:
+            echoed = _NLMSGHDR.unpack_from(payload, 4)[0]
+        for kind, value in _attrs(payload, 4 + _align(echoed), len(payload)):
+            if kind == NLMSGERR_ATTR_MSG:
+                text = value.rstrip(b"\0").decode(errors="replace")
+    return -error, text
+
+
+class WireRoute(NamedTuple):
+    """A route as the kernel reports it (addresses as text, devices as ifindex)."""
+
+    version: int
+    destination: str  # CIDR
+    table: int
+    proto: int
+    scope: int
+    kind: int  # RTN_*: 1 unicast, 2 local, ...
+    metric: int
+    oif: int
+    nexthops: tuple[tuple[str, int], ...]  # (gateway, ifindex), in kernel order
+
+
+def _attrs(data: bytes, start: int, end: int) -> Iterator[tuple[int, bytes]]:
+    offset = start
+    while offset + 4 <= end:
+        length, kind = _RTATTR.unpack_from(data, offset)
+        if length < 4:
+            break
+        yield kind & 0x3FFF, data[offset + 4 : offset + length]  # drop NESTED/BYTEORDER bits
+        offset += _align(length)
+
+
+def _via(value: bytes) -> str:
+    family = struct.unpack_from("=H", value, 0)[0]
+    return socket.inet_ntop(family, value[2:])
+
+
+def route_proto(payload: bytes) -> int:
+    """The protocol of an RTM_NEWROUTE body, without decoding the rest."""
+    return payload[5]
+
+
+def decode_route(payload: bytes) -> WireRoute | None:
+    """An RTM_NEWROUTE body; None for families other than IPv4/IPv6.
+
+    The attribute loop is written out (no generator): dumps of tens of thousands of
+    routes go through here."""
+    family, dst_len, _, _, table, proto, scope, kind, _ = _RTMSG.unpack_from(payload, 0)
+    version = VERSION_OF.get(family)
+    if version is None:
+        return None
+    dst = "0.0.0.0" if version == 4 else "::"
+    metric = oif = 0
+    gateway: str | None = None
+    nexthops: tuple[tuple[str, int], ...] = ()
+    offset, end = _RTMSG.size, len(payload)
+    unpack_attr, unpack_u32 = _RTATTR.unpack_from, _U32.unpack_from
+    while offset + 4 <= end:
+        length, attr = unpack_attr(payload, offset)
+        if length < 4:
+            break
+        start = offset + 4
+        attr &= 0x3FFF
+        if attr == RTA_DST:
+            dst = socket.inet_ntop(family, payload[start : offset + length])
+        elif attr == RTA_TABLE:
+            table = unpack_u32(payload, start)[0]
+        elif attr == RTA_PRIORITY:
+            metric = unpack_u32(payload, start)[0]
+        elif attr == RTA_OIF:
+            oif = unpack_u32(payload, start)[0]
+        elif attr == RTA_GATEWAY:
+            gateway = socket.inet_ntop(family, payload[start : offset + length])
+        elif attr == RTA_VIA:
+            gateway = _via(payload[start : offset + length])
+        elif attr == RTA_MULTIPATH:
+            nexthops = tuple(_decode_multipath(family, payload[start : offset + length]))
+        offset += (length + 3) & ~3
+    if gateway is not None:
+        nexthops = ((gateway, oif),)
+    return WireRoute(version, f"{dst}/{dst_len}", table, proto, scope, kind, metric, oif, nexthops)
+
+
+def _decode_multipath(family: int, data: bytes) -> Iterator[tuple[str, int]]:
+    offset = 0
+    while offset + _RTNH.size <= len(data):
+        length, _, _, ifindex = _RTNH.unpack_from(data, offset)
+        if length < _RTNH.size:
+            break
+        for attr, value in _attrs(data, offset + _RTNH.size, offset + length):
+            if attr == RTA_GATEWAY:
+                yield socket.inet_ntop(family, value), ifindex
+            elif attr == RTA_VIA:
+                yield _via(value), ifindex
+        offset += _align(length)
