@@ -150,6 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
                 help="bind every daemon to a free port instead of the wiring's",
             )
 
+    certs = add(sub, "certs", "certificates for trying mutual TLS")
+    cert_sub = certs.add_subparsers(dest="action", required=True, metavar="ACTION")
+    dev = add(cert_sub, "dev", "write a throwaway CA and certificates (not for production)")
+    dev.add_argument("--out", type=Path, required=True, help="directory to write PEM files to")
+    dev.add_argument(
+        "names",
+        nargs="+",
+        help="identities: the controller (orl-fabric-controller), node names, operators",
+    )
+
     demo = add(sub, "demo", "start a local cluster, walk RL phases for a few steps, stop it")
     demo.add_argument("--wiring", type=Path, default=wiring_mod.default_wiring_path())
     demo.add_argument("--steps", type=int, default=3, help="RL steps to simulate (1-100)")
@@ -393,6 +403,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.wiring, args.steps, args.run_dir)
 
 
+def cmd_certs(args: argparse.Namespace) -> int:
+    from orchestrrl.devcerts import make_dev_pki
+
+    bad = [n for n in args.names if not wiring_mod.NAME_RE.match(n)]
+    if bad:
+        raise errors.field_error("names", bad[0], wiring_mod.NAME_RULE)
+    try:
+        files = make_dev_pki(args.out, args.names)
+    except ImportError:
+        raise errors.FailedPrecondition(
+            "`orlctl certs dev` needs the cryptography package: pip install 'orchestrrl[certs]'"
+        ) from None
+    rows = {n: {"cert": str(f.cert), "key": str(f.key), "ca": str(f.ca)} for n, f in files.items()}
+    _print(
+        args,
+        rows,
+        lambda: "\n".join(
+            [f"wrote a throwaway CA and {len(files)} certificate(s) to {args.out}:"]
+            + [f"  {n}: {r['cert']} {r['key']}" for n, r in rows.items()]
+        ),
+    )
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     args.action = "plan"
     return cmd_phase(args)
@@ -407,6 +441,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "config": cmd_config,
     "local": cmd_local,
     "demo": cmd_demo,
+    "certs": cmd_certs,
 }
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -64,3 +66,52 @@ async def test_sighup_reload_and_metrics(tmp_path: Path) -> None:
     log = (tmp_path / "controller.log").read_text()
     assert "wiring reload rejected; keeping the last good wiring" in log
     assert "role = 'rollout'" in log
+
+
+async def test_mutual_tls_daemon_and_orlctl(tmp_path: Path) -> None:
+    pki = tmp_path / "pki"
+    made = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fabric_controller.cli", "certs", "dev", "--out", str(pki),
+        "orl-fabric-controller", "alice", "mallory",
+    )  # fmt: skip
+    assert await made.wait() == 0
+    ready = tmp_path / "ready"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fabric_controller.main", "--state", str(tmp_path / "s.db"),
+        "--listen", "127.0.0.1:0", "--ready-file", str(ready), "--ocs-address",
+        "ocs0=127.0.0.1:1", "--operator", "alice", "--log-format", "json",
+        "--tls-cert", str(pki / "orl-fabric-controller.pem"),
+        "--tls-key", str(pki / "orl-fabric-controller.key"), "--tls-ca", str(pki / "ca.pem"),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        async with asyncio.timeout(30):
+            while not ready.exists():  # noqa: ASYNC110 - written by the other process
+                await asyncio.sleep(0.05)
+        address = ready.read_text().strip()
+
+        async def orlctl(who: str | None) -> tuple[int, str]:
+            env = {**os.environ}
+            if who:
+                env |= {
+                    "ORL_TLS_CERT": str(pki / f"{who}.pem"),
+                    "ORL_TLS_KEY": str(pki / f"{who}.key"),
+                    "ORL_TLS_CA": str(pki / "ca.pem"),
+                }
+            p = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "fabric_controller.cli", "--controller", address,
+                "--timeout", "5", "phase", "get", env=env,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            out, err = await p.communicate()
+            return p.returncode or 0, (out + err).decode()
+
+        code, out = await orlctl("alice")
+        assert code == 0 and "epoch 0: no phase set yet" in out, out
+        code, out = await orlctl("mallory")
+        assert code == 1 and "PermissionDenied" not in out and "is not an operator" in out
+        code, out = await orlctl(None)
+        assert code == 1 and "UNAVAILABLE" in out
+    finally:
+        proc.terminate()
+        assert await proc.wait() == 0
