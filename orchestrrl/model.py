@@ -66,6 +66,12 @@ class Uplink:
     port: str
     ocs: str
     ocs_port: int
+    device: str = ""  # interface name on the ToR; "" means the same as ``port``
+    ip: str = ""  # the uplink's own address, for routes over circuits ("" : none)
+
+    @property
+    def interface(self) -> str:
+        return self.device or self.port
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,7 @@ class Tor:
     name: str
     pod: str
     uplinks: tuple[Uplink, ...]
+    netns: str = ""  # Linux switch in this network namespace of the controller's host
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,7 @@ class Pod:
     role: Role
     nodes: tuple[str, ...]
     tors: tuple[str, ...]
+    prefix: str = ""  # the pod's address block, e.g. 10.0.1.0/24 ("" : not routed)
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,16 @@ class Wiring:
         return {n.name: n for n in self.nodes}
 
     @cached_property
+    def _tors(self) -> dict[str, Tor]:
+        return {t.name: t for t in self.tors}
+
+    def tor(self, name: str) -> Tor:
+        try:
+            return self._tors[name]
+        except KeyError:
+            raise errors.NotFound(f"ToR {name!r} is not in the wiring") from None
+
+    @cached_property
     def _ocses(self) -> dict[str, Ocs]:
         return {o.name: o for o in self.ocses}
 
@@ -129,6 +147,14 @@ class Wiring:
     def _port_owner(self) -> dict[tuple[str, int], str]:
         tor_pod = {t.name: t.pod for t in self.tors}
         return {(u.ocs, u.ocs_port): tor_pod[t.name] for t in self.tors for u in t.uplinks}
+
+    @cached_property
+    def _uplink_at(self) -> dict[tuple[str, int], tuple[Tor, Uplink]]:
+        return {(u.ocs, u.ocs_port): (t, u) for t in self.tors for u in t.uplinks}
+
+    def uplink_at(self, ocs: str, port: int) -> tuple[Tor, Uplink] | None:
+        """The ToR uplink cabled to this OCS port, or None."""
+        return self._uplink_at.get((ocs, port))
 
     def pod(self, name: str) -> Pod:
         try:

@@ -7,6 +7,8 @@ becomes a frozen :class:`orchestrrl.model.Wiring`.
 
 from __future__ import annotations
 
+import ipaddress
+import itertools
 import re
 import tomllib
 from collections import Counter
@@ -20,6 +22,7 @@ from orchestrrl.grpcutil import parse_address
 from orchestrrl.model import Nic, Node, Ocs, Pod, Role, Tor, Uplink, Wiring
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+IFNAME_RE = re.compile(r"^[^/:\s]{1,15}$")
 NAME_RULE = "1-63 characters: letters, digits, '.', '_' or '-', starting with a letter or digit"
 MAX_OCS_PORTS = 4096
 MAX_GPUS = 64
@@ -28,9 +31,9 @@ SECTIONS = {"cluster", "ocs", "pod", "tor", "node"}
 KEYS = {
     "cluster": ({"name"}, {"controller"}),
     "ocs": ({"name", "address", "ports"}, {"switching_time_ms"}),
-    "pod": ({"name"}, set()),
-    "tor": ({"name", "pod"}, {"uplinks"}),
-    "uplink": ({"port", "ocs", "ocs_port"}, set()),
+    "pod": ({"name"}, {"prefix"}),
+    "tor": ({"name", "pod"}, {"uplinks", "netns"}),
+    "uplink": ({"port", "ocs", "ocs_port"}, {"device", "ip"}),
     "node": ({"name", "pod", "role", "agent", "gpus"}, {"nics"}),
     "nic": ({"name", "tor", "tor_port"}, {"gbps"}),
 }
@@ -108,6 +111,50 @@ class _Checker:
             return None
         return value
 
+    def prefix(self, where: str, value: object) -> str | None:
+        if value is None:
+            return None
+        try:
+            net = ipaddress.ip_network(str(value), strict=True)
+        except ValueError:
+            self.add(where, value, "a CIDR prefix without host bits, e.g. 10.0.1.0/24")
+            return None
+        if not isinstance(value, str):
+            self.add(where, value, 'a CIDR prefix as a string, e.g. "10.0.1.0/24"')
+            return None
+        return str(net)
+
+    def disjoint(self, where: str, prefixes: Mapping[str, str]) -> None:
+        nets = sorted(
+            ((ipaddress.ip_network(p), name) for name, p in prefixes.items()),
+            key=lambda t: (t[0].version, int(t[0].network_address), t[0].prefixlen),
+        )
+        for (a, na), (b, nb) in itertools.pairwise(nets):
+            if a.version == b.version and a.overlaps(b):
+                self.problems.append(f"{where}: {na!r} ({a}) overlaps {nb!r} ({b})")
+
+    def interface(self, where: str, value: object) -> str | None:
+        if value is None:
+            return None
+        if not isinstance(value, str) or not IFNAME_RE.match(value):
+            self.add(where, value, "a Linux interface name: 1-15 characters, no '/', ':' or space")
+            return None
+        return value
+
+    def ip(self, where: str, value: object, used: dict[str, str]) -> str | None:
+        if value is None:
+            return None
+        try:
+            addr = str(ipaddress.ip_address(str(value)))
+        except ValueError:
+            self.add(where, value, "an IP address, e.g. 172.16.0.1")
+            return None
+        if addr in used:
+            self.add(where, value, f"address already used by {used[addr]}")
+            return None
+        used[addr] = where
+        return addr
+
     def array(self, where: str, value: object) -> list[Any]:
         if value is None:
             return []
@@ -176,6 +223,7 @@ def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:
 
     # Pods
     pod_names: list[str] = []
+    prefixes: dict[str, str] = {}
     for i, raw in enumerate(c.array("pod", doc.get("pod"))):
         t = c.table(f"pod[{i}]", raw, "pod")
         if t is None:
@@ -183,6 +231,10 @@ def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:
         name = c.name(f"pod[{i}].name", t.get("name"))
         if name:
             pod_names.append(name)
+            prefix = c.prefix(f"pod {name!r}.prefix", t.get("prefix"))
+            if prefix:
+                prefixes[name] = prefix
+    c.disjoint("pod prefixes", prefixes)
     c.unique("pod", list(pod_names))
     pods_known = set(pod_names)
 
@@ -196,6 +248,7 @@ def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:
     # ToRs and their uplinks
     tors: list[Tor] = []
     used_ocs_ports: dict[tuple[str, int], str] = {}
+    used_ips: dict[str, str] = {}
     for i, raw in enumerate(c.array("tor", doc.get("tor"))):
         t = c.table(f"tor[{i}]", raw, "tor")
         if t is None:
@@ -203,6 +256,7 @@ def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:
         name = c.name(f"tor[{i}].name", t.get("name"))
         where = f"tor {name!r}" if name else f"tor[{i}]"
         pod = pod_ref(f"{where}.pod", t.get("pod"))
+        netns = c.name(f"{where}.netns", t.get("netns")) or ""
         uplinks: list[Uplink] = []
         for j, uraw in enumerate(c.array(f"{where}.uplinks", t.get("uplinks"))):
             uwhere = f"{where}.uplinks[{j}]"
@@ -231,10 +285,12 @@ def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:
                     )
                 else:
                     used_ocs_ports[(ocs, ocs_port)] = uwhere
+                    device = c.interface(f"{uwhere}.device", u.get("device")) or ""
+                    ip = c.ip(f"{uwhere}.ip", u.get("ip"), used_ips) or ""
                     if port:
-                        uplinks.append(Uplink(port, ocs, ocs_port))
+                        uplinks.append(Uplink(port, ocs, ocs_port, device, ip))
         if name and pod:
-            tors.append(Tor(name, pod, tuple(uplinks)))
+            tors.append(Tor(name, pod, tuple(uplinks), netns))
     c.unique("tor", [t.name for t in tors])
     tor_pod = {t.name: t.pod for t in tors}
     tor_ports_used: dict[tuple[str, str], str] = {
@@ -334,6 +390,7 @@ def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:
                 members[0].role,
                 tuple(n.name for n in members),
                 tuple(t.name for t in tors if t.pod == pod_name),
+                prefixes.get(pod_name, ""),
             )
         )
     if not doc.get("node"):
@@ -367,15 +424,29 @@ def to_dict(w: Wiring) -> dict[str, Any]:
             for o in w.ocses
         ],
         "pod": [
-            {"name": p.name, "role": p.role.value, "nodes": list(p.nodes), "tors": list(p.tors)}
+            {
+                "name": p.name,
+                "role": p.role.value,
+                "nodes": list(p.nodes),
+                "tors": list(p.tors),
+                **({"prefix": p.prefix} if p.prefix else {}),
+            }
             for p in w.pods
         ],
         "tor": [
             {
                 "name": t.name,
                 "pod": t.pod,
+                **({"netns": t.netns} if t.netns else {}),
                 "uplinks": [
-                    {"port": u.port, "ocs": u.ocs, "ocs_port": u.ocs_port} for u in t.uplinks
+                    {
+                        "port": u.port,
+                        "ocs": u.ocs,
+                        "ocs_port": u.ocs_port,
+                        **({"device": u.device} if u.device else {}),
+                        **({"ip": u.ip} if u.ip else {}),
+                    }
+                    for u in t.uplinks
                 ],
             }
             for t in w.tors
@@ -414,13 +485,20 @@ def to_toml(w: Wiring) -> str:
             f"[[ocs]]\nname = {q(o.name)}\naddress = {q(o.address)}\nports = {o.ports}\n"
             f"switching_time_ms = {o.switching_time_s * 1000.0!r}\n"
         )
-    out += [f"[[pod]]\nname = {q(p.name)}\n" for p in w.pods]
+    out += [
+        f"[[pod]]\nname = {q(p.name)}\n" + (f"prefix = {q(p.prefix)}\n" if p.prefix else "")
+        for p in w.pods
+    ]
     for t in w.tors:
         ups = ",\n".join(
-            f"  {{ port = {q(u.port)}, ocs = {q(u.ocs)}, ocs_port = {u.ocs_port} }}"
+            f"  {{ port = {q(u.port)}, ocs = {q(u.ocs)}, ocs_port = {u.ocs_port}"
+            + (f", device = {q(u.device)}" if u.device else "")
+            + (f", ip = {q(u.ip)}" if u.ip else "")
+            + " }"
             for u in t.uplinks
         )
-        out.append(f"[[tor]]\nname = {q(t.name)}\npod = {q(t.pod)}\nuplinks = [\n{ups}\n]\n")
+        netns = f"netns = {q(t.netns)}\n" if t.netns else ""
+        out.append(f"[[tor]]\nname = {q(t.name)}\npod = {q(t.pod)}\n{netns}uplinks = [\n{ups}\n]\n")
     for n in w.nodes:
         nics = ",\n".join(
             f"  {{ name = {q(x.name)}, tor = {q(x.tor)}, tor_port = {q(x.tor_port)}, "

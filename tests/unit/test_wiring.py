@@ -204,3 +204,38 @@ def test_to_toml_round_trips(example_wiring: Wiring) -> None:
 
     for w in (example_wiring, wiring.parse(SMALL), synthetic_wiring(64, max_ocs_ports=64)):
         assert wiring.parse(wiring.to_toml(w), w.source) == w
+
+
+ROUTED = (
+    SMALL.replace('[[pod]]\nname = "t0"', '[[pod]]\nname = "t0"\nprefix = "10.0.1.0/24"')
+    .replace('[[pod]]\nname = "g0"', '[[pod]]\nname = "g0"\nprefix = "10.0.2.0/24"')
+    .replace(
+        '{ port = "up0", ocs = "ocs0", ocs_port = 1 }',
+        '{ port = "up0", ocs = "ocs0", ocs_port = 1, device = "eth-up0", ip = "172.16.0.1" }',
+    )
+    .replace('name = "tor-t0"\npod = "t0"', 'name = "tor-t0"\npod = "t0"\nnetns = "orl-tor-t0"')
+)
+
+
+def test_routing_fields() -> None:
+    w = wiring.parse(ROUTED)
+    assert w.pod("t0").prefix == "10.0.1.0/24"
+    tor = w.tor("tor-t0")
+    assert tor.netns == "orl-tor-t0"
+    assert (tor.uplinks[0].interface, tor.uplinks[0].ip) == ("eth-up0", "172.16.0.1")
+    assert tor.uplinks[1].interface == "up1"  # device defaults to the port name
+    assert wiring.parse(wiring.to_toml(w)) == w
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        ('prefix = "10.0.2.0/24"', 'prefix = "10.0.1.128/25"', "overlaps"),
+        ('prefix = "10.0.2.0/24"', 'prefix = "10.0.2.1/24"', "without host bits"),
+        ('ip = "172.16.0.1"', 'ip = "172.16.0.300"', "an IP address"),
+        ('device = "eth-up0"', 'device = "a/b"', "a Linux interface name"),
+    ],
+)
+def test_routing_field_problems(old: str, new: str, expected: str) -> None:
+    found = problems_of(ROUTED.replace(old, new))
+    assert any(expected in p for p in found), found
