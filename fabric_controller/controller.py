@@ -22,12 +22,14 @@ from dataclasses import dataclass, replace
 
 import structlog
 
+from fabric_controller.drivers.electrical import ElectricalDriver
 from fabric_controller.drivers.ocs import OcsDriver
 from fabric_controller.events import Event, EventHub
 from fabric_controller.metrics import ControllerMetrics
 from fabric_controller.reconcile import check_applied, converge, ours, steps
 from fabric_controller.registry import Health, NodeRecord, Registry, health
 from fabric_controller.store import EpochRecord, PendingRecord, Store
+from fabric_controller.tor_routes import routed_tors, tor_routes
 from orchestrrl import errors
 from orchestrrl.logs import get_logger
 from orchestrrl.model import Circuit, Phase, Wiring
@@ -86,9 +88,11 @@ class Controller:
         monotonic: Callable[[], float] = time.monotonic,
         fault_hook: Callable[[str], None] = lambda _stage: None,
         metrics: ControllerMetrics | None = None,
+        electrical: Mapping[str, ElectricalDriver] | None = None,
     ) -> None:
         self.store = store
         self.ocs = dict(ocs)
+        self.electrical = dict(electrical or {})
         self.heartbeat_interval_s = heartbeat_interval_s
         self.lock_timeout_s = lock_timeout_s
         self.settling_margin_s = settling_margin_s
@@ -109,6 +113,9 @@ class Controller:
         missing = sorted({o.name for o in wiring.ocses} - set(self.ocs))
         if missing:
             raise errors.FailedPrecondition(f"no driver for OCS {', '.join(missing)}")
+        unrouted = sorted(set(routed_tors(wiring)) - set(self.electrical))
+        if unrouted:
+            raise errors.FailedPrecondition(f"no electrical driver for ToR {', '.join(unrouted)}")
 
     # -- life cycle --
 
@@ -270,13 +277,51 @@ class Controller:
                 "verify", "switch state differs from the plan: " + "; ".join(problems)
             )
 
+    async def _program_routes(self, circuits: frozenset[Circuit], stage: str) -> None:
+        """Every programmed ToR gets exactly the routes over ``circuits`` (ours pruned)."""
+        want = tor_routes(self.wiring, circuits)
+
+        async def one(name: str) -> None:
+            try:
+                await self.electrical[name].ensure(want.get(name, frozenset()), prune=True)
+            except errors.OrlError as exc:
+                raise _StageError(stage, f"ToR {name!r}: {exc}") from exc
+
+        results = await asyncio.gather(*(one(n) for n in sorted(want)), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    async def _verify_routes(self, circuits: frozenset[Circuit]) -> None:
+        want = tor_routes(self.wiring, circuits)
+        problems = []
+        for name in sorted(want):
+            try:
+                d = await self.electrical[name].verify(want[name], prune=True)
+            except errors.OrlError as exc:
+                raise _StageError("verify", f"reading ToR {name!r} back failed: {exc}") from exc
+            if d.add or d.replace or d.remove:
+                problems.append(
+                    f"ToR {name!r} routes differ (missing {len(d.add)}, different "
+                    f"{len(d.replace)}, stale {len(d.remove)})"
+                )
+        if problems:
+            raise _StageError("verify", "; ".join(problems))
+
     async def _converge(self, target: frozenset[Circuit], tag: str) -> CircuitPlan:
-        """Observe, then program the switches to exactly ``target`` on our ports, verify."""
+        """Observe, then program the switches to exactly ``target`` on our ports (and the
+        ToRs to the routes over it), verify."""
         observed, _ = await self._observe()
         plan = converge(self.wiring, observed, target)
+        if self.electrical:
+            await self._program_routes(ours(self.wiring, observed) & target, "drain_routes")
         if not plan.empty:
             await self._program(plan, tag)
+        if self.electrical:
+            await self._program_routes(target, "program_routes")
         await self._verify(plan)
+        if self.electrical:
+            await self._verify_routes(target)
         return plan
 
     async def _recover(self) -> str:
@@ -334,11 +379,28 @@ class Controller:
         return msg
 
     async def reconcile_once(self) -> str | None:
-        """Repair drift between the switches and the committed epoch (skips when busy)."""
+        """Repair drift between the switches and the committed epoch, and re-plan the
+        phase around ports that went down under its circuits (skips when busy)."""
         if self._reconfig.locked():
             return None
         async with self._locked("drift check"):
-            return await self._recover()
+            current = self.current
+            _, down = await self._observe()
+            hit = sorted(
+                c for c in current.circuits if (c.ocs, c.a) in down or (c.ocs, c.b) in down
+            )
+            if not hit or current.phase is None or self._needs_recovery:
+                return await self._recover()
+            log.warning("ports down under circuits; re-planning", circuits=[str(c) for c in hit])
+            result = await self._reconfigure(current.phase, "", None)
+            msg = (
+                f"port(s) down under {', '.join(map(str, hit))}: phase {current.phase.value} "
+                f"re-planned around them as epoch {result.record.epoch}"
+            )
+            self.events.publish(
+                Event("rerouted", epoch=result.record.epoch, phase=current.phase, message=msg)
+            )
+            return msg
 
     async def run_reconcile(self, interval_s: float) -> None:
         """Check for drift every ``interval_s`` (runs until cancelled)."""
@@ -428,12 +490,22 @@ class Controller:
         )  # fmt: skip
         self._fault("planned")
         try:
+            if self.electrical:  # traffic leaves the circuits about to move first
+                with st.stage("drain_routes"):
+                    await self._program_routes(
+                        ours(self.wiring, observed) & plan.desired, "drain_routes"
+                    )
             with st.stage("program_ocs"):
                 await self._program(plan, f"epoch-{epoch}-{secrets.token_hex(4)}")
             await self.store.advance("ocs_programmed")
             self._fault("ocs_programmed")
+            if self.electrical:
+                with st.stage("program_routes"):
+                    await self._program_routes(plan.desired, "program_routes")
             with st.stage("verify"):
                 await self._verify(plan)
+                if self.electrical:
+                    await self._verify_routes(plan.desired)
             self._fault("verified")
         except _StageError as exc:
             await self._roll_back(epoch, phase, exc)
@@ -477,8 +549,7 @@ class Controller:
     ) -> PhaseResult:
         """The phase is in place but the switches drifted: restore the epoch, no new one."""
         try:
-            await self._program(plan, f"repair-{current.epoch}-{secrets.token_hex(4)}")
-            await self._verify(plan)
+            await self._converge(plan.desired, f"repair-{current.epoch}-{secrets.token_hex(4)}")
         except _StageError as exc:
             self._needs_recovery = True
             raise errors.FailedPrecondition(

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fabric_controller.controller import Controller
+from fabric_controller.drivers.electrical import ElectricalDriver, LinuxSwitchDriver
 from fabric_controller.drivers.ocs import GrpcOcsDriver, OcsDriver
 from fabric_controller.servicer import FabricControllerServicer
 from fabric_controller.store import Store
@@ -132,6 +133,11 @@ async def serve(args: argparse.Namespace) -> int:
     drivers: dict[str, OcsDriver] = {
         o.name: GrpcOcsDriver(o.name, overrides.get(o.name, o.address), tls=tls) for o in w.ocses
     }
+    switches: dict[str, ElectricalDriver] = {
+        t.name: LinuxSwitchDriver(t.name, t.netns) for t in w.tors if t.netns
+    }
+    if switches:
+        log.info("programming routes on Linux ToRs", tors=sorted(switches))
     store = Store(args.state)
     interval = float(args.heartbeat_interval)
     controller = Controller(
@@ -142,6 +148,7 @@ async def serve(args: argparse.Namespace) -> int:
         heartbeat_deadline_s=3 * interval,
         lock_timeout_s=args.lock_timeout,
         fault_hook=_crash_hook(),
+        electrical=switches,
     )
     await controller.start()
     stop_metrics = (
@@ -191,6 +198,8 @@ async def serve(args: argparse.Namespace) -> int:
             stop_metrics()
         for d in drivers.values():
             await d.close()
+        for e in switches.values():
+            await e.close()
         store.close()
     return 0
 

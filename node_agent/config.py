@@ -13,6 +13,7 @@ from typing import TypeVar
 from node_agent.engine import default_layout, parse_layout, validate_layout
 from node_agent.gpus import BACKEND_KINDS, BackendKind
 from node_agent.nics import parse_nic
+from node_agent.reshard.engine import RESHARD_BACKENDS, ReshardBackend
 from node_agent.telemetry import MAX_INTERVAL_S, MIN_INTERVAL_S, check_interval
 from orchestrrl import errors
 from orchestrrl.grpcutil import parse_address
@@ -39,6 +40,7 @@ class AgentConfig:
     gpu_backend: BackendKind = "auto"
     nics: tuple[tuple[str, float | None], ...] = ()
     tp_layout: tuple[int, ...] | None = None  # None: the default for the GPU count
+    reshard_backend: ReshardBackend = "sim"
     telemetry_interval_s: float = 1.0
     ready_file: Path | None = None
     log_level: str = "info"
@@ -91,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="T,T,...",
         help="TP degree of each rollout instance, powers of two summing to the GPU count "
         "(default: TP=2 instances, e.g. 2,2,2,2 on 8 GPUs)",
+    )
+    p.add_argument(
+        "--reshard-backend",
+        default="sim",
+        help="sim (reshard changes the layout only) or torch (one worker process per GPU "
+        "holds weight shards and reshard moves them with torch.distributed; needs the "
+        "'reshard' extra) (default sim)",
     )
     p.add_argument(
         "--telemetry-interval",
@@ -158,6 +167,7 @@ def _validate(args: argparse.Namespace) -> AgentConfig:
         gpu_backend=backend,
         nics=nics,
         tp_layout=layout,
+        reshard_backend=_choice(args.reshard_backend, "--reshard-backend", RESHARD_BACKENDS),
         telemetry_interval_s=interval,
         ready_file=Path(args.ready_file) if args.ready_file else None,
         log_level=_choice(args.log_level, "--log-level", LOG_LEVELS),

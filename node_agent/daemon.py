@@ -14,6 +14,9 @@ from node_agent.config import AgentConfig, layout_for
 from node_agent.engine import busy_fraction
 from node_agent.gpus import GpuBackend, NvmlUnavailable, SimulatedGpus, select_backend
 from node_agent.nics import SysfsNics
+from node_agent.reshard.engine import close_engine, open_engine
+from node_agent.roce import RoceConfigurator
+from node_agent.routes import HostRoutes
 from node_agent.servicer import SERVICE_NAME, NodeAgentService
 from node_agent.telemetry import Collector
 from node_agent.uplink import Uplink, UplinkSettings
@@ -77,13 +80,24 @@ async def _serve(
     uplink_settings: UplinkSettings | None,
 ) -> int:
     gpu_count = len(await gpus.inventory())
-    engine = SimulatedEngine(gpu_count, layout_for(config, gpu_count), config.seed)
+    engine = await open_engine(
+        config.reshard_backend,
+        SimulatedEngine(gpu_count, layout_for(config, gpu_count), config.seed),
+        seed=config.seed,
+    )
     if isinstance(gpus, SimulatedGpus):
         gpus.follow(lambda: busy_fraction(engine.stats()))
     collector = Collector(config.node, gpus, SysfsNics(config.nics), engine)
     await collector.open()
     commands = CommandLog()
-    servicer = NodeAgentService(collector, engine, commands, config.telemetry_interval_s)
+    servicer = NodeAgentService(
+        collector,
+        engine,
+        commands,
+        config.telemetry_interval_s,
+        routes=HostRoutes(),
+        roce=RoceConfigurator(),
+    )
 
     def register(server: grpc.aio.Server) -> None:
         node_agent_pb2_grpc.add_NodeAgentServicer_to_server(servicer, server)
@@ -102,6 +116,7 @@ async def _serve(
             gpu_backend=gpus.name,
             gpus=gpu_count,
             engine="sim",
+            reshard_backend=config.reshard_backend,
             tp_layout=list(engine.tp_layout),
             nics=[n.name for n in collector.status().nics],
         )
@@ -120,5 +135,6 @@ async def _serve(
     finally:
         await server.stop(SHUTDOWN_GRACE_S)
         await commands.close()
+        await close_engine(engine)
     log.info("stopped")
     return EXIT_OK

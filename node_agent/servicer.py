@@ -7,10 +7,13 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from node_agent import convert
+from node_agent import convert, roce, routes
 from node_agent.commands import CommandLog
 from node_agent.engine import RolloutEngine
+from node_agent.roce import RoceConfigurator
+from node_agent.routes import HostRoutes
 from node_agent.telemetry import Collector, check_interval
+from orchestrrl import errors
 from orchestrrl.grpcutil import domain_errors_to_status
 from orchestrrl.logs import get_logger
 from orchestrrl.v1 import node_agent_pb2, node_agent_pb2_grpc
@@ -18,9 +21,6 @@ from orchestrrl.v1 import node_agent_pb2, node_agent_pb2_grpc
 log = get_logger("node_agent.servicer")
 
 SERVICE_NAME = node_agent_pb2.DESCRIPTOR.services_by_name["NodeAgent"].full_name
-APPLY_ROUTES_UNIMPLEMENTED = (
-    "ApplyRoutes: host route programming is not implemented in this version of the agent"
-)
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
@@ -32,11 +32,18 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         engine: RolloutEngine,
         commands: CommandLog,
         default_interval_s: float,
+        *,
+        routes: HostRoutes | None = None,
+        roce: RoceConfigurator | None = None,
     ) -> None:
+        """``routes`` / ``roce`` None: this agent refuses ApplyRoutes / ConfigureRoce with
+        FAILED_PRECONDITION instead of touching the host (the daemon always passes both)."""
         self._collector = collector
         self._engine = engine
         self._commands = commands
         self._default_interval_s = default_interval_s
+        self._routes = routes
+        self._roce = roce
 
     @domain_errors_to_status
     async def GetStatus(
@@ -94,11 +101,49 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
 
         return await self._commands.run("Resume", request.command_id, _key(request), resume)
 
+    @domain_errors_to_status
     async def ApplyRoutes(
         self, request: node_agent_pb2.ApplyRoutesRequest, context: Context
     ) -> node_agent_pb2.ApplyRoutesResponse:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, APPLY_ROUTES_UNIMPLEMENTED)
-        raise AssertionError("unreachable: context.abort raises")
+        host_routes = self._routes
+
+        async def apply() -> node_agent_pb2.ApplyRoutesResponse:
+            if host_routes is None:
+                raise errors.FailedPrecondition(
+                    "ApplyRoutes: route programming is not enabled on this agent"
+                )
+            result = await host_routes.apply(routes.request_from_pb(request))
+            log.info(
+                "routes_applied",
+                command_id=request.command_id,
+                netns=request.netns or None,
+                routes=len(result.routes.routes),
+                rules=len(result.rules.rules),
+                added=result.routes.added + result.rules.added,
+                replaced=result.routes.replaced,
+                removed=result.routes.removed + result.rules.removed,
+            )
+            return routes.response_to_pb(request.command_id, result)
+
+        return await self._commands.run("ApplyRoutes", request.command_id, _key(request), apply)
+
+    @domain_errors_to_status
+    async def ConfigureRoce(
+        self, request: node_agent_pb2.ConfigureRoceRequest, context: Context
+    ) -> node_agent_pb2.ConfigureRoceResponse:
+        configurator = self._roce
+
+        async def configure() -> node_agent_pb2.ConfigureRoceResponse:
+            if configurator is None:
+                raise errors.FailedPrecondition(
+                    "ConfigureRoce: RoCE configuration is not enabled on this agent"
+                )
+            results = await configurator.configure(roce.settings_from_pb(request.nics))
+            return roce.results_to_pb(request.command_id, results)
+
+        return await self._commands.run(
+            "ConfigureRoce", request.command_id, _key(request), configure
+        )
 
 
 def _key(request: Any) -> bytes:

@@ -7,9 +7,11 @@ pyroute2 object or ``**kwargs`` escape.
 - Links (lookup, MTU) and policy rules go through pyroute2's ``AsyncIPRoute``.
 - Routes are the bulk object (thousands per switch at a phase change), so they go
   through our own small codec (``orchestrrl.rtnl``) in batches of hundreds of messages
-  per ``send`` on a raw rtnetlink socket, which pyroute2 opens inside the namespace.
-  See ``orchestrrl.rtnl`` for the measurements behind that choice and
-  ``bench/routes.py`` for the comparison with ``ip -batch``.
+  per ``send`` on a plain rtnetlink socket. See ``orchestrrl.rtnl`` for the
+  measurements behind that choice and ``bench/routes.py`` for the comparison with
+  ``ip -batch``.
+- Both sockets are created inside the namespace by :func:`netlink_socket` (pyroute2's
+  ``setns`` in a short-lived thread; no fork).
 
 Ownership: everything OrchestrRL installs carries the route/rule protocol
 ``OWNER_PROTO`` = 77. Number 99, which one might pick, is RTPROT_OPENR in
@@ -28,13 +30,14 @@ then read back and poll briefly until the kernel shows the desired state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -45,6 +48,7 @@ from pyroute2.netns import setns
 from orchestrrl import errors, rtnl
 from orchestrrl.logs import get_logger
 from orchestrrl.routing import (
+    KernelHop,
     RouteChange,
     RouteDiff,
     RouteKey,
@@ -55,7 +59,7 @@ from orchestrrl.routing import (
     diff_rules,
     foreign_conflicts,
     index_routes,
-    missing_devices,
+    unknown_devices,
 )
 
 log = get_logger("orchestrrl.netlink")
@@ -72,8 +76,9 @@ SO_RCVBUFFORCE = 33
 SOCKET_BUFFER = 8 << 20
 RECV_SIZE = 1 << 17
 ACK_TRUESIZE = 1024  # generous bound of the kernel's memory per queued ACK
-MAX_BATCH = 1024
+MAX_BATCH = 256  # messages per send; also how long the event loop waits at most (~5 ms)
 DUMP_RETRIES = 5
+EXCHANGE_TIMEOUT_S = 60.0
 FR_ACT_TO_TBL = 1
 FIB_RULE_INVERT = 2
 OTHER_RULE_MATCHES = (
@@ -121,7 +126,7 @@ def kernel_error(code: int, what: str, detail: str = "") -> errors.OrlError:
     if code in (errno.EPERM, errno.EACCES):
         return errors.FailedPrecondition(
             f"{what}: {reason}: changing routes, rules or links needs root or "
-            "CAP_NET_ADMIN; run the agent as root or grant it CAP_NET_ADMIN"
+            "CAP_NET_ADMIN; run the service as root or grant it CAP_NET_ADMIN"
         )
     if code == errno.ENODEV:
         return errors.InvalidArgument(f"{what}: no such interface ({reason})")
@@ -142,6 +147,21 @@ def kernel_error(code: int, what: str, detail: str = "") -> errors.OrlError:
     return errors.FailedPrecondition(f"{what}: {reason} (errno {code})")
 
 
+@contextlib.asynccontextmanager
+async def _socket_errors(what: str) -> AsyncIterator[None]:
+    """Socket-level failures (buffer overrun, a kernel that stops answering) as domain
+    errors. The kernel answers every request, so the timeout only guards against bugs."""
+    try:
+        async with asyncio.timeout(EXCHANGE_TIMEOUT_S):
+            yield
+    except TimeoutError:
+        raise errors.Unavailable(
+            f"{what}: no answer from the kernel within {EXCHANGE_TIMEOUT_S:g}s"
+        ) from None
+    except OSError as exc:
+        raise kernel_error(exc.errno or errno.EIO, what, exc.strerror or "") from None
+
+
 class _RouteSocket:
     """A raw rtnetlink socket speaking ``orchestrrl.rtnl`` messages in batches."""
 
@@ -149,6 +169,9 @@ class _RouteSocket:
         self._sock = sock
         self._seq = int(time.time()) & 0xFFFF_FFF
         self._lock = asyncio.Lock()
+        # An exchange that did not finish (error, cancellation) may leave a dump running
+        # or ACKs unread: such a socket is replaced rather than reused.
+        self.broken = False
         rcvbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
         sndbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         self.batch = max(16, min(MAX_BATCH, rcvbuf // ACK_TRUESIZE))
@@ -179,15 +202,28 @@ class _RouteSocket:
     def close(self) -> None:
         self._sock.close()
 
+    @contextlib.asynccontextmanager
+    async def _exchange(self, what: str) -> AsyncIterator[None]:
+        if self.broken:
+            raise errors.Unavailable(f"{what}: the netlink socket was abandoned; reopen it")
+        try:
+            async with _socket_errors(what):
+                yield
+        except BaseException:
+            self.broken = True
+            raise
+
     def _next_seq(self) -> int:
         self._seq = (self._seq + 1) & 0xFFFF_FFFF or 1
         return self._seq
 
-    async def _recv(self) -> list[rtnl.Message]:
-        """Every message queued now, waiting for the first one if none is."""
+    async def _recv(self, drain: bool) -> list[rtnl.Message]:
+        """The next datagram's messages, waiting if none is queued; with ``drain``, also
+        every datagram queued behind it (ACKs: one datagram each). Not for dumps: each
+        read makes the kernel produce the next chunk, so draining never ends early."""
         loop = asyncio.get_running_loop()
         chunks = [await loop.sock_recv(self._sock, RECV_SIZE)]
-        while True:
+        while drain:
             try:
                 chunks.append(self._sock.recv(RECV_SIZE))
             except BlockingIOError:
@@ -196,27 +232,33 @@ class _RouteSocket:
 
     async def request(self, build: Sequence[Callable[[int], bytes]]) -> list[tuple[int, str]]:
         """Send messages (callables seq -> bytes) in batches; (errno, text) of each ACK."""
+        async with self._lock, self._exchange("route changes"):
+            return await self._request(build)
+
+    async def _request(self, build: Sequence[Callable[[int], bytes]]) -> list[tuple[int, str]]:
         results: list[tuple[int, str]] = []
-        async with self._lock:
-            start = 0
-            while start < len(build):
-                seqs: dict[int, int] = {}
-                payload = bytearray()
-                while start < len(build) and len(seqs) < self.batch:
-                    seq = self._next_seq()
-                    message = build[start](seq)
-                    if seqs and len(payload) + len(message) > self.batch_bytes:
-                        break
-                    payload += message
-                    seqs[seq] = start
-                    start += 1
-                acks: dict[int, tuple[int, str]] = {}
-                await asyncio.get_running_loop().sock_sendall(self._sock, bytes(payload))
-                while len(acks) < len(seqs):
-                    for reply in await self._recv():
-                        if reply.kind == rtnl.NLMSG_ERROR and reply.seq in seqs:
-                            acks[reply.seq] = rtnl.decode_error(reply)
-                results.extend(acks[seq] for seq in seqs)
+        start = 0
+        while start < len(build):
+            seqs: dict[int, int] = {}
+            payload = bytearray()
+            while start < len(build) and len(seqs) < self.batch:
+                seq = self._next_seq()
+                message = build[start](seq)
+                if seqs and len(payload) + len(message) > self.batch_bytes:
+                    break
+                payload += message
+                seqs[seq] = start
+                start += 1
+            acks: dict[int, tuple[int, str]] = {}
+            await asyncio.get_running_loop().sock_sendall(self._sock, bytes(payload))
+            while len(acks) < len(seqs):
+                for reply in await self._recv(drain=True):
+                    if reply.kind == rtnl.NLMSG_ERROR and reply.seq in seqs:
+                        acks[reply.seq] = rtnl.decode_error(reply)
+            results.extend(acks[seq] for seq in seqs)
+            # The kernel answers synchronously, so nothing above ever waits: give the
+            # event loop a turn per batch (gRPC, telemetry, timeouts, cancellation).
+            await asyncio.sleep(0)
         return results
 
     async def dump(
@@ -224,7 +266,7 @@ class _RouteSocket:
     ) -> list[rtnl.WireRoute]:
         """Routes of one family, filtered by the kernel on ``table`` and ``proto`` (0: any);
         routes of ``skip_proto`` are dropped before they are decoded."""
-        async with self._lock:
+        async with self._lock, self._exchange(f"IPv{version} route dump"):
             for _ in range(DUMP_RETRIES):
                 routes, interrupted = await self._dump_once(version, table, proto, skip_proto)
                 if not interrupted:
@@ -243,7 +285,8 @@ class _RouteSocket:
         routes: list[rtnl.WireRoute] = []
         interrupted = False
         while True:
-            for message in await self._recv():
+            await asyncio.sleep(0)  # as in _request: let the loop run between chunks
+            for message in await self._recv(drain=False):
                 if message.seq != seq:
                     continue  # a late ACK of a cancelled request
                 interrupted |= bool(message.flags & rtnl.NLM_F_DUMP_INTR)
@@ -290,8 +333,10 @@ def netlink_socket(netns: str | None) -> socket.socket:
     return outcome[0]
 
 
-def _op_route(op: rtnl.RouteOp, route: RouteSpec, ifindex: int) -> Callable[[int], bytes]:
-    return lambda seq: rtnl.encode_route(seq, op, route, OWNER_PROTO, ifindex)
+def _op_route(
+    op: rtnl.RouteOp, route: RouteSpec, ifindexes: dict[str, int]
+) -> Callable[[int], bytes]:
+    return lambda seq: rtnl.encode_route(seq, op, route, OWNER_PROTO, ifindexes)
 
 
 class Netlink:
@@ -316,7 +361,12 @@ class Netlink:
         try:
             self._routes = await asyncio.to_thread(_RouteSocket.open, self.netns)
             links_socket = await asyncio.to_thread(netlink_socket, self.netns)
-            self._ipr = AsyncIPRoute(fileno=links_socket.detach(), groups=0)
+            fd = links_socket.detach()  # pyroute2 takes the descriptor over (at first use)
+            try:
+                self._ipr = AsyncIPRoute(fileno=fd, groups=0)
+            except BaseException:
+                os.close(fd)
+                raise
             await self.links()  # fail now, not at first use
         except FileNotFoundError:
             await self.close()
@@ -325,7 +375,10 @@ class Netlink:
             ) from None
         except PermissionError as exc:
             await self.close()
-            raise kernel_error(errno.EPERM, f"open {self.where}", str(exc)) from None
+            raise errors.FailedPrecondition(
+                f"open {self.where}: {exc}: entering a named network namespace needs "
+                "CAP_SYS_ADMIN (and changing it CAP_NET_ADMIN); run as root or grant both"
+            ) from None
         except NetlinkError as exc:
             await self.close()
             raise kernel_error(exc.code, f"open {self.where}") from None
@@ -353,15 +406,19 @@ class Netlink:
     ) -> None:
         await self.close()
 
-    def _require(self) -> tuple[Any, _RouteSocket]:
+    async def _require(self) -> tuple[Any, _RouteSocket]:
+        """The open sockets; a route socket abandoned mid-exchange is replaced first."""
         if self._ipr is None or self._routes is None:
             raise errors.FailedPrecondition(f"netlink adapter for {self.where} is not open")
+        if self._routes.broken:
+            self._routes.close()
+            self._routes = await asyncio.to_thread(_RouteSocket.open, self.netns)
         return self._ipr, self._routes
 
     # -- links ------------------------------------------------------------------------
 
     async def links(self) -> dict[str, LinkInfo]:
-        ipr, _ = self._require()
+        ipr, _ = await self._require()
         found: dict[str, LinkInfo] = {}
         try:
             async for msg in await ipr.get_links():
@@ -381,7 +438,7 @@ class Netlink:
 
     async def set_mtu(self, name: str, mtu: int) -> LinkInfo:
         """Set an interface's MTU (``ip link set NAME mtu MTU``) and return it read back."""
-        ipr, _ = self._require()
+        ipr, _ = await self._require()
         async with self._lock:
             link = (await self.links()).get(name)
             if link is None:
@@ -414,17 +471,18 @@ class Netlink:
 
     async def routes(self) -> frozenset[RouteSpec]:
         """The routes OrchestrRL installed (protocol ``OWNER_PROTO``), in every table."""
-        _, sock = self._require()
+        _, sock = await self._require()
         names = {link.index: link.name for link in (await self.links()).values()}
         return frozenset(await self._owned_routes(sock, names))
 
     async def _owned_routes(self, sock: _RouteSocket, names: dict[int, str]) -> list[RouteSpec]:
         owned = []
+        hop_sets: dict[tuple[rtnl.WireHop, ...], tuple[KernelHop, ...]] = {}
         for version in (4, 6):
             for wire in await sock.dump(version, proto=OWNER_PROTO):
                 if wire.proto != OWNER_PROTO or wire.kind != rtnl.RTN_UNICAST:
                     continue
-                spec = _route_from_wire(wire, names)
+                spec = _route_from_wire(wire, names, hop_sets)
                 if spec is None:
                     log.warning("owned_route_unreadable", route=repr(wire), netns=self.netns)
                 else:
@@ -443,7 +501,7 @@ class Netlink:
 
     async def check_routes(self, desired: Iterable[RouteSpec]) -> None:
         """Everything that can be known before touching the kernel; raises, changes nothing."""
-        _, sock = self._require()
+        _, sock = await self._require()
         want = list(desired)
         index_routes(want)
         links = await self.links()
@@ -453,12 +511,18 @@ class Netlink:
         await self._check_conflicts(sock, [r for r in want if r.key not in ours])
 
     def _check_devices(self, routes: Sequence[RouteSpec], links: dict[str, LinkInfo]) -> None:
-        missing = missing_devices(routes, links)
+        """Every device a route names (shared or per hop) must exist; the error names the
+        field as the route spells it (``device`` or ``nexthops[i].device``)."""
+        missing = unknown_devices(routes, links)
         if missing:
+            first = missing[0]
+            others = sorted({m.device for m in missing[1:]} - {first.device})
+            also = f"; also missing: {', '.join(others)}" if others else ""
             raise errors.field_error(
-                "device",
-                missing[0] if len(missing) == 1 else missing,
-                f"no such interface in {self.where} (it has: {', '.join(sorted(links))})",
+                first.field,
+                first.device,
+                f"no such interface in {self.where} (it has: {', '.join(sorted(links))}), "
+                f"in route {first.route.describe()}{also}",
             )
 
     async def _check_conflicts(self, sock: _RouteSocket, new: Sequence[RouteSpec]) -> None:
@@ -477,7 +541,7 @@ class Netlink:
 
     async def ensure_routes(self, desired: Iterable[RouteSpec], prune: bool) -> RouteChange:
         """Make OrchestrRL's routes match ``desired``; remove others of ours only if prune."""
-        _, sock = self._require()
+        _, sock = await self._require()
         want = list(desired)
         async with self._lock:
             links = await self.links()
@@ -512,7 +576,7 @@ class Netlink:
 
     async def verify_routes(self, desired: Iterable[RouteSpec], prune: bool) -> RouteDiff:
         """What an ensure would still change now (empty: the kernel matches ``desired``)."""
-        _, sock = self._require()
+        _, sock = await self._require()
         names = {link.index: link.name for link in (await self.links()).values()}
         return diff_routes(await self._owned_routes(sock, names), desired, prune)
 
@@ -523,16 +587,14 @@ class Netlink:
         observed: Sequence[RouteSpec],
         links: dict[str, LinkInfo],
     ) -> None:
-        def index(route: RouteSpec) -> int:
-            return links[route.device].index if route.device in links else 0
-
+        ifindexes = {name: link.index for name, link in links.items()}
         before = {r.key: r for r in observed}
         ops: list[tuple[rtnl.RouteOp, RouteSpec]] = [
             *(("add", r) for r in plan.add),
             *(("replace", r) for r in plan.replace),
             *(("delete", r) for r in plan.remove),
         ]
-        acks = await sock.request([_op_route(op, r, index(r)) for op, r in ops])
+        acks = await sock.request([_op_route(op, r, ifindexes) for op, r in ops])
         failed = [
             (op, route, code, text)
             for (op, route), (code, text) in zip(ops, acks, strict=True)
@@ -549,7 +611,7 @@ class Netlink:
                 undo.append(("replace", before[route.key]))
             else:
                 undo.append(("replace", route))
-        undo_acks = await sock.request([_op_route(op, r, index(r)) for op, r in undo])
+        undo_acks = await sock.request([_op_route(op, r, ifindexes) for op, r in undo])
         undo_failed = [
             r.describe() for (_, r), (code, _) in zip(undo, undo_acks, strict=True) if code
         ]
@@ -594,7 +656,7 @@ class Netlink:
 
     async def _all_rules(self) -> tuple[list[RuleSpec], list[RuleSpec]]:
         """(ours, everyone else's) rules that select a table."""
-        ipr, _ = self._require()
+        ipr, _ = await self._require()
         ours: list[RuleSpec] = []
         theirs: list[RuleSpec] = []
         try:
@@ -658,7 +720,7 @@ class Netlink:
         )
 
     async def _rule(self, op: str, rule: RuleSpec) -> None:
-        ipr, _ = self._require()
+        ipr, _ = await self._require()
         family = FAMILY_OF[rule.family or 4]
         args: dict[str, Any] = {
             "family": family,
@@ -699,21 +761,25 @@ class Netlink:
             delay = min(0.2, delay * 2)
 
 
-def _route_from_wire(wire: rtnl.WireRoute, names: dict[int, str]) -> RouteSpec | None:
+def _route_from_wire(
+    wire: rtnl.WireRoute,
+    names: dict[int, str],
+    hop_sets: dict[tuple[rtnl.WireHop, ...], tuple[KernelHop, ...]],
+) -> RouteSpec | None:
     """One of our routes as a RouteSpec; None if it is not something we could have
-    installed (no next hop and no device)."""
-    indexes = {index for _, index in wire.nexthops} or {wire.oif}
-    device = names.get(indexes.pop()) if len(indexes) == 1 else None
-    if not wire.nexthops and device is None:
+    installed (a hop with neither gateway nor known device). ``hop_sets`` memoises the
+    translation of wire hops (ifindex, flags) to (gateway, device, onlink) for one dump:
+    many routes share a few hop sets."""
+    hops = hop_sets.get(wire.nexthops)
+    if hops is None:
+        hops = tuple(
+            (gateway, names.get(ifindex), bool(flags & rtnl.RTNH_F_ONLINK))
+            for gateway, ifindex, flags in wire.nexthops
+        )
+        hop_sets[wire.nexthops] = hops
+    if not hops or any(gateway is None and device is None for gateway, device, _ in hops):
         return None
-    return RouteSpec.from_kernel(
-        wire.version,
-        wire.destination,
-        (gateway for gateway, _ in wire.nexthops),
-        device,
-        wire.table,
-        wire.metric,
-    )
+    return RouteSpec.from_kernel(wire.version, wire.destination, hops, wire.table, wire.metric)
 
 
 def _rule_from_msg(msg: Any) -> RuleSpec | None:

@@ -3,23 +3,44 @@
 Nothing here touches the kernel. ``orchestrrl.netlink`` observes the kernel, asks
 :func:`diff_routes` / :func:`diff_rules` what to change, and applies the answer.
 
+Next hops. A route has one or more :class:`NextHop` values (gateway, output device,
+``onlink``); two or more make an ECMP route with equal weights. They can be written two
+ways, which mean the same thing:
+
+- the simple form, ``RouteSpec(dst, gateways=(g1, g2), device="eth0")`` (or just
+  ``device=`` for a route without a gateway): every hop shares the one device, or none;
+- per hop, ``RouteSpec(dst, nexthops=(NextHop(g1, "up0", onlink=True), ...))``: each hop
+  has its own device and ``onlink`` flag (routes over optical circuits, where every
+  gateway is the far end of a circuit addressed with a /32, hence on-link).
+
 Canonical form (so that equal intent compares equal):
 
+- ``nexthops`` is THE representation: both forms are turned into a tuple of hops sorted
+  by (gateway address, device, onlink), each gateway in inet_ntop text; equality and
+  hashing look only at ``destination``, ``nexthops``, ``table`` and ``metric``.
+  ``gateways`` and ``device`` are read-only views derived from it: the unique gateways in
+  address order, and the device every hop shares (``None`` when hops differ or have
+  none). So ``RouteSpec(d, (g1, g2), "p0")`` equals
+  ``RouteSpec(d, nexthops=(NextHop(g2, "p0"), NextHop(g1, "p0")))``. Errors raised while
+  a RouteSpec is built index its hops as the caller gave them; later ones (a device that
+  does not exist) index the sorted ``nexthops``, the order :meth:`RouteSpec.describe`
+  prints, and show the route;
 - ``destination`` is a CIDR prefix with no host bits (``10.1.0.0/16``, ``fd10::/64``);
-- ``gateways`` are sorted and unique; one gateway is a plain route, two or more an ECMP
-  route with equal weights;
 - ``table`` 0 means the main table (254); the local table (255) belongs to the kernel;
 - IPv6 ``metric`` 0 is stored by the kernel as 1024, so it is canonicalised to 1024;
-- ``device`` ``""`` means "no device" (``None``); with gateways and no device, the
-  kernel picks the interface and any device satisfies the spec.
+- a device or gateway ``""`` means "none" (``None``); a hop with a gateway and no device
+  lets the kernel pick the interface, and any device satisfies it (see
+  :func:`satisfies`); the kernel always reports a device, so routes read back carry one.
 
 A route is identified by its key (family, table, destination, metric), like the kernel
 does: two desired routes with the same key are an error, and a desired route whose key
 is held by a route that OrchestrRL did not install is refused rather than overwritten.
+A route whose hops differ in any of gateway, device or onlink is replaced.
 """
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 import socket
@@ -36,8 +57,12 @@ IPV6_DEFAULT_METRIC = 1024
 MAX_GATEWAYS = 256
 # Linux interface names: 1..15 bytes, no '/', ':' or whitespace.
 IFNAME_RE = re.compile(r"^[^/:\s]{1,15}$")
+# Distinct next hops / next-hop sets remembered for reading routes back: a fabric has
+# few neighbours and many routes over the same few hop sets.
+_HOP_CACHE = 4096
 
 RouteKey = tuple[int, int, str, int]  # family, table, destination, metric
+KernelHop = tuple[str | None, str | None, bool]  # gateway, device, onlink
 _FAMILY = {4: socket.AF_INET, 6: socket.AF_INET6}
 
 
@@ -98,15 +123,20 @@ def _u32(value: int, field_name: str, low: int = 0) -> int:
 
 
 def _unusable_next_hop(version: int, packed: bytes) -> bool:
-    """Unspecified, loopback or multicast: never the address of a neighbour."""
+    """Unspecified, loopback, multicast or broadcast: never the address of a neighbour."""
     if version == 4:
-        return packed[0] in (0, 127) or 224 <= packed[0] <= 239
+        return packed[0] in (0, 127) or packed[0] >= 224
     return packed in (bytes(16), bytes(15) + b"\x01") or packed[0] == 0xFF
+
+
+def _link_local(version: int, packed: bytes) -> bool:
+    return version == 6 and packed[0] == 0xFE and packed[1] & 0xC0 == 0x80
 
 
 def _gateways(values: Iterable[str], prefix: Prefix, device: str | None) -> tuple[str, ...]:
     if isinstance(values, str):
         raise errors.field_error("gateways", values, "expected a list of addresses, not a string")
+    values = tuple(values)
     parsed: list[bytes] = []
     for value in values:
         address = _address(value)
@@ -123,8 +153,7 @@ def _gateways(values: Iterable[str], prefix: Prefix, device: str | None) -> tupl
             raise errors.field_error(
                 "gateways", value, "a next hop must be a unicast address of a neighbour"
             )
-        link_local = version == 6 and packed[0] == 0xFE and packed[1] & 0xC0 == 0x80
-        if link_local and device is None:
+        if _link_local(version, packed) and device is None:
             raise errors.field_error(
                 "gateways", value, "an IPv6 link-local next hop needs a device"
             )
@@ -139,68 +168,235 @@ def _gateways(values: Iterable[str], prefix: Prefix, device: str | None) -> tupl
     return tuple(socket.inet_ntop(family, packed) for packed in sorted(parsed))
 
 
-@dataclass(frozen=True)
-class RouteSpec:
-    """One unicast route; ECMP when it has two or more gateways. Canonicalised on creation."""
+@dataclass(frozen=True, slots=True)
+class NextHop:
+    """One next hop of a route: a gateway, an output device, or both.
 
-    destination: str
-    gateways: tuple[str, ...] = ()
+    ``onlink`` (``ip route ... via G dev D onlink``) makes the kernel take the gateway as
+    directly reachable on ``device`` although no address of the device covers it, so it
+    needs both. Validated and canonicalised on creation; that the gateway's IP version
+    matches the destination is checked by :class:`RouteSpec`.
+    """
+
+    gateway: str | None = None
     device: str | None = None
-    table: int = MAIN_TABLE
-    metric: int = 0
-    family: int = field(init=False, repr=False, compare=False)
+    onlink: bool = False
 
     def __post_init__(self) -> None:
-        prefix = parse_prefix(self.destination, "destination")
+        gateway = self.gateway or None
+        link_local = False
+        if gateway is not None:
+            address = _address(gateway)
+            if address is None:
+                raise errors.field_error(
+                    "gateway", gateway, "expected an IP address such as 172.16.0.9 or fd00::9"
+                )
+            version, packed = address
+            if _unusable_next_hop(version, packed):
+                raise errors.field_error(
+                    "gateway", gateway, "a next hop must be a unicast address of a neighbour"
+                )
+            gateway = socket.inet_ntop(_FAMILY[version], packed)
+            link_local = _link_local(version, packed)
         device = self.device or None
         if device is not None:
             check_ifname(device, "device")
-        gateways = _gateways(self.gateways, prefix, device)
-        if not gateways and device is None:
+        if not isinstance(self.onlink, bool):
+            raise errors.field_error("onlink", self.onlink, "expected True or False")
+        if gateway is None and device is None:
             raise errors.field_error(
-                "gateways", [], "a route needs at least one gateway or a device"
+                "gateway", self.gateway, "a next hop needs a gateway, a device or both"
             )
-        table = _u32(self.table, "table") or MAIN_TABLE
+        if self.onlink and (gateway is None or device is None):
+            raise errors.field_error(
+                "onlink", True, "an onlink next hop needs both a gateway and a device"
+            )
+        if link_local and device is None:
+            raise errors.field_error(
+                "gateway", gateway, "an IPv6 link-local next hop needs a device"
+            )
+        object.__setattr__(self, "gateway", gateway)
+        object.__setattr__(self, "device", device)
+
+    def describe(self) -> str:
+        """``via 172.16.0.9 dev up0 onlink``, as ``ip route`` writes a next hop."""
+        parts = []
+        if self.gateway:
+            parts.append(f"via {self.gateway}")
+        if self.device:
+            parts.append(f"dev {self.device}")
+        if self.onlink:
+            parts.append("onlink")
+        return " ".join(parts)
+
+
+def _hop_sort_key(hop: NextHop) -> tuple[bytes, str, bool]:
+    gateway = hop.gateway
+    packed = socket.inet_pton(_FAMILY[6 if ":" in gateway else 4], gateway) if gateway else b""
+    return (packed, hop.device or "", hop.onlink)
+
+
+@functools.lru_cache(maxsize=_HOP_CACHE)
+def _hop(gateway: str | None, device: str | None, onlink: bool) -> NextHop:
+    """The one shared NextHop for these canonical values (interned: hop tuples of many
+    routes then compare by identity), built without validation."""
+    hop = object.__new__(NextHop)
+    object.__setattr__(hop, "gateway", gateway)
+    object.__setattr__(hop, "device", device)
+    object.__setattr__(hop, "onlink", onlink)
+    return hop
+
+
+HopSet = tuple[tuple[NextHop, ...], tuple[str, ...], str | None]  # nexthops, gateways, device
+
+
+def _hop_set(hops: Iterable[NextHop]) -> HopSet:
+    """Canonical (sorted, interned) hops and the ``gateways``/``device`` views of them."""
+    ordered = tuple(_hop(h.gateway, h.device, h.onlink) for h in sorted(hops, key=_hop_sort_key))
+    gateways = tuple(dict.fromkeys(h.gateway for h in ordered if h.gateway))
+    devices = {h.device for h in ordered}
+    return ordered, gateways, devices.pop() if len(devices) == 1 else None
+
+
+@functools.lru_cache(maxsize=_HOP_CACHE)
+def _simple_hop_set(gateways: tuple[str, ...], device: str | None) -> HopSet:
+    """The hops of the simple form (validated canonical gateways, one shared device)."""
+    if not gateways:
+        return _hop_set([_hop(None, device, False)])
+    return _hop_set([_hop(gateway, device, False) for gateway in gateways])
+
+
+@functools.lru_cache(maxsize=_HOP_CACHE)
+def _kernel_hop_set(hops: tuple[KernelHop, ...]) -> HopSet:
+    return _hop_set([_hop(gateway, device, onlink) for gateway, device, onlink in hops])
+
+
+def _explicit_hop_set(values: Iterable[NextHop], prefix: Prefix) -> HopSet:
+    """Validate the per-hop form against the destination; errors name ``nexthops[i]``
+    (index in the caller's order)."""
+    if isinstance(values, (str, NextHop)):
+        raise errors.field_error("nexthops", values, "expected a list of NextHop values")
+    values = tuple(values)
+    if not values:
+        raise errors.field_error("nexthops", [], "a route needs at least one next hop")
+    if len(values) > MAX_GATEWAYS:
+        raise errors.field_error(
+            "nexthops", f"{len(values)} next hops", f"at most {MAX_GATEWAYS} next hops per route"
+        )
+    seen: dict[tuple[str | None, str | None], int] = {}
+    by_gateway: dict[str, list[NextHop]] = {}
+    for i, hop in enumerate(values):
+        if not isinstance(hop, NextHop):
+            raise errors.field_error(
+                f"nexthops[{i}]", hop, "expected NextHop(gateway=..., device=..., onlink=...)"
+            )
+        if hop.gateway is not None:
+            version = 6 if ":" in hop.gateway else 4
+            if version != prefix.version:
+                raise errors.field_error(
+                    f"nexthops[{i}].gateway",
+                    hop.gateway,
+                    f"gateway is IPv{version} but destination {prefix.text} is IPv{prefix.version}",
+                )
+            by_gateway.setdefault(hop.gateway, []).append(hop)
+        if (hop.gateway, hop.device) in seen:
+            raise errors.field_error(
+                f"nexthops[{i}]",
+                hop.describe(),
+                f"the same next hop as nexthops[{seen[hop.gateway, hop.device]}]; "
+                "each next hop may be listed once",
+            )
+        seen[hop.gateway, hop.device] = i
+    for gateway, hops in by_gateway.items():
+        if len(hops) > 1 and any(hop.device is None for hop in hops):
+            raise errors.field_error(
+                f"nexthops[{values.index(next(h for h in hops if h.device is None))}].device",
+                None,
+                f"gateway {gateway} is in several next hops, so each needs its own device",
+            )
+    return _hop_set(values)
+
+
+@dataclass(frozen=True, init=False)
+class RouteSpec:
+    """One unicast route; ECMP when it has two or more next hops. Canonicalised on creation.
+
+    ``RouteSpec(dst, gateways=(...), device=...)`` (the simple form) or
+    ``RouteSpec(dst, nexthops=(NextHop(...), ...))`` (per hop), not both; see the module
+    docstring for the canonical form. ``gateways`` and ``device`` are derived views.
+    """
+
+    destination: str
+    nexthops: tuple[NextHop, ...]
+    table: int
+    metric: int
+    gateways: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    device: str | None = field(init=False, repr=False, compare=False)
+    family: int = field(init=False, repr=False, compare=False)
+
+    def __init__(
+        self,
+        destination: str,
+        gateways: Iterable[str] = (),
+        device: str | None = None,
+        table: int = MAIN_TABLE,
+        metric: int = 0,
+        *,
+        nexthops: Iterable[NextHop] = (),
+    ) -> None:
+        prefix = parse_prefix(destination, "destination")
+        device = device or None
+        if nexthops:
+            if gateways or device is not None:
+                given = ("device", device) if device is not None else ("gateways", gateways)
+                raise errors.field_error(
+                    *given,
+                    "give next hops either as nexthops or as gateways/device, not both "
+                    "(each NextHop carries its own gateway and device)",
+                )
+            hops = _explicit_hop_set(nexthops, prefix)
+        else:
+            if device is not None:
+                check_ifname(device, "device")
+            simple = _gateways(gateways, prefix, device)
+            if not simple and device is None:
+                raise errors.field_error(
+                    "gateways", [], "a route needs at least one gateway or a device"
+                )
+            hops = _simple_hop_set(simple, device)
+        table = _u32(table, "table") or MAIN_TABLE
         if table == LOCAL_TABLE:
             raise errors.field_error(
                 "table", table, "the local table (255) belongs to the kernel; use main (254)"
             )
-        metric = _u32(self.metric, "metric")
+        metric = _u32(metric, "metric")
         if prefix.version == 6 and metric == 0:
             metric = IPV6_DEFAULT_METRIC
-        object.__setattr__(self, "destination", prefix.text)
-        object.__setattr__(self, "gateways", gateways)
-        object.__setattr__(self, "device", device)
-        object.__setattr__(self, "table", table)
-        object.__setattr__(self, "metric", metric)
-        object.__setattr__(self, "family", prefix.version)
+        self._set(prefix.text, hops, table, metric, prefix.version)
+
+    def _set(self, destination: str, hops: HopSet, table: int, metric: int, family: int) -> None:
+        values = self.__dict__
+        values["destination"] = destination
+        values["nexthops"], values["gateways"], values["device"] = hops
+        values["table"] = table
+        values["metric"] = metric
+        values["family"] = family
 
     @classmethod
     def from_kernel(
         cls,
         family: int,
         destination: str,
-        gateways: Iterable[str],
-        device: str | None,
+        nexthops: tuple[KernelHop, ...],
         table: int,
         metric: int,
     ) -> RouteSpec:
         """A route as the kernel reported it, skipping validation: the kernel's text is
-        already canonical (inet_ntop), so only the next-hop order is normalised. Reading
-        back tens of thousands of routes would otherwise spend most of its time here."""
-        hops = tuple(gateways)
-        if len(hops) > 1:
-            hops = tuple(sorted(hops, key=lambda g: socket.inet_pton(_FAMILY[family], g)))
+        already canonical (inet_ntop), so only the next-hop order is normalised (cached
+        per hop set). Reading back tens of thousands of routes would otherwise spend most
+        of its time here. ``nexthops`` are (gateway, device, onlink), at least one."""
         route = object.__new__(cls)
-        for name, value in (
-            ("destination", destination),
-            ("gateways", hops),
-            ("device", device),
-            ("table", table),
-            ("metric", metric),
-            ("family", family),
-        ):
-            object.__setattr__(route, name, value)
+        route._set(destination, _kernel_hop_set(nexthops), table, metric, family)
         return route
 
     @property
@@ -208,12 +404,18 @@ class RouteSpec:
         return (self.family, self.table, self.destination, self.metric)
 
     def describe(self) -> str:
-        """``10.1.0.0/16 via 10.0.0.2,10.0.0.3 dev eth0 table 254 metric 0``"""
+        """``10.1.0.0/16 via 10.0.0.2,10.0.0.3 dev eth0 table 254 metric 0``, or with
+        per-hop devices or onlink, ``... nexthop via G dev D onlink nexthop ...``."""
         parts = [self.destination]
-        if self.gateways:
+        hops = self.nexthops
+        if len(hops) == 1:
+            parts.append(hops[0].describe())
+        elif self.device is not None and not any(h.onlink or not h.gateway for h in hops):
+            parts.append(f"via {','.join(self.gateways)} dev {self.device}")
+        elif all(h.device is None for h in hops):
             parts.append("via " + ",".join(self.gateways))
-        if self.device:
-            parts.append(f"dev {self.device}")
+        else:
+            parts.extend(f"nexthop {h.describe()}" for h in hops)
         parts.append(f"table {self.table} metric {self.metric}")
         return " ".join(parts)
 
@@ -343,11 +545,19 @@ def index_routes(routes: Iterable[RouteSpec]) -> dict[RouteKey, RouteSpec]:
 
 
 def satisfies(observed: RouteSpec, desired: RouteSpec) -> bool:
-    """Same key and next hops; a desired route without a device accepts any device."""
-    return (
-        observed.key == desired.key
-        and observed.gateways == desired.gateways
-        and (desired.device is None or desired.device == observed.device)
+    """Same key and the same next hops (gateway, device, onlink), hop by hop in canonical
+    order; a desired hop without a device accepts the device the kernel chose.
+
+    Hop by hop is sound because both sides sort by gateway first, and a desired gateway
+    without a device is in only one of its hops (RouteSpec enforces that)."""
+    if observed.key != desired.key:
+        return False
+    have, want = observed.nexthops, desired.nexthops
+    if have == want:  # interned hops: usually an identity comparison
+        return True
+    return len(have) == len(want) and all(
+        h.gateway == w.gateway and h.onlink == w.onlink and w.device in (None, h.device)
+        for h, w in zip(have, want, strict=True)
     )
 
 
@@ -390,10 +600,38 @@ def foreign_conflicts(
     return tuple(r for r in desired if r.key in taken)
 
 
-def missing_devices(routes: Iterable[RouteSpec], devices: Mapping[str, object]) -> list[str]:
-    """Route devices that do not exist, sorted.
+class MissingDevice(NamedTuple):
+    """A device a route names that does not exist; ``field`` is how the route names it:
+    ``device`` when all its hops share it, else ``nexthops[i].device``."""
+
+    route: RouteSpec
+    field: str
+    device: str
+
+
+def route_devices(route: RouteSpec) -> Iterable[tuple[str, str]]:
+    """(field, device) of every device a route names, as :class:`MissingDevice` spells it."""
+    if route.device is not None:
+        return [("device", route.device)]
+    return [(f"nexthops[{i}].device", h.device) for i, h in enumerate(route.nexthops) if h.device]
+
+
+def unknown_devices(
+    routes: Iterable[RouteSpec], devices: Mapping[str, object]
+) -> list[MissingDevice]:
+    """Every (route, field, device) whose device is not in ``devices``, in route order.
 
     Rule input interfaces may name devices that do not exist yet (the kernel keeps such
     rules dormant until the device appears), so only route devices are checked.
     """
-    return sorted({r.device for r in routes if r.device and r.device not in devices})
+    return [
+        MissingDevice(route, name, device)
+        for route in routes
+        for name, device in route_devices(route)
+        if device not in devices
+    ]
+
+
+def missing_devices(routes: Iterable[RouteSpec], devices: Mapping[str, object]) -> list[str]:
+    """Route devices (shared or per hop) that do not exist, sorted and unique."""
+    return sorted({m.device for m in unknown_devices(routes, devices)})

@@ -10,7 +10,11 @@ built here in batches and reads dumps with :func:`decode_route`. Links, rules an
 namespaces stay on pyroute2.
 
 Only what OrchestrRL needs is covered: unicast routes with a destination, a table, a
-metric, a protocol, one gateway or ECMP next hops (``RTA_MULTIPATH``), an output device.
+metric, a protocol and their next hops. One next hop travels as ``RTA_GATEWAY`` and
+``RTA_OIF`` with ``RTNH_F_ONLINK`` in ``rtm_flags``; two or more as ``RTA_MULTIPATH``, an
+array of ``struct rtnexthop {u16 len; u8 flags; u8 hops; s32 ifindex}`` each followed by
+its own ``RTA_GATEWAY``, so every hop has its own device and ``RTNH_F_ONLINK`` flag (and
+no top-level ``RTA_OIF``: IPv4 would insist that it equal the first hop's device).
 Decoding is lenient: attributes we do not use are skipped, so foreign routes (nexthop
 objects, encapsulations) decode enough to know their key.
 """
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Literal, NamedTuple
 
 from orchestrrl.routing import RouteSpec
@@ -56,6 +60,7 @@ RTA_PRIORITY = 6
 RTA_MULTIPATH = 9
 RTA_TABLE = 15
 RTA_VIA = 18
+RTNH_F_ONLINK = 4  # "gateway is forced on link", in rtnh_flags and (one hop) rtm_flags
 
 AF_OF = {4: socket.AF_INET, 6: socket.AF_INET6}
 VERSION_OF = {socket.AF_INET: 4, socket.AF_INET6: 6}
@@ -90,37 +95,61 @@ def _message(kind: int, flags: int, seq: int, body: bytes) -> bytes:
     return _NLMSGHDR.pack(16 + len(body), kind, flags, seq, 0) + body
 
 
-def encode_route(seq: int, op: RouteOp, route: RouteSpec, proto: int, ifindex: int = 0) -> bytes:
+def encode_route(
+    seq: int,
+    op: RouteOp,
+    route: RouteSpec,
+    proto: int,
+    ifindexes: Mapping[str, int] | None = None,
+) -> bytes:
     """One RTM_NEWROUTE (add: fail if the key exists; replace) or RTM_DELROUTE.
 
-    ``ifindex`` is the index of ``route.device`` (0: let the kernel choose). A delete
+    ``ifindexes`` maps device names to interface indexes; a hop without a device (or one
+    not in the map) goes out with ifindex 0, so the kernel picks the interface. A delete
     names only the key and the protocol, so it removes the whole ECMP route and never a
     route of another protocol.
     """
     family = AF_OF[route.family]
     address, _, length = route.destination.partition("/")
     table_byte = route.table if route.table < 256 else RT_TABLE_COMPAT
+    flags = 0
+    hops = b""
     if op == "delete":
         scope = RT_SCOPE_NOWHERE
     else:
         scope = RT_SCOPE_LINK if route.family == 4 and not route.gateways else RT_SCOPE_UNIVERSE
-    body = _RTMSG.pack(family, int(length), 0, 0, table_byte, proto, scope, RTN_UNICAST, 0)
+        index: Mapping[str, int] = ifindexes or {}
+        if len(route.nexthops) == 1:
+            hop = route.nexthops[0]
+            oif = index.get(hop.device, 0) if hop.device else 0
+            if oif:
+                hops += _attr(RTA_OIF, _U32.pack(oif))
+            if hop.gateway:
+                hops += _attr(RTA_GATEWAY, socket.inet_pton(family, hop.gateway))
+            if hop.onlink:
+                flags = RTNH_F_ONLINK
+        else:
+            multipath = b""
+            for hop in route.nexthops:
+                gw = (
+                    _attr(RTA_GATEWAY, socket.inet_pton(family, hop.gateway))
+                    if hop.gateway
+                    else b""
+                )
+                multipath += _RTNH.pack(
+                    _RTNH.size + len(gw),
+                    RTNH_F_ONLINK if hop.onlink else 0,
+                    0,
+                    index.get(hop.device, 0) if hop.device else 0,
+                )
+                multipath += gw
+            hops = _attr(RTA_MULTIPATH, multipath)
+    body = _RTMSG.pack(family, int(length), 0, 0, table_byte, proto, scope, RTN_UNICAST, flags)
     body += _attr(RTA_TABLE, _U32.pack(route.table))
     body += _attr(RTA_DST, socket.inet_pton(family, address))
     body += _attr(RTA_PRIORITY, _U32.pack(route.metric))
-    if op != "delete":
-        if ifindex:
-            body += _attr(RTA_OIF, _U32.pack(ifindex))
-        if len(route.gateways) == 1:
-            body += _attr(RTA_GATEWAY, socket.inet_pton(family, route.gateways[0]))
-        elif route.gateways:
-            hops = b""
-            for gateway in route.gateways:
-                gw = _attr(RTA_GATEWAY, socket.inet_pton(family, gateway))
-                hops += _RTNH.pack(8 + len(gw), 0, 0, ifindex) + gw
-            body += _attr(RTA_MULTIPATH, hops)
     kind = RTM_DELROUTE if op == "delete" else RTM_NEWROUTE
-    return _message(kind, _FLAGS[op], seq, body)
+    return _message(kind, _FLAGS[op], seq, body + hops)
 
 
 def encode_dump(seq: int, version: int, table: int = 0, proto: int = 0) -> bytes:
@@ -167,6 +196,9 @@ def decode_error(message: Message) -> tuple[int, str]:
     return -error, text
 
 
+WireHop = tuple[str | None, int, int]  # gateway (None: none), ifindex, RTNH_F_* flags
+
+
 class WireRoute(NamedTuple):
     """A route as the kernel reports it (addresses as text, devices as ifindex)."""
 
@@ -178,7 +210,10 @@ class WireRoute(NamedTuple):
     kind: int  # RTN_*: 1 unicast, 2 local, ...
     metric: int
     oif: int
-    nexthops: tuple[tuple[str, int], ...]  # (gateway, ifindex), in kernel order
+    flags: int  # rtm_flags (RTNH_F_* of a single next hop, RTM_F_*)
+    # In kernel order: the RTA_MULTIPATH entries, else the one next hop (RTA_GATEWAY /
+    # RTA_OIF / rtm_flags); empty when the route has neither gateway nor device.
+    nexthops: tuple[WireHop, ...]
 
 
 def _attrs(data: bytes, start: int, end: int) -> Iterator[tuple[int, bytes]]:
@@ -204,16 +239,17 @@ def route_proto(payload: bytes) -> int:
 def decode_route(payload: bytes) -> WireRoute | None:
     """An RTM_NEWROUTE body; None for families other than IPv4/IPv6.
 
-    The attribute loop is written out (no generator): dumps of tens of thousands of
+    The attribute loops are written out (no generators): dumps of tens of thousands of
     routes go through here."""
-    family, dst_len, _, _, table, proto, scope, kind, _ = _RTMSG.unpack_from(payload, 0)
+    family, dst_len, _, _, table, proto, scope, kind, flags = _RTMSG.unpack_from(payload, 0)
     version = VERSION_OF.get(family)
     if version is None:
         return None
     dst = "0.0.0.0" if version == 4 else "::"
     metric = oif = 0
     gateway: str | None = None
-    nexthops: tuple[tuple[str, int], ...] = ()
+    nexthops: tuple[WireHop, ...] = ()
+    multipath = False
     offset, end = _RTMSG.size, len(payload)
     unpack_attr, unpack_u32 = _RTATTR.unpack_from, _U32.unpack_from
     while offset + 4 <= end:
@@ -235,22 +271,38 @@ def decode_route(payload: bytes) -> WireRoute | None:
         elif attr == RTA_VIA:
             gateway = _via(payload[start : offset + length])
         elif attr == RTA_MULTIPATH:
-            nexthops = tuple(_decode_multipath(family, payload[start : offset + length]))
+            nexthops = _decode_multipath(family, payload, start, offset + length)
+            multipath = True
         offset += (length + 3) & ~3
-    if gateway is not None:
-        nexthops = ((gateway, oif),)
-    return WireRoute(version, f"{dst}/{dst_len}", table, proto, scope, kind, metric, oif, nexthops)
+    if not multipath and (gateway is not None or oif):
+        nexthops = ((gateway, oif, flags & 0xFF),)
+    return WireRoute(
+        version, f"{dst}/{dst_len}", table, proto, scope, kind, metric, oif, flags, nexthops
+    )
 
 
-def _decode_multipath(family: int, data: bytes) -> Iterator[tuple[str, int]]:
-    offset = 0
-    while offset + _RTNH.size <= len(data):
-        length, _, _, ifindex = _RTNH.unpack_from(data, offset)
-        if length < _RTNH.size:
+def _decode_multipath(family: int, data: bytes, offset: int, end: int) -> tuple[WireHop, ...]:
+    """The rtnexthop entries of an RTA_MULTIPATH payload (``data[offset:end]``)."""
+    hops: list[WireHop] = []
+    unpack_rtnh, unpack_attr = _RTNH.unpack_from, _RTATTR.unpack_from
+    while offset + 8 <= end:
+        length, flags, _, ifindex = unpack_rtnh(data, offset)
+        if length < 8:
             break
-        for attr, value in _attrs(data, offset + _RTNH.size, offset + length):
+        gateway: str | None = None
+        attr_offset, attr_end = offset + 8, min(offset + length, end)
+        while attr_offset + 4 <= attr_end:
+            attr_length, attr = unpack_attr(data, attr_offset)
+            if attr_length < 4:
+                break
+            attr &= 0x3FFF
             if attr == RTA_GATEWAY:
-                yield socket.inet_ntop(family, value), ifindex
+                gateway = socket.inet_ntop(
+                    family, data[attr_offset + 4 : attr_offset + attr_length]
+                )
             elif attr == RTA_VIA:
-                yield _via(value), ifindex
-        offset += _align(length)
+                gateway = _via(data[attr_offset + 4 : attr_offset + attr_length])
+            attr_offset += (attr_length + 3) & ~3
+        hops.append((gateway, ifindex, flags))
+        offset += (length + 3) & ~3
+    return tuple(hops)

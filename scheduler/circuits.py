@@ -127,19 +127,44 @@ def allocate(
             if grant(pairs[i]):
                 heapq.heappush(heap, (count[pairs[i]] / active[pairs[i]], i))
 
-    # Pass 2: concrete ports; existing circuits first, then the lowest free ports.
+    # Pass 2: concrete ports; existing circuits first, then free ports spread over each
+    # pod's ToRs: the ToR with the fewest circuits to the other pod first, then the
+    # lowest port (one ToR per pod: simply the lowest free ports). Every ToR of a pod
+    # then has circuits, hence routes, to the pods it talks to.
+    tor_of = {(u.ocs, u.ocs_port): t.name for t in wiring.tors for u in t.uplinks}
+    load: dict[tuple[str, str], int] = defaultdict(int)  # (tor, other pod) -> circuits
     taken: set[tuple[str, int]] = set()
     chosen: list[Circuit] = []
     for (p, ocs), n in sorted(per_ocs.items()):
         kept = existing.get((p, ocs), [])[:n]
         chosen.extend(kept)
-        taken.update(port for c in kept for port in c.ports())
-    spare = {  # lowest free ports first, minus those the kept circuits hold
-        key: iter([x for x in ports if (key[1], x) not in taken]) for key, ports in free.items()
+        for c in kept:
+            taken.update(c.ports())
+            for end, other_end in ((c.a, c.b), (c.b, c.a)):
+                load[(tor_of[(ocs, end)], wiring.port_owner(ocs, other_end) or "")] += 1
+    spare = {  # free ports in order, minus those the kept circuits hold
+        key: [x for x in ports if (key[1], x) not in taken] for key, ports in free.items()
     }
+
+    def pick(pod: str, other: str, ocs: str) -> int:
+        ports = spare[(pod, ocs)]
+        best = 0
+        best_load = load[(tor_of[(ocs, ports[0])], other)]
+        for i in range(1, len(ports)):
+            if best_load == 0:
+                break  # ports are in order: the first unloaded one wins
+            lo = load[(tor_of[(ocs, ports[i])], other)]
+            if lo < best_load:
+                best, best_load = i, lo
+        port = ports.pop(best)
+        load[(tor_of[(ocs, port)], other)] += 1
+        return port
+
     for (p, ocs), n in sorted(per_ocs.items()):
         for _ in range(n - min(n, len(existing.get((p, ocs), [])))):
-            chosen.append(Circuit(ocs, next(spare[(p[0], ocs)]), next(spare[(p[1], ocs)])))
+            port_a = pick(p[0], p[1], ocs)
+            port_b = pick(p[1], p[0], ocs)
+            chosen.append(Circuit(ocs, port_a, port_b))
     return frozenset(chosen)
 
 

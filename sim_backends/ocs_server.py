@@ -2,6 +2,10 @@
 
 The servicer only translates between protobuf and ``SimulatedOcs`` and adds the one
 thing the pure model leaves out: the time the optics take to switch.
+
+With ``--netns NS`` the switch is the testbed's: every accepted batch is also programmed
+as tc redirects between the port devices of namespace NS (``sim_backends.tc_ocs``),
+atomically from the caller's view, and a port's health is its veth's link state.
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ from orchestrrl.grpcutil import (
     write_ready_file,
 )
 from orchestrrl.logs import get_logger, setup_logging
+from orchestrrl.netlink import check_netns
 from orchestrrl.tls import Authorizer, TlsConfig, add_tls_arguments
 from orchestrrl.tls import from_args as tls_from_args
 from orchestrrl.v1 import optical_switch_pb2 as pb
 from orchestrrl.v1 import optical_switch_pb2_grpc as pb_grpc
-from sim_backends.ocs import MAX_PORTS, Pair, SimulatedOcs
+from sim_backends.ocs import MAX_PORTS, ApplyResult, Pair, SimulatedOcs
+from sim_backends.tc_ocs import DEFAULT_DEVICE_PREFIX, NetnsOcs, TcCircuits
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["OpticalSwitch"].full_name
 FAULTS_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["OcsFaultInjection"].full_name
@@ -45,10 +51,12 @@ class OpticalSwitchServicer(pb_grpc.OpticalSwitchServicer):
         ocs: SimulatedOcs,
         auth: Authorizer | None = None,
         controllers: frozenset[str] = frozenset(),
+        dataplane: NetnsOcs | None = None,
     ) -> None:
         self._ocs = ocs
         self._auth = auth or Authorizer(None)
         self._controllers = controllers
+        self._dataplane = dataplane
         self._apply_lock = asyncio.Lock()  # batches never interleave, switching included
         self._log = get_logger("sim_backends.ocs", ocs=ocs.name)
 
@@ -59,13 +67,15 @@ class OpticalSwitchServicer(pb_grpc.OpticalSwitchServicer):
             name=ocs.name,
             port_count=ocs.port_count,
             switching_time_s=ocs.switching_time_s,
-            backend="simulated",
+            backend="simulated" if self._dataplane is None else "netns",
         )
 
     @domain_errors_to_status
     async def ListPorts(
         self, request: pb.ListPortsRequest, context: Context
     ) -> pb.ListPortsResponse:
+        if self._dataplane is not None:
+            await self._dataplane.refresh_health()
         return pb.ListPortsResponse(
             ports=[
                 pb.Port(
@@ -89,9 +99,7 @@ class OpticalSwitchServicer(pb_grpc.OpticalSwitchServicer):
     ) -> pb.ApplyCrossConnectsResponse:
         self._auth.peer(context, self._controllers)
         async with self._apply_lock:
-            result = self._ocs.apply(
-                _pairs(request.disconnect), _pairs(request.connect), request_id=request.request_id
-            )
+            result = await self._apply(request)
             # The optics only move when the table changes (not for replays or no-op batches).
             switching_time_s = self._ocs.switching_time_s if result.changed else 0.0
             await asyncio.sleep(switching_time_s)
@@ -110,6 +118,12 @@ class OpticalSwitchServicer(pb_grpc.OpticalSwitchServicer):
             replayed=result.replayed,
         )
 
+    async def _apply(self, request: pb.ApplyCrossConnectsRequest) -> ApplyResult:
+        disconnect, connect = _pairs(request.disconnect), _pairs(request.connect)
+        if self._dataplane is not None:
+            return await self._dataplane.apply(disconnect, connect, request_id=request.request_id)
+        return self._ocs.apply(disconnect, connect, request_id=request.request_id)
+
 
 def _pairs(messages: Iterable[pb.CrossConnect]) -> list[Pair]:
     return [(m.a, m.b) for m in messages]
@@ -122,15 +136,19 @@ def _messages(pairs: Iterable[Pair]) -> list[pb.CrossConnect]:
 class FaultInjectionServicer(pb_grpc.OcsFaultInjectionServicer):
     """Lets tests and demos break a simulated switch from outside its process."""
 
-    def __init__(self, ocs: SimulatedOcs) -> None:
+    def __init__(self, ocs: SimulatedOcs, dataplane: NetnsOcs | None = None) -> None:
         self._ocs = ocs
+        self._dataplane = dataplane  # with one, a port's health is its veth's link state
         self._log = get_logger("sim_backends.ocs", ocs=ocs.name)
 
     @domain_errors_to_status
     async def SetPortHealth(
         self, request: pb.SetPortHealthRequest, context: Context
     ) -> pb.SetPortHealthResponse:
-        self._ocs.set_port_health(request.port, request.up)
+        if self._dataplane is not None:
+            await self._dataplane.set_port_health(request.port, request.up)
+        else:
+            self._ocs.set_port_health(request.port, request.up)
         self._log.warning("ocs.port_health", port=request.port, up=request.up)
         return pb.SetPortHealthResponse()
 
@@ -151,12 +169,16 @@ async def serve(
     switching_time_s: float = 0.01,
     tls: TlsConfig | None = None,
     controllers: frozenset[str] = frozenset({"orl-fabric-controller"}),
+    dataplane: NetnsOcs | None = None,
 ) -> tuple[RunningServer, SimulatedOcs]:
     """Start a simulated OCS on ``listen`` (port 0: any free port; see ``.address``).
-    With ``tls``, only the ``controllers`` identities may change cross-connects."""
-    ocs = SimulatedOcs(name, port_count, switching_time_s)
-    servicer = OpticalSwitchServicer(ocs, Authorizer(tls), controllers)
-    faults = FaultInjectionServicer(ocs)
+    With ``tls``, only the ``controllers`` identities may change cross-connects. With
+    an (opened) ``dataplane``, its switch is served and every batch is programmed in it."""
+    ocs = (
+        dataplane.ocs if dataplane is not None else SimulatedOcs(name, port_count, switching_time_s)
+    )
+    servicer = OpticalSwitchServicer(ocs, Authorizer(tls), controllers, dataplane)
+    faults = FaultInjectionServicer(ocs, dataplane)
 
     def register(server: grpc.aio.Server) -> None:
         pb_grpc.add_OpticalSwitchServicer_to_server(servicer, server)
@@ -194,6 +216,19 @@ def _parser() -> argparse.ArgumentParser:
         help="with mutual TLS, certificate identities allowed to program the switch "
         "(default: orl-fabric-controller)",
     )
+    p.add_argument(
+        "--netns",
+        metavar="NS",
+        help="testbed mode: also program every circuit as tc redirects between the port "
+        "devices of this network namespace, and report their link state as port health "
+        "(needs root)",
+    )
+    p.add_argument(
+        "--port-device-prefix",
+        default=DEFAULT_DEVICE_PREFIX,
+        metavar="PREFIX",
+        help="with --netns, port N is the device PREFIX<N> (default: %(default)s)",
+    )
     add_tls_arguments(p)
     return p
 
@@ -206,6 +241,8 @@ def _check(args: argparse.Namespace) -> None:
     if not (math.isfinite(args.switching_time_ms) and args.switching_time_ms >= 0):
         raise errors.field_error("--switching-time-ms", args.switching_time_ms, "must be >= 0")
     parse_address(args.listen, "--listen")
+    if args.netns is not None:
+        check_netns(args.netns, "--netns")
     if args.ready_file is not None and not args.ready_file.parent.is_dir():
         raise errors.field_error("--ready-file", str(args.ready_file), "its directory must exist")
     args.tls = tls_from_args(args)
@@ -213,7 +250,12 @@ def _check(args: argparse.Namespace) -> None:
 
 async def _run(args: argparse.Namespace) -> int:
     log = get_logger("sim_backends.ocs", ocs=args.name)
+    dataplane: NetnsOcs | None = None
     try:
+        if args.netns:
+            circuits = TcCircuits(args.netns, args.ports, args.port_device_prefix)
+            ocs_model = SimulatedOcs(args.name, args.ports, args.switching_time_ms / 1000)
+            dataplane = await NetnsOcs(ocs_model, circuits).open()
         running, ocs = await serve(
             args.listen,
             name=args.name,
@@ -221,9 +263,12 @@ async def _run(args: argparse.Namespace) -> int:
             switching_time_s=args.switching_time_ms / 1000,
             tls=args.tls,
             controllers=frozenset(args.controller_identity or ["orl-fabric-controller"]),
+            dataplane=dataplane,
         )
     except errors.OrlError as exc:
         log.error("ocs.start_failed", error=str(exc))
+        if dataplane is not None:
+            await dataplane.close()
         return 1
     try:
         stop = shutdown_signal()
@@ -232,12 +277,15 @@ async def _run(args: argparse.Namespace) -> int:
             ports=ocs.port_count,
             switching_time_s=ocs.switching_time_s,
             address=running.address,
+            netns=args.netns,
         )
         write_ready_file(args.ready_file, running.address)
         await stop.wait()
     finally:
         log.info("ocs.stopping", address=running.address)
         await running.stop()
+        if dataplane is not None:
+            await dataplane.close()  # the circuits stay programmed, like the optics
     log.info("ocs.stopped")
     return 0
 

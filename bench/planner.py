@@ -1,0 +1,298 @@
+#!/usr/bin/env python3
+"""Planning time of the compute and network planners at cluster scale.
+
+Compute: 128 nodes x 8 H800 GPUs as 1024 TP1 rollout instances (Qwen2.5-14B), with
+``--requests`` requests of the step, in three situations:
+  step-start   every request queued: dispatch all, choose the layouts;
+  re-plan      mid-step, every request running where a previous plan put it, after some
+               decoding: the proactive re-plan at a regular point of the step;
+  balance      the same state, reactive balancing only (layouts fixed).
+Network: a 2048-GPU fabric (16 pods x 16 nodes x 8 GPUs, 4 ToRs a pod with 32 uplinks
+each, 4 OCSes of 576 ports) walking the RL phases with weight sync (145 GB, Qwen2.5-72B)
+and training all-reduce workloads: demand, circuits, routes and the weight-sync schedule.
+
+Optionally (``--gap N``) the worst heuristic-vs-MILP gap over N random small cases.
+
+    python bench/planner.py [--requests 4096] [--rounds 9] [--gap 30] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from orchestrrl import wiring as wiring_mod
+from orchestrrl.model import Circuit, Phase, Role, Wiring
+from scheduler.compute import (
+    PlannerConfig,
+    balance,
+    build_problem,
+    plan_compute,
+    plan_objective,
+    solve,
+)
+from scheduler.compute_state import (
+    ComputeState,
+    Instance,
+    NodeGpus,
+    Request,
+    apply_plan,
+    canonical_instances,
+)
+from scheduler.forecast import build_forecast
+from scheduler.network import Workload, plan_network
+from scheduler.perf_model import H800, QWEN25_14B, PerfModel
+
+
+def timed(fn: Callable[[], object], rounds: int) -> tuple[list[float], object]:
+    out: object = None
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return times, out
+
+
+def summary(times: list[float]) -> dict[str, float]:
+    ordered = sorted(times)
+    return {
+        "p50_ms": statistics.median(ordered) * 1e3,
+        "p90_ms": ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))] * 1e3,
+        "min_ms": ordered[0] * 1e3,
+    }
+
+
+# -- compute --------------------------------------------------------------------------
+
+
+def compute_bench(n_requests: int, rounds: int) -> dict[str, Any]:
+    rng = random.Random(1)
+    pm = PerfModel(QWEN25_14B, H800)
+    nodes = tuple(NodeGpus(f"node{i:03d}", tuple(range(8))) for i in range(128))
+    insts: list[Instance] = []
+    for n in nodes:
+        insts.extend(canonical_instances(n.name, n.gpus, (1,) * 8))
+    history = [
+        [min(16384, int(rng.lognormvariate(7.6, 0.9))) for _ in range(4096)] for _ in range(3)
+    ]
+    prompts = [rng.randint(200, 1500) for _ in range(n_requests)]
+    results: dict[str, Any] = {"instances": len(insts), "nodes": len(nodes), "requests": n_requests}
+
+    start = ComputeState(
+        nodes, tuple(insts), tuple(Request(f"r{i:05d}", prompts[i]) for i in range(n_requests))
+    )
+    fc0 = build_forecast(history, [], [0] * n_requests, max_tokens=16384)
+    times, plan = timed(lambda: plan_compute(start, fc0, pm, 0.0), rounds)
+    results["step_start"] = summary(times) | {"decision": plan.reason}  # type: ignore[attr-defined]
+
+    # mid-step: requests ran where a placement put them, then decoded for a while
+    gen = [min(15000, int(rng.lognormvariate(6.8, 0.9))) for _ in range(n_requests)]
+    running = tuple(
+        Request(f"r{i:05d}", prompts[i], gen[i], insts[i % len(insts)].id, True)
+        for i in range(n_requests)
+    )
+    raw = ComputeState(nodes, tuple(insts), running)
+    completed = [x for x in history[-1] if x < 1500][:600]
+    t0 = time.perf_counter()
+    fc = build_forecast(history, completed, gen, max_tokens=16384)
+    results["forecast_ms"] = (time.perf_counter() - t0) * 1e3
+    placed = apply_plan(raw, balance(raw, fc, pm, 0.0))
+    drift = tuple(
+        Request(r.id, r.prompt_tokens, r.generated_tokens + rng.randint(50, 250), r.instance, True)
+        for r in placed.requests
+    )
+    state = ComputeState(nodes, placed.instances, drift)
+    fc2 = build_forecast(history, completed, [r.generated_tokens for r in drift], max_tokens=16384)
+    times, plan = timed(lambda: plan_compute(state, fc2, pm, 10.0), rounds)
+    results["replan"] = summary(times) | {"decision": plan.reason}  # type: ignore[attr-defined]
+    times, plan = timed(lambda: balance(state, fc2, pm, 10.0), rounds)
+    results["balance"] = summary(times) | {"decision": plan.reason}  # type: ignore[attr-defined]
+    return results
+
+
+# -- network --------------------------------------------------------------------------
+
+
+def fabric_2048() -> Wiring:
+    pods, nodes_per_pod, tors, uplinks, ocses, ports = 16, 16, 4, 32, 4, 576
+    doc: dict[str, Any] = {
+        "cluster": {"name": "bench-2048"},
+        "ocs": [],
+        "pod": [],
+        "tor": [],
+        "node": [],
+    }
+    for o in range(ocses):
+        doc["ocs"].append({"name": f"ocs{o}", "address": f"127.0.0.1:{6000 + o}", "ports": ports})
+    next_port = [1] * ocses
+    agent = 10000
+    for p in range(pods):
+        pod = f"pod{p:02d}"
+        doc["pod"].append({"name": pod})
+        for t in range(tors):
+            ups = []
+            for u in range(uplinks):
+                o = u % ocses
+                ups.append({"port": f"up{u}", "ocs": f"ocs{o}", "ocs_port": next_port[o]})
+                next_port[o] += 1
+            doc["tor"].append({"name": f"{pod}-tor{t}", "pod": pod, "uplinks": ups})
+        for n in range(nodes_per_pod):
+            tor = f"{pod}-tor{n % tors}"
+            nics = [
+                {"name": f"nic{k}", "tor": tor, "tor_port": f"n{n}-{k}", "gbps": 400}
+                for k in range(8)
+            ]
+            doc["node"].append(
+                {
+                    "name": f"{pod}-n{n:02d}",
+                    "pod": pod,
+                    "role": "train" if p < pods // 2 else "gen",
+                    "agent": f"127.0.0.1:{agent}",
+                    "gpus": 8,
+                    "nics": nics,
+                }
+            )
+            agent += 1
+    return wiring_mod.validate(doc, "bench-2048")
+
+
+def network_bench(rounds: int) -> dict[str, Any]:
+    w = fabric_2048()
+    train = w.pods_with_role(Role.TRAIN)
+    gen = w.pods_with_role(Role.GEN)
+    model_bytes = 145e9  # Qwen2.5-72B in BF16
+    phases = {
+        Phase.TRAINING: [Workload.training(train, model_bytes)],
+        Phase.WEIGHT_SYNC: [Workload.weight_sync(train, gen, model_bytes)],
+        Phase.GENERATION: [Workload.generation(g) for g in gen],
+    }
+    walk = [Phase.TRAINING, Phase.WEIGHT_SYNC, Phase.GENERATION, Phase.TRAINING]
+    times: list[float] = []
+    observed: frozenset[Circuit] = frozenset()
+    last = None
+    for _ in range(rounds):
+        for phase in walk:
+            t0 = time.perf_counter()
+            last = plan_network(w, phases[phase], observed, (), 0.0, idle_window_s=1.0)
+            times.append(time.perf_counter() - t0)
+            observed = last.circuits.desired
+    ws_t, ws_plan = timed(
+        lambda: plan_network(w, phases[Phase.WEIGHT_SYNC], frozenset(), (), 0.0), rounds
+    )
+    gpus = sum(n.gpus for n in w.nodes)
+    return {
+        "gpus": gpus,
+        "pods": len(w.pods),
+        "ocs_ports": sum(o.ports for o in w.ocses),
+        "uplinks": sum(len(t.uplinks) for t in w.tors),
+        "phase_plan": summary(times),
+        "weight_sync_from_scratch": summary(ws_t)
+        | {"explanation": ws_plan.weight_sync.explanation if ws_plan.weight_sync else ""},  # type: ignore[attr-defined]
+    }
+
+
+# -- heuristic vs MILP -----------------------------------------------------------------
+
+
+def gap_sweep(cases: int) -> dict[str, Any]:
+    from scheduler.milp import solve_exact
+
+    rng = random.Random(2026)
+    pm = PerfModel(QWEN25_14B, H800)
+    cfg = PlannerConfig(switch_margin_s=0.0, switch_margin_rel=0.0, move_margin_s=0.0)
+    gaps = []
+    for _ in range(cases):
+        gpus = rng.choice([2, 4, 8])
+        nodes = tuple(NodeGpus(f"n{i}", tuple(range(gpus))) for i in range(rng.randint(1, 2)))
+        insts: list[Instance] = []
+        for n in nodes:
+            insts.extend(
+                canonical_instances(
+                    n.name, n.gpus, rng.choice([(gpus,), (gpus // 2,) * 2, (1,) * gpus])
+                )
+            )
+        reqs = []
+        for i in range(rng.randint(1, 10)):
+            if rng.random() < 0.3:
+                reqs.append(Request(f"r{i}", rng.randint(100, 1500)))
+            else:
+                reqs.append(
+                    Request(
+                        f"r{i}",
+                        rng.randint(100, 1500),
+                        rng.randint(0, 6000),
+                        rng.choice(insts).id,
+                        True,
+                    )
+                )
+        state = ComputeState(nodes, tuple(insts), tuple(reqs))
+        fc = build_forecast(
+            [[int(rng.lognormvariate(7.5, 0.9)) for _ in range(200)]],
+            [],
+            [r.generated_tokens for r in reqs],
+            max_tokens=16384,
+        )
+        prob = build_problem(state, fc, pm, cfg)
+        heuristic = plan_objective(prob, solve(prob, 0.0))
+        exact = solve_exact(prob).objective_s
+        gaps.append(heuristic / exact - 1.0)
+    return {"cases": cases, "worst_gap": max(gaps), "mean_gap": statistics.fmean(gaps)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--requests", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--gap", type=int, default=30, help="MILP gap cases (0: skip)")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args(argv)
+
+    out: dict[str, Any] = {"compute": [], "target_p50_ms": 50.0}
+    for n in args.requests:
+        print(f"compute planner: 1024 instances on 128 nodes, {n} requests ...", flush=True)
+        res = compute_bench(n, args.rounds)
+        out["compute"].append(res)
+        for key in ("step_start", "replan", "balance"):
+            s = res[key]
+            print(
+                f"  {key:<11} p50 {s['p50_ms']:7.1f} ms  p90 {s['p90_ms']:7.1f} ms  "
+                f"min {s['min_ms']:7.1f} ms  | {s['decision'][:90]}"
+            )
+        print(f"  forecast build (once per re-plan): {res['forecast_ms']:.1f} ms")
+    print("network planner: 2048-GPU fabric ...", flush=True)
+    net = network_bench(args.rounds)
+    out["network"] = net
+    s = net["phase_plan"]
+    print(
+        f"  {net['gpus']} GPUs, {net['pods']} pods, {net['uplinks']} uplinks, "
+        f"{net['ocs_ports']} OCS ports"
+    )
+    print(
+        f"  phase plan  p50 {s['p50_ms']:7.1f} ms  p90 {s['p90_ms']:7.1f} ms  "
+        f"min {s['min_ms']:7.1f} ms"
+    )
+    s = net["weight_sync_from_scratch"]
+    print(f"  weight sync p50 {s['p50_ms']:7.1f} ms  | {s['explanation']}")
+    if args.gap:
+        print(f"heuristic vs MILP on {args.gap} random small cases ...", flush=True)
+        g = gap_sweep(args.gap)
+        out["gap"] = g
+        print(f"  worst gap {g['worst_gap']:.2%}, mean {g['mean_gap']:.2%}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Traffic control through pyroute2: port-to-port redirects (the testbed's optical
+circuits) and link state, in one network namespace.
+
+Like ``orchestrrl.netlink`` (whose namespace socket and error mapping it reuses), this
+is the only module that makes these pyroute2 calls: it takes and returns our own
+values and maps kernel error codes to ``orchestrrl.errors``.
+
+A redirect ``a -> b`` is the u32 filter that matches every packet entering ``a``
+and sends it out of ``b``, the same as
+``tc filter add dev a parent ffff: protocol all u32 match u32 0 0 action mirred egress
+redirect dev b`` (``matchall`` is missing on some kernels; ``u32 match u32 0 0`` is
+not). A device carries at most one redirect: setting one replaces what was there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from pyroute2 import AsyncIPRoute, NetlinkError
+
+from orchestrrl import errors
+from orchestrrl.netlink import check_netns, kernel_error, netlink_socket
+
+INGRESS = 0xFFFF0000  # the ingress qdisc's handle, parent of its filters ("ffff:")
+ETH_P_ALL = 0x0003
+# pyroute2 insists on a target (class id) for u32 filters; with a mirred action the
+# kernel never classifies into it, so any value does.
+UNUSED_CLASSID = 0x00010001
+MATCH_ALL = ["0x0/0x0+0"]  # u32: the 32-bit word at offset 0, mask 0 - every packet
+
+
+@dataclass(frozen=True)
+class LinkState:
+    name: str
+    index: int
+    admin_up: bool  # IFF_UP: set by `ip link set NAME up`
+    oper_up: bool  # the kernel says the link works (carrier, peer up)
+
+
+class Tc:
+    """Ingress redirects and link state of one namespace (None: this process's own).
+
+    Use as ``async with Tc("ns") as tc: ...``; calls are serialised per instance.
+    """
+
+    def __init__(self, netns: str | None = None) -> None:
+        self.netns = check_netns(netns)
+        self.where = f"netns {netns!r}" if netns else "the host namespace"
+        self._ipr: Any = None
+        self._lock = asyncio.Lock()
+
+    async def open(self) -> Tc:
+        if self._ipr is not None:
+            return self
+        try:
+            sock = await asyncio.to_thread(netlink_socket, self.netns)
+            fd = sock.detach()
+            try:
+                self._ipr = AsyncIPRoute(fileno=fd, groups=0)
+            except BaseException:
+                os.close(fd)
+                raise
+            await self.links()
+        except FileNotFoundError:
+            await self.close()
+            raise errors.field_error(
+                "netns", self.netns, "no such network namespace (see `ip netns list`)"
+            ) from None
+        except PermissionError as exc:
+            await self.close()
+            raise errors.FailedPrecondition(
+                f"open {self.where}: {exc}: traffic control needs root (CAP_NET_ADMIN and, "
+                "to enter a named namespace, CAP_SYS_ADMIN)"
+            ) from None
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def close(self) -> None:
+        if self._ipr is not None:
+            self._ipr.close()
+            self._ipr = None
+
+    async def __aenter__(self) -> Tc:
+        return await self.open()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def _require(self) -> Any:
+        if self._ipr is None:
+            raise errors.FailedPrecondition(f"traffic control of {self.where} is not open")
+        return self._ipr
+
+    async def links(self) -> dict[str, LinkState]:
+        ipr = self._require()
+        found: dict[str, LinkState] = {}
+        try:
+            async for msg in await ipr.get_links():
+                name = str(msg.get("ifname"))
+                found[name] = LinkState(
+                    name=name,
+                    index=int(msg["index"]),
+                    admin_up=bool(int(msg["flags"]) & 1),  # IFF_UP
+                    oper_up=msg.get("operstate") == "UP",
+                )
+        except NetlinkError as exc:
+            raise kernel_error(exc.code, f"list interfaces in {self.where}") from None
+        return found
+
+    async def _index(self, name: str) -> int:
+        link = (await self.links()).get(name)
+        if link is None:
+            raise errors.field_error("device", name, f"no such interface in {self.where}")
+        return link.index
+
+    async def add_ingress(self, names: Iterable[str]) -> None:
+        """Give each device an ingress qdisc (where redirects hang); existing ones stay."""
+        ipr = self._require()
+        async with self._lock:
+            links = await self.links()
+            for name in names:
+                if name not in links:
+                    raise errors.field_error("device", name, f"no such interface in {self.where}")
+                try:
+                    await ipr.tc("add", "ingress", links[name].index)
+                except NetlinkError as exc:
+                    if exc.code != errno.EEXIST:
+                        raise kernel_error(
+                            exc.code, f"add an ingress qdisc to {name} in {self.where}"
+                        ) from None
+
+    async def redirect(self, name: str, to: str) -> None:
+        """Send every packet entering ``name`` out of ``to`` (replacing any redirect)."""
+        ipr = self._require()
+        async with self._lock:
+            index, target = await self._index(name), await self._index(to)
+            await self._clear(index, name)
+            try:
+                await ipr.tc(
+                    "add-filter",
+                    "u32",
+                    index,
+                    parent=INGRESS,
+                    protocol=ETH_P_ALL,
+                    keys=MATCH_ALL,
+                    target=UNUSED_CLASSID,
+                    action={
+                        "kind": "mirred",
+                        "direction": "egress",
+                        "action": "redirect",
+                        "ifindex": target,
+                    },
+                )
+            except NetlinkError as exc:
+                raise kernel_error(
+                    exc.code, f"redirect {name} -> {to} in {self.where}", _hint(exc.code)
+                ) from None
+
+    async def clear(self, name: str) -> None:
+        """Remove every filter of ``name``'s ingress (no redirect left); idempotent."""
+        self._require()
+        async with self._lock:
+            await self._clear(await self._index(name), name)
+
+    async def _clear(self, index: int, name: str) -> None:
+        try:
+            await self._require().tc("del-filter", index=index, parent=INGRESS)
+        except NetlinkError as exc:
+            if exc.code not in (errno.ENOENT, errno.EINVAL):  # nothing there, or no qdisc
+                raise kernel_error(exc.code, f"clear {name}'s redirect in {self.where}") from None
+
+    async def redirects(self) -> dict[str, str]:
+        """Every redirect as ``{from: to}``, read from the kernel."""
+        ipr = self._require()
+        links = await self.links()
+        names = {link.index: link.name for link in links.values()}
+        found: dict[str, str] = {}
+        try:
+            async for qdisc in await ipr.get_qdiscs():
+                if qdisc.get("kind") != "ingress":
+                    continue
+                index = int(qdisc["index"])
+                async for msg in await ipr.get_filters(index=index, parent=INGRESS):
+                    target = _mirred_target(msg)
+                    if target is not None:
+                        found[names.get(index, str(index))] = names.get(target, str(target))
+        except NetlinkError as exc:
+            raise kernel_error(exc.code, f"list redirects in {self.where}") from None
+        return found
+
+    async def set_up(self, name: str, up: bool) -> None:
+        """``ip link set NAME up|down``."""
+        ipr = self._require()
+        async with self._lock:
+            index = await self._index(name)
+            try:
+                await ipr.link("set", index=index, state="up" if up else "down")
+            except NetlinkError as exc:
+                state = "up" if up else "down"
+                raise kernel_error(exc.code, f"set {name} {state} in {self.where}") from None
+
+
+def _hint(code: int) -> str:
+    if code == errno.EINVAL:
+        return "the kernel refused the filter (is there an ingress qdisc on the device?)"
+    return ""
+
+
+def _mirred_target(msg: Any) -> int | None:
+    """The egress device index of a u32 filter's mirred redirect, if it has one."""
+    options = msg.get_attr("TCA_OPTIONS")
+    actions = options.get_attr("TCA_U32_ACT") if options is not None else None
+    if actions is None:
+        return None
+    for _name, action in actions["attrs"]:
+        if not hasattr(action, "get_attr") or action.get_attr("TCA_ACT_KIND") != "mirred":
+            continue
+        params = action.get_attr("TCA_ACT_OPTIONS")
+        parms = params.get_attr("TCA_MIRRED_PARMS") if params is not None else None
+        if parms is not None:
+            return int(parms["ifindex"])
+    return None

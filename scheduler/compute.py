@@ -1,0 +1,332 @@
+"""The adaptive compute scheduler: TP layout per node and a placement per request.
+
+Given the instances of every node, the requests of the step and a forecast of their
+remaining lengths, choose the TP layout of every node and the instance of every request
+that minimise the predicted rest of the step (the makespan: the latest instance to
+finish) plus the cost of getting there (node pauses to reshard, KV moves or recompute).
+It switches only when the predicted gain beats the cost by a stated margin.
+
+The instance model (how long an instance takes for a set of requests) is in
+:mod:`scheduler.compute_problem`, shared with the exact MILP (:mod:`scheduler.milp`).
+
+How the planner decides (and why a plan is stable: planning again right after applying
+it changes nothing):
+
+The objective is the predicted makespan plus the switching cost (the longest node pause
+of the reshards; every instance is taken to wait for it) plus, per instance, the moves
+into it: ``max_n pause_n + max_i (moves_i + run_i)``.
+
+1. Layout. Every candidate layout is a *profile* (how many nodes of each GPU count use
+   each pattern). Its makespan ``M`` is scored from the requests alone (not from where
+   they sit): exactly by LPT + local search for small cases, by a fluid bound for large
+   ones (the longest requests one per instance on the fastest instances, the rest spread
+   by throughput). Its switching cost ``C`` is the exact minimum, over which node takes
+   which pattern, of the longest node pause. Node pauses satisfy the triangle inequality,
+   so ``score = M + C`` of any layout seen from the chosen one is never below the chosen
+   layout's own makespan: re-planning keeps it.
+2. Placement. Requests on surviving instances stay; requests on removed instances stay
+   on their node (their KV is re-laid out during the pause); queued requests go by LPT
+   (longest first to the instance that would finish earliest); then reactive balancing
+   moves single requests off the bottleneck instance while a move pays for itself
+   (``max(src, dst + cost) + move_margin < src`` on the steady-state run times), each
+   move choosing between moving the KV cache and recomputing it by the cost model; on
+   small clusters it also tries exchanging two requests when no single move helps. The
+   stopping condition is a property of the final placement, so it holds again on re-plan.
+
+Scale: layout scoring, LPT and balancing look at the least-loaded instances of each TP
+degree (instances of one degree are interchangeable), so a plan for 1024 instances and
+thousands of requests takes tens of milliseconds (``bench/planner.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from scheduler.compute_problem import (
+    DEFAULT_CONFIG,
+    EPS,
+    SCALE,
+    MoveCost,
+    Pattern,
+    PlannerConfig,
+    Problem,
+    TpCost,
+    allowed_tps,
+    build_problem,
+    expand,
+    pattern_label,
+    tp_costs,
+)
+from scheduler.compute_state import (
+    Candidate,
+    ComputePlan,
+    ComputeState,
+    Instance,
+    Migration,
+    MoveMethod,
+    Prediction,
+    Reshard,
+)
+from scheduler.forecast import LengthForecast
+from scheduler.layout import LayoutChoice, choose_layout
+from scheduler.perf_model import PerfModel
+from scheduler.placement import MoveCostFrom, Placement, keep_makespan, place_on_node
+
+
+def plan_compute(
+    state: ComputeState,
+    forecast: LengthForecast,
+    perf: PerfModel,
+    now: float,
+    config: PlannerConfig = DEFAULT_CONFIG,
+    *,
+    allow_reshard: bool = True,
+) -> ComputePlan:
+    """Proactive re-plan: layout of every node and the instance of every request."""
+    prob = build_problem(state, forecast, perf, config)
+    return solve(prob, now, allow_reshard=allow_reshard)
+
+
+def balance(
+    state: ComputeState,
+    forecast: LengthForecast,
+    perf: PerfModel,
+    now: float,
+    config: PlannerConfig = DEFAULT_CONFIG,
+) -> ComputePlan:
+    """Reactive balancing between re-plans: layouts stay, requests move off stragglers."""
+    return plan_compute(state, forecast, perf, now, config, allow_reshard=False)
+
+
+def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePlan:
+    config = prob.config
+    n_req = len(prob.rids)
+    cap = max((c.capacity_tokens for c in prob.costs.values()), default=0)
+    ctx, q, has_kv = prob.ctx, prob.q, prob.has_kv
+    fits_somewhere = [has_kv[r] or ctx[r] + q[r] <= cap for r in range(n_req)]
+    placeable = [r for r in range(n_req) if fits_somewhere[r]]
+    unplaceable = [r for r in range(n_req) if not fits_somewhere[r]]
+
+    if allow_reshard and placeable:
+        target, choices, _ = choose_layout(prob, placeable)
+    else:
+        target, choices = dict(prob.current_pattern), []
+    changed = {
+        n for n in prob.nodes if tuple(sorted(target[n])) != tuple(sorted(prob.current_pattern[n]))
+    }
+
+    # instances after the plan
+    new_instances: list[Instance] = []
+    for n in prob.nodes:
+        new_instances.extend(prob.instances_for(n, target[n]))
+    new_instances.sort()
+    n_inst = len(new_instances)
+    all_cand = n_inst <= config.all_candidates_limit
+
+    # the plan's placement: requests on surviving instances stay
+    pl = Placement(prob, new_instances, all_cand)
+    origin: dict[int, tuple[str, int, bool]] = {}
+    displaced: dict[str, list[int]] = {}
+    new_queue: list[int] = []
+    staying: list[tuple[int, int]] = []
+    # per current instance: its index in the new placement (-1: removed), node and TP
+    fate = {i.id: (pl.index.get(i.id, -1), i.node, len(i.gpus)) for i in prob.state.instances}
+    current = prob.current
+    for r in placeable:
+        cur = current[r]
+        if cur is None:
+            new_queue.append(r)
+            continue
+        k, node, tp = fate[cur]
+        if k >= 0:
+            staying.append((r, k))
+        elif has_kv[r]:
+            origin[r] = (node, tp, True)
+            displaced.setdefault(node, []).append(r)
+        else:
+            new_queue.append(r)
+    pl.load(staying)
+
+    # keep: current layout, current placement, queued dispatched by LPT
+    if changed:
+        keep_s = keep_makespan(prob, placeable, all_cand)
+    cost_fn = MoveCostFrom(prob, pl, origin)
+    relaid_pairs: list[tuple[int, int]] = []
+    misfits: list[tuple[str, int]] = []
+    for node in sorted(displaced):
+        pairs, left = place_on_node(pl, displaced[node], pl.by_node[node])
+        relaid_pairs.extend(pairs)
+        misfits.extend((node, r) for r in left)
+    pl.load(relaid_pairs)
+    # KV that fits nowhere on its node: cheapest feasible instance elsewhere, or the
+    # largest instance of the node (the engine preempts) when none fits anywhere
+    for node, r in misfits:
+        ks = [k for k in range(n_inst) if pl.fits(r, k)]
+        if ks:
+            k = min(ks, key=lambda k: (pl.run_with(k, r) + cost_fn(r, k), pl.inst[k].id))
+        else:
+            k = max(pl.by_node[node], key=lambda k: (pl.cost[k].capacity_tokens, pl.inst[k].id))
+        pl.add(r, k)
+    left = pl.place_lpt(new_queue)
+    unplaceable.extend(left)
+    if not changed:
+        keep_s = pl.makespan()
+    pl.balance(cost_fn, max(config.move_margin_s, EPS))
+
+    # predicted times, migrations, reshards
+    pauses = {n: prob.node_cost(prob.current_pattern[n], target[n]) for n in changed}
+    migrations: list[Migration] = []
+    stall = [0.0] * n_inst
+    assignment: list[tuple[str, str]] = []
+    migration_total = 0.0
+    rids = prob.rids
+    ids = [i.id for i in pl.inst]
+    nodes_of = pl.node
+    where = pl.where
+    node_of_instance = {i.id: i.node for i in prob.state.instances}
+    relaid = 0
+    for r in range(n_req):
+        k = where.get(r, -1)
+        if k < 0:
+            continue
+        dst_id = ids[k]
+        rid = rids[r]
+        assignment.append((rid, dst_id))
+        cur = current[r]
+        if cur == dst_id:
+            continue
+        if cur is None or not has_kv[r]:
+            migrations.append(Migration(rid, cur, dst_id, MoveMethod.DISPATCH, 0.0))
+            continue
+        src_node = node_of_instance[cur]
+        if src_node == nodes_of[k] and src_node in changed:
+            relaid += 1  # re-laid out by its node's reshard: the assignment says where
+            continue
+        dst = pl.inst[k]
+        cost, method = prob.move(r, dst, src_node in changed)
+        migrations.append(Migration(rid, cur, dst.id, method, cost))
+        stall[k] += cost
+        migration_total += cost
+    switching = max(pauses.values(), default=0.0)
+    planned = switching + max((stall[k] + pl.run[k] for k in range(n_inst)), default=0.0)
+    steady = pl.makespan()
+    reshards = []
+    before_by_node: dict[str, list[Instance]] = {}
+    for inst in prob.state.instances:
+        before_by_node.setdefault(inst.node, []).append(inst)
+    after_by_node: dict[str, list[Instance]] = {}
+    for inst in new_instances:
+        after_by_node.setdefault(inst.node, []).append(inst)
+    for n in sorted(changed):
+        before = before_by_node[n]
+        after = after_by_node[n]
+        kept = set(before) & set(after)
+        reshards.append(
+            Reshard(
+                n,
+                tuple(sorted((i.tp for i in before), reverse=True)),
+                tuple(sorted((i.tp for i in after), reverse=True)),
+                tuple(sorted(i.id for i in before if i not in kept)),
+                tuple(i for i in after if i not in kept),
+                pauses[n],
+            )
+        )
+    reason = _reason(changed, choices, migrations, relaid, keep_s, planned, allow_reshard)
+    return ComputePlan(
+        now=now,
+        reshards=tuple(reshards),
+        migrations=tuple(migrations),
+        assignment=tuple(assignment),
+        unplaced=tuple(sorted(prob.rids[r] for r in unplaceable)),
+        instances=tuple(new_instances),
+        prediction=Prediction(keep_s, planned, steady, switching, migration_total),
+        reason=reason,
+        candidates=tuple(Candidate(c.label, c.makespan_s, c.switching_s) for c in choices[:8]),
+    )
+
+
+def _reason(
+    changed: set[str],
+    choices: Sequence[LayoutChoice],
+    migrations: Sequence[Migration],
+    relaid: int,
+    keep: float,
+    planned: float,
+    allow_reshard: bool,
+) -> str:
+    moving = (MoveMethod.KV_NVLINK, MoveMethod.KV_NETWORK, MoveMethod.RECOMPUTE)
+    moved = sum(1 for m in migrations if m.method in moving)
+    dispatched = sum(1 for m in migrations if m.method is MoveMethod.DISPATCH)
+    parts = []
+    if changed:
+        best = choices[0]
+        cur = next(c for c in choices if c.is_current)
+        parts.append(
+            f"reshard {len(changed)} node(s) to {best.label}: predicted {best.makespan_s:.2f} s "
+            f"+ switching {best.switching_s:.2f} s beats keeping {cur.label} "
+            f"({cur.makespan_s:.2f} s) by more than the margin"
+        )
+    elif allow_reshard and choices:
+        cur = next(c for c in choices if c.is_current)
+        best = choices[0]
+        if best.is_current:
+            parts.append(f"keep layout {cur.label}: no candidate predicts a shorter step")
+        else:
+            parts.append(
+                f"keep layout {cur.label}: best alternative {best.label} gains "
+                f"{cur.score - best.score:.2f} s, not more than the margin"
+            )
+    if relaid:
+        parts.append(f"re-lay out the KV cache of {relaid} request(s) within their nodes")
+    if moved:
+        parts.append(f"move {moved} request(s) off stragglers")
+    if dispatched:
+        parts.append(f"dispatch {dispatched} queued request(s)")
+    if not parts:
+        parts.append("nothing to change")
+    return "; ".join(parts) + f" (predicted {keep:.2f} s -> {planned:.2f} s)"
+
+
+def plan_objective(prob: Problem, plan: ComputePlan) -> float:
+    """The objective both solvers minimise, evaluated on a plan: the longest node pause
+    (switching) plus the latest instance's finish (its run plus the moves into it)."""
+    changed = {r.node for r in plan.reshards}
+    idx = {rid: k for k, rid in enumerate(prob.rids)}
+    members: dict[str, list[int]] = {}
+    for rid, iid in plan.assignment:
+        members.setdefault(iid, []).append(idx[rid])
+    after: dict[str, list[int]] = {}
+    for inst in plan.instances:
+        after.setdefault(inst.node, []).append(inst.tp)
+    switching = max(
+        (prob.node_cost(prob.current_pattern[n], tuple(after[n])) for n in changed), default=0.0
+    )
+    worst = 0.0
+    for inst in plan.instances:
+        ms = members.get(inst.id, [])
+        moves = 0.0
+        for r in ms:
+            cur = prob.current[r]
+            node_changes = cur is not None and prob.instances[cur].node in changed
+            moves += prob.move(r, inst, node_changes)[0]
+        worst = max(worst, moves + prob.run(inst.tp, ms))
+    return switching + worst
+
+
+__all__ = [
+    "SCALE",
+    "MoveCost",
+    "Pattern",
+    "PlannerConfig",
+    "Problem",
+    "TpCost",
+    "allowed_tps",
+    "balance",
+    "build_problem",
+    "expand",
+    "pattern_label",
+    "plan_compute",
+    "plan_objective",
+    "solve",
+    "tp_costs",
+]

@@ -1,0 +1,331 @@
+"""The compute planner's problem: configuration, the instance model, the inputs.
+
+Built once per plan from the state, the forecast and the performance model; read by the
+heuristic (:mod:`scheduler.compute`) and the exact MILP (:mod:`scheduler.milp`), so
+both optimise the same model.
+
+Instance model (linear, so the MILP can share it). An instance of TP ``t`` running
+request set ``R`` finishes after::
+
+    run = a_t * max(max_r q_r, sum_r m_r / slots_t) + c_t * sum_r m_r + p_t * sum_r pre_r
+
+``q_r``: the ``tail_quantile`` of the request's remaining tokens (the critical path);
+``m_r``: its expected remaining tokens (the work); ``pre_r``: tokens to prefill (a request
+without KV cache). ``a_t + c_t * b`` is a least-squares line through the performance
+model's decode iteration time for batches ``1..slots_t`` at the step's mean context, and
+``slots_t`` is how many sequences the instance's KV cache holds at the step's mean final
+context (capped by the engine's ``max_num_seqs``): continuous batching runs
+``max(longest, work / slots)`` iterations and each sequence-iteration costs ``c_t``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from operator import attrgetter
+
+from orchestrrl import errors
+from scheduler.compute_state import ComputeState, Instance, MoveMethod, canonical_instances
+from scheduler.forecast import LengthForecast, predict_remaining
+from scheduler.perf_model import PerfModel
+
+Pattern = tuple[int, ...]  # TP degrees of a node's instances, descending
+MoveCost = Callable[[int, int], float]  # (request, instance index) -> seconds
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Knobs of the compute planner (defaults are stated, not tuned)."""
+
+    # the critical path of a request: this quantile of its remaining tokens (never below
+    # the mean). The median lets re-plans at regular points act on the tail as it shows:
+    # with heavy-tailed lengths a request that keeps running has a growing expectation.
+    tail_quantile: float = 0.5
+    # switch layouts only when the gain beats the cost by max(margin_s, margin_rel * keep)
+    switch_margin_s: float = 0.5
+    switch_margin_rel: float = 0.05
+    # move a request only when the bottleneck's finish improves by more than its cost + this
+    move_margin_s: float = 0.05
+    # vLLM's default cap on concurrently running sequences (EngineArgs.max_num_seqs)
+    max_num_seqs: int = 256
+    allowed_tp: tuple[int, ...] | None = None  # None: powers of two up to the node size
+    exact_eval_limit: int = 1024  # requests x GPUs up to which layouts are scored exactly
+    enumerate_limit: int = 200  # profiles enumerated exhaustively up to this count
+    candidate_k: int = 2  # balancing looks at this many least-loaded instances per TP
+    candidate_requests: int = 8  # ... and moves one of the 8 longest or 8 smallest requests
+    all_candidates_limit: int = 64  # ... or at every instance when there are this few
+    max_moves: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.tail_quantile < 1.0:
+            raise errors.field_error("tail_quantile", self.tail_quantile, "a fraction in (0, 1)")
+        for name in ("switch_margin_s", "switch_margin_rel", "move_margin_s"):
+            if getattr(self, name) < 0:
+                raise errors.field_error(name, getattr(self, name), "a number >= 0")
+        if self.max_num_seqs < 1:
+            raise errors.field_error("max_num_seqs", self.max_num_seqs, ">= 1")
+
+
+DEFAULT_CONFIG = PlannerConfig()
+
+# tiny floor so float noise can never flip a decision on re-plan
+EPS = 1e-9
+# expected remaining tokens are kept as integers in units of 1/SCALE token, so that an
+# instance's total is exact whatever order requests arrived in (re-plans see the same)
+SCALE = 1024
+
+
+@dataclass(frozen=True)
+class TpCost:
+    """The linear instance model for one TP degree (see module docstring)."""
+
+    tp: int
+    iteration_s: float  # a_t
+    per_sequence_s: float  # c_t
+    prefill_per_token_s: float  # p_t
+    slots: int
+    capacity_tokens: int
+
+    def run(self, max_q: float, sum_m: float, sum_pre: float) -> float:
+        if sum_m <= 0 and sum_pre <= 0 and max_q <= 0:
+            return 0.0
+        iters = max(max_q, sum_m / self.slots)
+        return (
+            self.iteration_s * iters
+            + self.per_sequence_s * sum_m
+            + self.prefill_per_token_s * sum_pre
+        )
+
+    @property
+    def token_latency_s(self) -> float:
+        return self.iteration_s + self.per_sequence_s
+
+
+def tp_costs(
+    perf: PerfModel,
+    tps: Iterable[int],
+    mean_context: float,
+    mean_final_context: float,
+    max_num_seqs: int,
+) -> dict[int, TpCost]:
+    out: dict[int, TpCost] = {}
+    for t in sorted(set(tps)):
+        cap = perf.kv_capacity_tokens(t)
+        slots = max(1, min(max_num_seqs, int(cap / max(1.0, mean_final_context))))
+        grid = sorted({1, 2, *(2**k for k in range(1, 20) if 2**k < slots), slots})
+        ys = [perf.decode_iteration_time(t, b, mean_context) for b in grid]
+        n = len(grid)
+        mx = sum(grid) / n
+        my = sum(ys) / n
+        var = sum((b - mx) ** 2 for b in grid)
+        slope = sum((b - mx) * (y - my) for b, y in zip(grid, ys, strict=True)) / var
+        slope = max(0.0, slope)
+        intercept = max(0.0, my - slope * mx)
+        chunk = 2048
+        p = perf.prefill_time(t, chunk, int(mean_context)) / chunk
+        out[t] = TpCost(t, intercept, slope, p, slots, cap)
+    return out
+
+
+def expand(pattern: Sequence[int]) -> tuple[int, ...]:
+    """Per-GPU TP degrees of a pattern: (4, 2, 2) -> (4, 4, 4, 4, 2, 2, 2, 2)."""
+    return tuple(t for t in pattern for _ in range(t))
+
+
+def pattern_label(p: Pattern) -> str:
+    c = Counter(p)
+    return "+".join(f"{n}xTP{t}" if n > 1 else f"TP{t}" for t, n in sorted(c.items(), reverse=True))
+
+
+# --------------------------------------------------------------------------------------
+# The problem: everything both solvers (heuristic and MILP) need, from the state
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Problem:
+    state: ComputeState
+    perf: PerfModel
+    config: PlannerConfig
+    rids: tuple[str, ...]
+    ctx: tuple[int, ...]
+    has_kv: tuple[bool, ...]
+    q: tuple[float, ...]
+    m: tuple[float, ...]  # == mi / SCALE
+    mi: tuple[int, ...]  # expected remaining tokens in 1/SCALE units (exact integer sums)
+    pre: tuple[int, ...]
+    current: tuple[str | None, ...]  # instance id per request
+    rank: tuple[int, ...]  # position in the order (longest q, then m, then id) first
+    by_length: tuple[int, ...]  # requests in that order
+    costs: Mapping[int, TpCost]
+    nodes: tuple[str, ...]
+    node_gpus: Mapping[str, tuple[int, ...]]
+    current_pattern: Mapping[str, Pattern]
+    options: Mapping[str, tuple[Pattern, ...]]  # layouts a node may take (current first)
+    instances: Mapping[str, Instance]  # current instances by id
+    by_node: Mapping[str, tuple[Instance, ...]]  # current instances per node, sorted
+
+    def feasible(self, r: int, tp: int) -> bool:
+        cost = self.costs.get(tp)
+        return cost is not None and self.ctx[r] + self.q[r] <= cost.capacity_tokens
+
+    def node_cost(self, old: Pattern, new: Pattern) -> float:
+        if tuple(sorted(old)) == tuple(sorted(new)):
+            return 0.0
+        return node_pause(self.perf, tuple(sorted(old)), tuple(sorted(new)))
+
+    def instances_for(self, node: str, pattern: Pattern) -> tuple[Instance, ...]:
+        """Current instances when the pattern is kept, canonical ones otherwise."""
+        if tuple(sorted(pattern)) == tuple(sorted(self.current_pattern[node])):
+            return self.by_node[node]
+        return canonical_instances(node, self.node_gpus[node], pattern)
+
+    def move(self, r: int, dst: Instance, node_changes: bool) -> tuple[float, MoveMethod]:
+        """Cost of request ``r`` ending on ``dst``, from where it is in the state.
+
+        ``node_changes``: whether the request's current node reshards (its KV is then
+        re-laid out inside the node during the pause, at no extra cost).
+        """
+        src_id = self.current[r]
+        if src_id is None or not self.has_kv[r]:
+            return 0.0, MoveMethod.DISPATCH
+        if src_id == dst.id and not node_changes:
+            return 0.0, MoveMethod.DISPATCH
+        src = self.instances[src_id]
+        return self.move_between(r, src.node, src.tp, dst, node_changes)
+
+    def move_between(
+        self, r: int, src_node: str, src_tp: int, dst: Instance, src_node_changes: bool
+    ) -> tuple[float, MoveMethod]:
+        if not self.has_kv[r]:
+            return 0.0, MoveMethod.DISPATCH
+        same_node = src_node == dst.node
+        if same_node and src_node_changes:
+            return 0.0, MoveMethod.RELAYOUT
+        kv = self.perf.kv_move_time(self.ctx[r], same_node=same_node, src_tp=src_tp, dst_tp=dst.tp)
+        rec = (
+            self.costs[dst.tp].prefill_per_token_s * self.ctx[r]
+            if dst.tp in self.costs
+            else math.inf
+        )
+        if rec < kv:
+            return rec, MoveMethod.RECOMPUTE
+        return kv, (MoveMethod.KV_NVLINK if same_node else MoveMethod.KV_NETWORK)
+
+    def run(self, tp: int, members: Iterable[int]) -> float:
+        ms = list(members)
+        if not ms:
+            return 0.0
+        return self.costs[tp].run(
+            max(self.q[r] for r in ms),
+            sum(self.mi[r] for r in ms) / SCALE,
+            sum(self.pre[r] for r in ms),
+        )
+
+
+_NODE_COST_CACHE: dict[tuple[int, Pattern, Pattern], float] = {}
+
+
+def node_pause(perf: PerfModel, old: Pattern, new: Pattern) -> float:
+    key = (hash(perf), old, new)
+    hit = _NODE_COST_CACHE.get(key)
+    if hit is None:
+        hit = perf.reshard_time(expand(old), expand(new))
+        if len(_NODE_COST_CACHE) > 4096:
+            _NODE_COST_CACHE.clear()
+        _NODE_COST_CACHE[key] = hit
+    return hit
+
+
+def _group_by_node(
+    instances: Iterable[Instance], nodes: Iterable[str]
+) -> dict[str, tuple[Instance, ...]]:
+    out: dict[str, list[Instance]] = {n: [] for n in nodes}
+    for inst in instances:
+        out[inst.node].append(inst)
+    return {n: tuple(sorted(v)) for n, v in out.items()}
+
+
+def allowed_tps(perf: PerfModel, gpus: int, config: PlannerConfig) -> tuple[int, ...]:
+    cands = config.allowed_tp or tuple(2**k for k in range(0, 12) if 2**k <= gpus)
+    heads = perf.model.heads
+    return tuple(
+        t
+        for t in sorted(set(cands))
+        if t <= gpus and gpus % t == 0 and heads % t == 0 and perf.fits(t)
+    )
+
+
+def build_problem(
+    state: ComputeState,
+    forecast: LengthForecast,
+    perf: PerfModel,
+    config: PlannerConfig = PlannerConfig(),
+) -> Problem:
+    reqs = sorted(state.requests, key=attrgetter("id"))
+    gens = [r.generated_tokens for r in reqs]
+    means, quants = predict_remaining(forecast, gens, config.tail_quantile)
+    ctx = tuple([r.prompt_tokens + r.generated_tokens for r in reqs])
+    has_kv = tuple([r.running and r.instance is not None for r in reqs])
+    pre = tuple([0 if kv else c for kv, c in zip(has_kv, ctx, strict=True)])
+    mi = tuple([int(x * SCALE + 0.5) for x in means])
+    m = tuple([x / SCALE for x in mi])
+    q = tuple([qq if qq > mm else mm for qq, mm in zip(quants, m, strict=True)])
+
+    nodes = tuple(sorted(n.name for n in state.nodes))
+    node_gpus = {n.name: tuple(sorted(n.gpus)) for n in state.nodes}
+    current_pattern = state.layout()
+    tps: set[int] = {i.tp for i in state.instances}
+    options: dict[str, tuple[Pattern, ...]] = {}
+    by_size: dict[int, set[Pattern]] = {}
+    for n in nodes:
+        by_size.setdefault(len(node_gpus[n]), set()).add(current_pattern[n])
+    allowed = {g: allowed_tps(perf, g, config) for g in by_size}
+    for n in nodes:
+        g = len(node_gpus[n])
+        uniform = [tuple([t] * (g // t)) for t in allowed[g]]
+        extra = sorted(by_size[g], reverse=True)
+        pats: list[Pattern] = [current_pattern[n]]
+        for p in [*uniform, *extra]:
+            if p not in pats:
+                pats.append(p)
+        options[n] = tuple(pats)
+        tps.update(t for p in pats for t in p)
+
+    if reqs:
+        total_ctx = math.fsum(ctx)
+        total_m = math.fsum(m)
+        mean_ctx = (total_ctx + total_m / 2.0) / len(reqs)
+        mean_final = (total_ctx + total_m) / len(reqs)
+    else:
+        mean_ctx = mean_final = 1.0
+    costs = tp_costs(perf, tps, mean_ctx, mean_final, config.max_num_seqs)
+    keys = list(zip([-x for x in q], [-x for x in mi], range(len(reqs)), strict=True))
+    by_length = sorted(range(len(reqs)), key=keys.__getitem__)
+    rank = [0] * len(reqs)
+    for pos, r in enumerate(by_length):
+        rank[r] = pos
+    return Problem(
+        state=state,
+        perf=perf,
+        config=config,
+        rids=tuple(r.id for r in reqs),
+        ctx=ctx,
+        has_kv=has_kv,
+        q=q,
+        m=m,
+        mi=mi,
+        pre=pre,
+        current=tuple(r.instance for r in reqs),
+        rank=tuple(rank),
+        by_length=tuple(by_length),
+        costs=costs,
+        nodes=nodes,
+        node_gpus=node_gpus,
+        current_pattern=current_pattern,
+        options=options,
+        instances={i.id: i for i in state.instances},
+        by_node=_group_by_node(state.instances, nodes),
+    )

@@ -1,0 +1,413 @@
+"""Forecast of response lengths: within a step and across steps.
+
+Within a step the planner needs, for a request that has generated ``g`` tokens, the
+distribution of its *remaining* length given that it is still running. We estimate the
+survival function ``S(l) = P(L > l)`` of the response length ``L`` with the
+Kaplan-Meier estimator over a pooled, weighted sample:
+
+- responses completed in this step (events);
+- requests still running in this step (right-censored at the tokens generated so far:
+  early in a step only the short responses have finished, and censoring is what keeps
+  that from biasing the estimate short);
+- the completed lengths of recent steps, rescaled by the predicted drift (below), as a
+  prior whose total weight equals the number of requests seen in this step times
+  ``prior_strength`` (each past step weighted by ``history_decay ** age``).
+
+Beyond the largest observation the survival function continues as an exponential tail
+whose mean is the mean residual length above the 90th percentile of the estimate, and is
+cut at ``max_tokens`` (the generation limit: a request that reaches it stops there).
+Then ``E[L - g | L > g] = (integral of S from g to max) / S(g)`` and the q-quantile of the
+remaining length solves ``S(g + r) = (1 - q) S(g)``.
+
+Across steps, response lengths drift (they typically grow as RL training proceeds). We
+follow the per-step log-mean (geometric mean) of completed lengths with Holt's linear
+exponential smoothing (level + trend; Holt 1957, see Hyndman & Athanasopoulos,
+*Forecasting: Principles and Practice*, 3rd ed., section 8.2) and rescale each past
+step's lengths by ``exp(predicted log-mean - that step's log-mean)``, i.e. we assume the
+shape of the distribution is stable and its scale drifts. The factor is clamped to
+``[1/max_drift, max_drift]``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from orchestrrl import errors
+
+
+@dataclass(frozen=True)
+class ForecastConfig:
+    holt_alpha: float = 0.5
+    holt_beta: float = 0.3
+    history_decay: float = 0.5
+    prior_strength: float = 1.0
+    max_points_per_step: int = 512
+    max_drift: float = 2.0
+    tail_quantile: float = 0.9
+    # Used only when nothing at all is known (no history, nothing completed): an
+    # exponential distribution with this mean.
+    fallback_mean_tokens: float = 1024.0
+
+    def __post_init__(self) -> None:
+        for name in ("holt_alpha", "holt_beta", "history_decay", "tail_quantile"):
+            v = getattr(self, name)
+            if not 0.0 < v < 1.0 and not (name == "history_decay" and v == 1.0):
+                raise errors.field_error(f"forecast.{name}", v, "a fraction in (0, 1)")
+        if self.prior_strength < 0:
+            raise errors.field_error("forecast.prior_strength", self.prior_strength, ">= 0")
+        if self.max_points_per_step < 1:
+            raise errors.field_error(
+                "forecast.max_points_per_step", self.max_points_per_step, ">= 1"
+            )
+        if self.max_drift < 1.0:
+            raise errors.field_error("forecast.max_drift", self.max_drift, ">= 1")
+        if self.fallback_mean_tokens <= 0:
+            raise errors.field_error(
+                "forecast.fallback_mean_tokens", self.fallback_mean_tokens, "> 0"
+            )
+
+
+@dataclass(frozen=True)
+class Drift:
+    """Holt's smoothing of per-step log-mean lengths, and its one-step-ahead prediction."""
+
+    level: float
+    trend: float
+    steps: int
+
+    @property
+    def predicted_log_mean(self) -> float:
+        return self.level + self.trend
+
+    @property
+    def predicted_mean_tokens(self) -> float:
+        """exp of the predicted log-mean: the predicted geometric mean length."""
+        return math.exp(self.predicted_log_mean)
+
+
+def holt(series: Sequence[float], alpha: float = 0.5, beta: float = 0.3) -> Drift:
+    """Holt's linear method over ``series`` (oldest first)."""
+    if not series:
+        return Drift(0.0, 0.0, 0)
+    level = float(series[0])
+    trend = float(series[1] - series[0]) if len(series) > 1 else 0.0
+    for x in series[1:]:
+        prev = level
+        level = alpha * x + (1 - alpha) * (level + trend)
+        trend = beta * (level - prev) + (1 - beta) * trend
+    return Drift(level, trend, len(series))
+
+
+def log_mean(lengths: Sequence[int]) -> float:
+    return sum(math.log(max(1, x)) for x in lengths) / len(lengths)
+
+
+@dataclass(frozen=True)
+class LengthForecast:
+    """The survival function of response length, as a step function plus a tail.
+
+    ``knots[i]`` are the distinct event lengths (ascending) and ``survival[i]`` is
+    ``S`` just after ``knots[i]``; ``area[i]`` is the integral of ``S`` from 0 to
+    ``knots[i]``. ``S`` is 1 before the first knot.
+    """
+
+    knots: tuple[float, ...]
+    survival: tuple[float, ...]
+    area: tuple[float, ...]
+    tail_mean: float
+    max_tokens: int | None
+    drift: Drift
+    observations: int
+
+    # -- the distribution --
+
+    def survival_at(self, length: float) -> float:
+        if self.max_tokens is not None and length >= self.max_tokens:
+            return 0.0
+        i = bisect.bisect_right(self.knots, length)
+        if i == 0:
+            return 1.0
+        last = self.knots[-1]
+        if length <= last or i < len(self.knots):
+            return self.survival[i - 1]
+        return self.survival[-1] * math.exp(-(length - last) / self.tail_mean)
+
+    def _integral_to(self, length: float) -> float:
+        """Integral of S from 0 to ``length``."""
+        if self.max_tokens is not None:
+            length = min(length, float(self.max_tokens))
+        if length <= 0:
+            return 0.0
+        knots = self.knots
+        if not knots or length <= knots[0]:
+            return length
+        i = bisect.bisect_right(knots, length)
+        if i < len(knots):
+            return self.area[i - 1] + self.survival[i - 1] * (length - knots[i - 1])
+        last = knots[-1]
+        s = self.survival[-1]
+        return self.area[-1] + s * self.tail_mean * (
+            1.0 - math.exp(-(length - last) / self.tail_mean)
+        )
+
+    def _total_area(self) -> float:
+        if self.max_tokens is not None:
+            return self._integral_to(float(self.max_tokens))
+        if not self.knots:
+            return self.tail_mean
+        return self.area[-1] + self.survival[-1] * self.tail_mean
+
+    def mean_length(self) -> float:
+        return self._total_area()
+
+    def remaining_mean(self, generated: int) -> float:
+        """Expected tokens still to come for a request running after ``generated`` tokens."""
+        g = float(max(0, generated))
+        if self.max_tokens is not None and g >= self.max_tokens:
+            return 0.0
+        s = self.survival_at(g)
+        if s <= 1e-12:
+            return self._tail_remaining_mean(g)
+        return max(0.0, (self._total_area() - self._integral_to(g)) / s)
+
+    def _tail_remaining_mean(self, g: float) -> float:
+        """Memoryless tail beyond every observation (and past the survival floor)."""
+        theta = self.tail_mean
+        if self.max_tokens is None:
+            return theta
+        return theta * (1.0 - math.exp(-(self.max_tokens - g) / theta))
+
+    def remaining_quantile(self, generated: int, q: float) -> float:
+        """The ``q`` quantile of the remaining tokens for a request at ``generated``."""
+        if not 0.0 < q < 1.0:
+            raise errors.field_error("q", q, "a fraction in (0, 1)")
+        g = float(max(0, generated))
+        if self.max_tokens is not None and g >= self.max_tokens:
+            return 0.0
+        s_g = self.survival_at(g)
+        target = (1.0 - q) * s_g
+        cap = math.inf if self.max_tokens is None else float(self.max_tokens)
+        if s_g <= 1e-12:
+            return min(cap - g, -self.tail_mean * math.log(1.0 - q))
+        knots, surv = self.knots, self.survival
+        start = bisect.bisect_right(knots, g)
+        # first knot at or after g whose survival is at or below the target
+        lo, hi = start, len(knots)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if surv[mid] <= target:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo < len(knots):
+            return min(cap, knots[lo]) - g
+        last = knots[-1] if knots else 0.0
+        s_last = surv[-1] if surv else 1.0
+        base = max(g, last)
+        s_base = s_last if base == last else s_g
+        length = base + self.tail_mean * math.log(s_base / target)
+        return min(cap, length) - g
+
+
+def build_forecast(
+    history: Sequence[Sequence[int]] = (),
+    completed: Sequence[int] = (),
+    running: Sequence[int] = (),
+    *,
+    max_tokens: int | None = None,
+    config: ForecastConfig = ForecastConfig(),
+) -> LengthForecast:
+    """The length forecast for the current step.
+
+    ``history``: completed response lengths of recent steps, oldest first.
+    ``completed``: lengths of responses finished in this step.
+    ``running``: tokens generated so far by each request still running in this step.
+    """
+    if max_tokens is not None and max_tokens <= 0:
+        raise errors.field_error("max_tokens", max_tokens, "a positive integer or None")
+    steps = [list(s) for s in history if len(s) > 0]
+    drift = holt([log_mean(s) for s in steps], config.holt_alpha, config.holt_beta)
+
+    # (length, weight, is_event)
+    obs: list[tuple[float, float, bool]] = []
+    obs.extend((float(x), 1.0, True) for x in completed)
+    obs.extend((float(g), 1.0, False) for g in running)
+    current = len(obs)
+
+    if steps:
+        prior_total = config.prior_strength * max(current, 1)
+        ages = range(len(steps) - 1, -1, -1)
+        decays = [config.history_decay**age for age in ages]
+        norm = sum(decays)
+        predicted = drift.predicted_log_mean
+        for step, decay in zip(steps, decays, strict=True):
+            factor = math.exp(predicted - log_mean(step))
+            factor = min(config.max_drift, max(1.0 / config.max_drift, factor))
+            pts = _thin(sorted(step), config.max_points_per_step)
+            w = prior_total * decay / norm / len(pts)
+            for x in pts:
+                length = x * factor
+                if max_tokens is not None:
+                    length = min(length, float(max_tokens))
+                obs.append((length, w, True))
+
+    knots, survival, area = _kaplan_meier(obs)
+    tail = _tail_mean(knots, survival, area, obs, config)
+    if not knots:  # nothing known: exponential from zero
+        knots, survival, area = [0.0], [1.0], [0.0]
+        tail = config.fallback_mean_tokens
+    return LengthForecast(
+        knots=tuple(knots),
+        survival=tuple(survival),
+        area=tuple(area),
+        tail_mean=max(1.0, tail),
+        max_tokens=max_tokens,
+        drift=drift,
+        observations=len(obs),
+    )
+
+
+def _thin(values: list[int], limit: int) -> list[int]:
+    """At most ``limit`` evenly spaced order statistics (keeps min and max)."""
+    n = len(values)
+    if n <= limit:
+        return values
+    if limit == 1:
+        return [values[n // 2]]
+    return [values[round(i * (n - 1) / (limit - 1))] for i in range(limit)]
+
+
+def _kaplan_meier(
+    obs: list[tuple[float, float, bool]],
+) -> tuple[list[float], list[float], list[float]]:
+    """Weighted Kaplan-Meier: knots at event lengths, S after each, area up to each."""
+    if not obs:
+        return [], [], []
+    # censored observations at the same length as events are at risk at that length
+    obs.sort(key=lambda o: (o[0], not o[2]))
+    at_risk = sum(w for _, w, _ in obs)
+    knots: list[float] = []
+    survival: list[float] = []
+    area: list[float] = []
+    s = 1.0
+    prev_x = 0.0
+    acc = 0.0
+    i = 0
+    n = len(obs)
+    while i < n:
+        x = obs[i][0]
+        events = 0.0
+        removed = 0.0
+        while i < n and obs[i][0] == x:
+            _, w, is_event = obs[i]
+            if is_event:
+                events += w
+            removed += w
+            i += 1
+        if events > 0 and at_risk > 0:
+            acc += s * (x - prev_x)
+            prev_x = x
+            s *= max(0.0, 1.0 - events / at_risk)
+            knots.append(x)
+            survival.append(s)
+            area.append(acc)
+        at_risk -= removed
+    # the estimate is known flat up to the longest observation (a request still running at
+    # g says its length is above g); the tail starts there
+    last = obs[-1][0]
+    if not knots or last > knots[-1]:
+        acc += s * (last - prev_x)
+        knots.append(last)
+        survival.append(s)
+        area.append(acc)
+    return knots, survival, area
+
+
+def _tail_mean(
+    knots: list[float],
+    survival: list[float],
+    area: list[float],
+    obs: list[tuple[float, float, bool]],
+    config: ForecastConfig,
+) -> float:
+    """Mean of the exponential tail beyond the longest observation.
+
+    The mean residual length above the ``tail_quantile`` point of the estimate; when the
+    estimate never falls that low (most requests are still running), the weighted mean
+    of every observation (running ones count at their current length, a lower bound).
+    """
+    if not knots:
+        return config.fallback_mean_tokens
+    target = 1.0 - config.tail_quantile
+    i = next((k for k, s in enumerate(survival) if s <= target), -1)
+    if i < 0:
+        total = sum(w for _, w, _ in obs)
+        mean = sum(x * w for x, w, _ in obs) / total if total > 0 else 0.0
+        return max(1.0, mean)
+    s_i = survival[i]
+    if s_i <= 1e-12:
+        # the estimate reaches zero: the spread of the top of the sample
+        lo = knots[max(0, i - 1)]
+        return max(1.0, (knots[-1] - lo) / 2.0)
+    residual = (area[-1] - area[i]) / s_i
+    if residual <= 0:
+        residual = knots[-1] * (1.0 - config.tail_quantile)
+    return max(1.0, residual)
+
+
+def predict_remaining(
+    forecast: LengthForecast, generated: Sequence[int], q: float
+) -> tuple[list[float], list[float]]:
+    """Mean and ``q``-quantile of the remaining tokens for many requests at once.
+
+    The same values as ``remaining_mean``/``remaining_quantile`` per request, computed in
+    one sweep over the sorted distinct ``generated`` values and the knots.
+    """
+    if not 0.0 < q < 1.0:
+        raise errors.field_error("q", q, "a fraction in (0, 1)")
+    knots, surv, area = forecast.knots, forecast.survival, forecast.area
+    k_n = len(knots)
+    cap = forecast.max_tokens
+    cap_f = math.inf if cap is None else float(cap)
+    total = forecast._total_area()
+    one_minus_q = 1.0 - q
+    mean_of: dict[int, float] = {}
+    quant_of: dict[int, float] = {}
+    i = 0  # knots[:i] <= g
+    j = 0  # first candidate knot for the quantile
+    for g_int in sorted(set(generated)):
+        g = float(g_int) if g_int > 0 else 0.0
+        if g >= cap_f:
+            mean_of[g_int] = quant_of[g_int] = 0.0
+            continue
+        while i < k_n and knots[i] <= g:
+            i += 1
+        if i >= k_n:  # beyond every knot: the tail
+            mean_of[g_int] = forecast.remaining_mean(g_int)
+            quant_of[g_int] = forecast.remaining_quantile(g_int, q)
+            continue
+        if i == 0:
+            s_g = 1.0
+            integral = g
+        else:
+            s_g = surv[i - 1]
+            integral = area[i - 1] + s_g * (g - knots[i - 1])
+        if s_g <= 1e-12:
+            mean_of[g_int] = forecast._tail_remaining_mean(g)
+            quant_of[g_int] = forecast.remaining_quantile(g_int, q)
+            continue
+        mean = (total - integral) / s_g
+        mean_of[g_int] = mean if mean > 0.0 else 0.0
+        target = one_minus_q * s_g
+        if j < i:
+            j = i
+        while j < k_n and surv[j] > target:
+            j += 1
+        if j < k_n:
+            quant_of[g_int] = (knots[j] if knots[j] < cap_f else cap_f) - g
+        else:
+            quant_of[g_int] = forecast.remaining_quantile(g_int, q)
+    return [mean_of[g] for g in generated], [quant_of[g] for g in generated]

@@ -1,0 +1,475 @@
+"""Placing requests on concrete instances: LPT dispatch and reactive balancing.
+
+Mutable working state private to one planning call (the planner returns frozen values).
+Instance totals are exact integers (expected tokens in 1/SCALE units), so a placement
+evaluates the same whatever order it was built in: re-planning sees the same numbers.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from bisect import bisect_left, insort
+from collections.abc import Iterable, Mapping, Sequence
+
+from scheduler.compute_problem import SCALE, MoveCost, Problem
+from scheduler.compute_state import Instance
+
+
+class Placement:
+    """Mutable working state of a placement (private to one planning call).
+
+    Hot paths are written out by hand: this runs for thousands of requests per plan.
+    """
+
+    def __init__(self, prob: Problem, instances: Sequence[Instance], all_candidates: bool) -> None:
+        self.prob = prob
+        self.inst = list(instances)
+        self.index = {inst.id: k for k, inst in enumerate(self.inst)}
+        self.tp = [inst.tp for inst in self.inst]
+        costs = [prob.costs[t] for t in self.tp]
+        self.cost = costs
+        self.a = [c.iteration_s for c in costs]
+        self.c = [c.per_sequence_s for c in costs]
+        self.p = [c.prefill_per_token_s for c in costs]
+        self.inv_slots = [1.0 / c.slots for c in costs]
+        self.node = [inst.node for inst in self.inst]
+        n = len(self.inst)
+        self.members: list[set[int]] = [set() for _ in range(n)]
+        self.qs: list[list[float]] = [[] for _ in range(n)]
+        self.sum_m: list[int] = [0] * n
+        self.sum_pre: list[int] = [0] * n
+        self.run: list[float] = [0.0] * n
+        self.ver: list[int] = [0] * n
+        self.where: dict[int, int] = {}
+        self.all_candidates = all_candidates
+        self.by_node: dict[str, list[int]] = {}
+        for k, node in enumerate(self.node):
+            self.by_node.setdefault(node, []).append(k)
+        self.types = sorted(set(self.tp))
+        self.low: dict[int, list[tuple[float, int, int]]] = {t: [] for t in self.types}
+        self.high: list[tuple[float, int, int]] = []
+        self._rebuild_heaps()
+
+    def _rebuild_heaps(self) -> None:
+        low: dict[int, list[tuple[float, int, int]]] = {t: [] for t in self.types}
+        high: list[tuple[float, int, int]] = []
+        for k, t in enumerate(self.tp):
+            v = self.ver[k]
+            low[t].append((self.run[k], k, v))
+            high.append((-self.run[k], k, v))
+        for h in low.values():
+            heapq.heapify(h)
+        heapq.heapify(high)
+        self.low, self.high = low, high
+
+    def _eval(self, k: int, qmax: float, sum_m: int, sum_pre: int) -> float:
+        if sum_m <= 0 and sum_pre <= 0 and qmax <= 0:
+            return 0.0
+        m = sum_m / SCALE
+        iters = m * self.inv_slots[k]
+        if qmax > iters:
+            iters = qmax
+        return self.a[k] * iters + self.c[k] * m + self.p[k] * sum_pre
+
+    def load(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Place many requests at once (request, instance), then rebuild the heaps."""
+        prob = self.prob
+        touched: set[int] = set()
+        q, mi, pre = prob.q, prob.mi, prob.pre
+        for r, k in pairs:
+            self.members[k].add(r)
+            self.qs[k].append(q[r])
+            self.sum_m[k] += mi[r]
+            self.sum_pre[k] += pre[r]
+            self.where[r] = k
+            touched.add(k)
+        for k in touched:
+            self.qs[k].sort()
+            self.run[k] = self._eval(k, self.qs[k][-1], self.sum_m[k], self.sum_pre[k])
+            self.ver[k] += 1
+        self._rebuild_heaps()
+
+    def add(self, r: int, k: int) -> None:
+        prob = self.prob
+        self.members[k].add(r)
+        qs = self.qs[k]
+        insort(qs, prob.q[r])
+        self.sum_m[k] += prob.mi[r]
+        self.sum_pre[k] += prob.pre[r]
+        self.where[r] = k
+        run = self._eval(k, qs[-1], self.sum_m[k], self.sum_pre[k])
+        self.run[k] = run
+        v = self.ver[k] + 1
+        self.ver[k] = v
+        heapq.heappush(self.low[self.tp[k]], (run, k, v))
+        heapq.heappush(self.high, (-run, k, v))
+
+    def remove(self, r: int) -> int:
+        prob = self.prob
+        k = self.where.pop(r)
+        self.members[k].discard(r)
+        qs = self.qs[k]
+        del qs[bisect_left(qs, prob.q[r])]
+        self.sum_m[k] -= prob.mi[r]
+        self.sum_pre[k] -= prob.pre[r]
+        run = self._eval(k, qs[-1], self.sum_m[k], self.sum_pre[k]) if qs else 0.0
+        self.run[k] = run
+        v = self.ver[k] + 1
+        self.ver[k] = v
+        heapq.heappush(self.low[self.tp[k]], (run, k, v))
+        heapq.heappush(self.high, (-run, k, v))
+        return k
+
+    def run_with(self, k: int, r: int) -> float:
+        prob = self.prob
+        qs = self.qs[k]
+        qr = prob.q[r]
+        qmax = qs[-1] if qs and qs[-1] > qr else qr
+        return self._eval(k, qmax, self.sum_m[k] + prob.mi[r], self.sum_pre[k] + prob.pre[r])
+
+    def run_without(self, k: int, r: int) -> float:
+        prob = self.prob
+        if len(self.members[k]) <= 1:
+            return 0.0
+        qs = self.qs[k]
+        qmax = qs[-2] if prob.q[r] == qs[-1] else qs[-1]
+        return self._eval(k, qmax, self.sum_m[k] - prob.mi[r], self.sum_pre[k] - prob.pre[r])
+
+    def fits(self, r: int, k: int) -> bool:
+        return self.prob.feasible(r, self.tp[k]) or self.prob.current[r] == self.inst[k].id
+
+    def lowest(self, t: int, count: int, exclude: int) -> list[int]:
+        heap = self.low[t]
+        ver = self.ver
+        out: list[int] = []
+        held: list[tuple[float, int, int]] = []
+        while heap and len(out) < count:
+            entry = heapq.heappop(heap)
+            k = entry[1]
+            if entry[2] != ver[k]:
+                continue
+            held.append(entry)
+            if k != exclude:
+                out.append(k)
+        for entry in held:
+            heapq.heappush(heap, entry)
+        return out
+
+    def bottleneck(self) -> int:
+        heap = self.high
+        ver = self.ver
+        while heap:
+            _, k, v = heap[0]
+            if v == ver[k]:
+                return k
+            heapq.heappop(heap)
+        return -1
+
+    def makespan(self) -> float:
+        return max(self.run, default=0.0)
+
+    def candidates(self, src: int) -> list[int]:
+        if self.all_candidates:
+            return [k for k in range(len(self.inst)) if k != src]
+        out = set(self.by_node.get(self.node[src], ()))
+        for t in self.types:
+            out.update(self.lowest(t, self.prob.config.candidate_k, src))
+        out.discard(src)
+        return sorted(out)
+
+    def movable(self, src: int) -> list[int]:
+        """Requests of ``src`` that balancing tries to move (a function of the placement)."""
+        prob = self.prob
+        members = self.members[src]
+        limit = prob.config.candidate_requests
+        by_q = sorted(members, key=prob.rank.__getitem__)
+        if self.all_candidates or len(members) <= 2 * limit:
+            return by_q
+        by_size = sorted(
+            members, key=lambda r: (prob.ctx[r] if prob.has_kv[r] else 0, prob.rids[r])
+        )
+        chosen = by_q[:limit]
+        seen = set(chosen)
+        chosen.extend(r for r in by_size[:limit] if r not in seen)
+        return chosen
+
+    # -- algorithms --
+
+    def place_lpt(self, reqs: Sequence[int], cost_of: MoveCost | None = None) -> list[int]:
+        """Longest first, each to the instance that would finish earliest (plus its move
+        cost). Returns the requests no instance can hold."""
+        prob = self.prob
+        order = sorted(reqs, key=prob.rank.__getitem__)
+        left: list[int] = []
+        n = len(self.inst)
+        every = self.all_candidates or cost_of is not None
+        if not every:
+            return self._lpt_by_type(order)
+        for r in order:
+            best: tuple[float, str, int] | None = None
+            for k in range(n):
+                if not self.fits(r, k):
+                    continue
+                extra = cost_of(r, k) if cost_of is not None else 0.0
+                key = (self.run_with(k, r) + extra, self.inst[k].id, k)
+                if best is None or key < best:
+                    best = key
+            if best is None:
+                left.append(r)
+            else:
+                self.add(r, best[2])
+        return left
+
+    def _lpt_by_type(self, order: Sequence[int]) -> list[int]:
+        """LPT where the candidates are the least-loaded instance of each TP degree
+        (instances of one degree are interchangeable); one heap per degree, updated in
+        place, and the shared heaps rebuilt once at the end."""
+        prob = self.prob
+        q, mi, pre, ctx = prob.q, prob.mi, prob.pre, prob.ctx
+        heaps = {
+            t: sorted((self.run[k], k) for k in range(len(self.tp)) if self.tp[k] == t)
+            for t in self.types
+        }
+        caps = {t: prob.costs[t].capacity_tokens for t in self.types}
+        qmax = [qs[-1] if qs else 0.0 for qs in self.qs]
+        sum_m, sum_pre, members, run = self.sum_m, self.sum_pre, self.members, self.run
+        evaluate = self._eval
+        left: list[int] = []
+        touched: set[int] = set()
+        for r in order:
+            need = ctx[r] + q[r]
+            qr, mr, pr = q[r], mi[r], pre[r]
+            best_run = math.inf
+            best_k = -1
+            best_t = 0
+            for t in self.types:
+                if need > caps[t]:
+                    continue
+                heap = heaps[t]
+                if not heap:
+                    continue
+                k = heap[0][1]
+                qm = qmax[k] if qmax[k] > qr else qr
+                value = evaluate(k, qm, sum_m[k] + mr, sum_pre[k] + pr)
+                if value < best_run or (value == best_run and k < best_k):
+                    best_run, best_k, best_t = value, k, t
+            if best_k < 0:
+                left.append(r)
+                continue
+            k = best_k
+            members[k].add(r)
+            self.qs[k].append(qr)
+            if qr > qmax[k]:
+                qmax[k] = qr
+            sum_m[k] += mr
+            sum_pre[k] += pr
+            run[k] = best_run
+            self.where[r] = k
+            touched.add(k)
+            heapq.heapreplace(heaps[best_t], (best_run, k))
+        for k in touched:
+            self.qs[k].sort()
+            self.ver[k] += 1
+        self._rebuild_heaps()
+        return left
+
+    def balance(self, cost_of: MoveCost, margin: float) -> int:
+        """Move single requests off the bottleneck while a move pays for itself."""
+        prob = self.prob
+        moves = 0
+        limit = prob.config.max_moves
+        while moves < limit:
+            src = self.bottleneck()
+            if src < 0:
+                break
+            run_src = self.run[src]
+            if run_src <= 0:
+                break
+            dsts = self.candidates(src)
+            best: tuple[float, float, str, str, int, int] | None = None
+            for r in self.movable(src):
+                without = self.run_without(src, r)
+                if without + margin >= run_src:
+                    continue
+                for k in dsts:
+                    if not self.fits(r, k):
+                        continue
+                    with_r = self.run_with(k, r)
+                    if with_r + margin >= run_src:
+                        continue
+                    cost = cost_of(r, k)
+                    new = max(without, with_r + cost)
+                    if new + margin < run_src:
+                        key = (new, cost, self.inst[k].id, prob.rids[r], r, k)
+                        if best is None or key < best:
+                            best = key
+            if best is not None:
+                r, k = best[4], best[5]
+                self.remove(r)
+                self.add(r, k)
+                moves += 1
+                continue
+            swap = self._best_swap(src, dsts, cost_of, margin) if self.all_candidates else None
+            if swap is None:
+                break
+            r, k, x = swap
+            self.remove(r)
+            self.remove(x)
+            self.add(r, k)
+            self.add(x, src)
+            moves += 1
+        return moves
+
+    def _best_swap(
+        self, src: int, dsts: Sequence[int], cost_of: MoveCost, margin: float
+    ) -> tuple[int, int, int] | None:
+        """Exchange a request of the bottleneck with one of another instance, when no
+        single move helps (small clusters only: it looks at every pair)."""
+        prob = self.prob
+        q, mi, pre = prob.q, prob.mi, prob.pre
+        run_src = self.run[src]
+        qs_src = self.qs[src]
+        best: tuple[float, str, str, str, int, int, int] | None = None
+        for r in sorted(self.members[src], key=prob.rank.__getitem__):
+            q_src = (
+                qs_src[-2]
+                if len(qs_src) > 1 and q[r] == qs_src[-1]
+                else (qs_src[-1] if len(qs_src) > 1 else 0.0)
+            )
+            for k in dsts:
+                if not self.fits(r, k):
+                    continue
+                qs_k = self.qs[k]
+                cost_r = cost_of(r, k)
+                for x in sorted(self.members[k], key=prob.rank.__getitem__):
+                    if q[x] >= q[r] and mi[x] >= mi[r] and pre[x] >= pre[r]:
+                        continue  # cannot help the bottleneck
+                    if not self.fits(x, src):
+                        continue
+                    q_k = (
+                        qs_k[-2]
+                        if len(qs_k) > 1 and q[x] == qs_k[-1]
+                        else (qs_k[-1] if len(qs_k) > 1 else 0.0)
+                    )
+                    new_src = self._eval(
+                        src,
+                        max(q_src, q[x]),
+                        self.sum_m[src] - mi[r] + mi[x],
+                        self.sum_pre[src] - pre[r] + pre[x],
+                    )
+                    new_k = self._eval(
+                        k,
+                        max(q_k, q[r]),
+                        self.sum_m[k] - mi[x] + mi[r],
+                        self.sum_pre[k] - pre[x] + pre[r],
+                    )
+                    new = max(new_src + cost_of(x, src), new_k + cost_r)
+                    if new + margin < run_src:
+                        key = (new, self.inst[k].id, prob.rids[r], prob.rids[x], r, k, x)
+                        if best is None or key < best:
+                            best = key
+        if best is None:
+            return None
+        return best[4], best[5], best[6]
+
+
+class MoveCostFrom:
+    """Cost of moving request r from where its KV is now in a placement to instance k.
+
+    A placed request pays from its current instance; one not yet placed (displaced by a
+    reshard) pays from its original instance, free within its resharding node.
+    """
+
+    def __init__(
+        self, prob: Problem, placement: Placement, origin: Mapping[int, tuple[str, int, bool]]
+    ) -> None:
+        self.prob = prob
+        self.pl = placement
+        self.origin = origin  # request -> (node, tp, node reshards) before the plan
+
+    def __call__(self, r: int, k: int) -> float:
+        prob, pl = self.prob, self.pl
+        if not prob.has_kv[r]:
+            return 0.0
+        cur = pl.where.get(r)
+        dst = pl.inst[k]
+        if cur is not None:
+            if cur == k:
+                return 0.0
+            src = pl.inst[cur]
+            return prob.move_between(r, src.node, src.tp, dst, False)[0]
+        node, tp, changes = self.origin[r]
+        return prob.move_between(r, node, tp, dst, changes)[0]
+
+
+def keep_makespan(prob: Problem, placeable: Sequence[int], all_cand: bool) -> float:
+    """Makespan if nothing changes: current placement, queued requests by LPT."""
+    queued = [r for r in placeable if prob.current[r] is None]
+    if not queued:
+        qmax: dict[str, float] = {}
+        sum_m: dict[str, int] = {}
+        sum_pre: dict[str, int] = {}
+        q, mi, pre, current = prob.q, prob.mi, prob.pre, prob.current
+        for r in placeable:
+            cur = current[r]
+            assert cur is not None
+            if cur in sum_m:
+                if q[r] > qmax[cur]:
+                    qmax[cur] = q[r]
+                sum_m[cur] += mi[r]
+                sum_pre[cur] += pre[r]
+            else:
+                qmax[cur], sum_m[cur], sum_pre[cur] = q[r], mi[r], pre[r]
+        return max(
+            (
+                prob.costs[prob.instances[i].tp].run(qmax[i], sum_m[i] / SCALE, sum_pre[i])
+                for i in sum_m
+            ),
+            default=0.0,
+        )
+    keep = Placement(prob, sorted(prob.state.instances), all_cand)
+    keep.load((r, keep.index[c]) for r in placeable if (c := prob.current[r]) is not None)
+    keep.place_lpt(queued)
+    return keep.makespan()
+
+
+def place_on_node(
+    pl: Placement, reqs: Sequence[int], pool: Sequence[int]
+) -> tuple[list[tuple[int, int]], list[int]]:
+    """LPT of ``reqs`` over the instances ``pool`` (no move cost), computed on local
+    copies of the pool's totals; returns (request, instance) pairs and the misfits."""
+    prob = pl.prob
+    if len(pool) == 1:
+        (k,) = pool
+        cap = prob.costs[pl.tp[k]].capacity_tokens
+        ctx, qs = prob.ctx, prob.q
+        fit = [r for r in reqs if ctx[r] + qs[r] <= cap]
+        return [(r, k) for r in fit], [r for r in reqs if ctx[r] + qs[r] > cap]
+    qmax = {k: (pl.qs[k][-1] if pl.qs[k] else 0.0) for k in pool}
+    sum_m = {k: pl.sum_m[k] for k in pool}
+    sum_pre = {k: pl.sum_pre[k] for k in pool}
+    run = {k: pl.run[k] for k in pool}
+    out: list[tuple[int, int]] = []
+    left: list[int] = []
+    ids = {k: pl.inst[k].id for k in pool}
+    for r in sorted(reqs, key=prob.rank.__getitem__):
+        best: tuple[float, str, int] | None = None
+        qr, mr, pr = prob.q[r], prob.mi[r], prob.pre[r]
+        for k in pool:
+            if not prob.feasible(r, pl.tp[k]):
+                continue
+            q = qmax[k] if qmax[k] > qr else qr
+            key = (pl._eval(k, q, sum_m[k] + mr, sum_pre[k] + pr), ids[k], k)
+            if best is None or key < best:
+                best = key
+        if best is None:
+            left.append(r)
+            continue
+        run[best[2]], k = best[0], best[2]
+        if qr > qmax[k]:
+            qmax[k] = qr
+        sum_m[k] += mr
+        sum_pre[k] += pr
+        out.append((r, k))
+    return out, left

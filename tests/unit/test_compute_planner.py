@@ -1,0 +1,236 @@
+"""The compute planner: layouts, placement, reactive balancing, stability."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrrl import errors
+from scheduler.compute import PlannerConfig, balance, build_problem, plan_compute, solve
+from scheduler.compute_state import (
+    ComputePlan,
+    ComputeState,
+    Instance,
+    MoveMethod,
+    NodeGpus,
+    Request,
+    apply_plan,
+    canonical_instances,
+)
+from scheduler.forecast import LengthForecast, build_forecast
+from scheduler.perf_model import H800, QWEN25_14B, QWEN25_72B, PerfModel
+
+pytestmark = pytest.mark.unit
+
+PM = PerfModel(QWEN25_14B, H800)
+RNG = random.Random(11)
+HISTORY = [[min(16384, int(RNG.lognormvariate(7.6, 0.9))) for _ in range(512)] for _ in range(3)]
+
+
+def cluster(
+    n_nodes: int, pattern: tuple[int, ...], gpus: int = 8
+) -> tuple[tuple[NodeGpus, ...], list[Instance]]:
+    nodes = tuple(NodeGpus(f"n{i}", tuple(range(gpus))) for i in range(n_nodes))
+    insts: list[Instance] = []
+    for n in nodes:
+        insts.extend(canonical_instances(n.name, n.gpus, pattern))
+    return nodes, insts
+
+
+def forecast_for(state: ComputeState, completed: list[int] | None = None) -> LengthForecast:
+    running = [r.generated_tokens for r in state.requests]
+    return build_forecast(HISTORY, completed or [], running, max_tokens=16384)
+
+
+def assert_valid(state: ComputeState, plan: ComputePlan) -> None:
+    """Every request placed exactly once (or reported unplaced); GPUs conserved."""
+    placed = Counter(r for r, _ in plan.assignment)
+    assert all(n == 1 for n in placed.values())
+    assert set(placed) | set(plan.unplaced) == {r.id for r in state.requests}
+    assert not set(placed) & set(plan.unplaced)
+    ids = {i.id for i in plan.instances}
+    assert all(i in ids for _, i in plan.assignment)
+    for node in state.nodes:
+        used = sorted(g for i in plan.instances if i.node == node.name for g in i.gpus)
+        assert used == sorted(node.gpus), f"GPUs of {node.name} not conserved"
+    after = apply_plan(state, plan)  # validates the new state
+    assert len(after.requests) == len(state.requests)
+
+
+def test_wide_batch_favours_small_tp_and_the_tail_large_tp() -> None:
+    """The paper's typical result: small-TP instances while the batch is wide, merged into
+    large-TP instances as the step drains to its long tail."""
+    nodes, insts = cluster(2, (8,))
+    wide = ComputeState(nodes, tuple(insts), tuple(Request(f"r{i:04d}", 1024) for i in range(1024)))
+    plan = plan_compute(wide, forecast_for(wide), PM, now=0.0)
+    assert plan.reshards, plan.explain()
+    assert max(i.tp for i in plan.instances) < 8
+    assert_valid(wide, plan)
+
+    nodes, insts = cluster(2, (2, 2, 2, 2))
+    tail = ComputeState(
+        nodes,
+        tuple(insts),
+        tuple(
+            Request(f"t{i}", 1024, 8000 + 300 * i, insts[i % len(insts)].id, True) for i in range(6)
+        ),
+    )
+    plan = plan_compute(tail, forecast_for(tail, HISTORY[-1]), PM, now=5.0)
+    assert {i.tp for i in plan.instances} == {8}, plan.explain()
+    assert plan.prediction.planned_makespan_s < plan.prediction.keep_makespan_s
+    assert plan.now == 5.0
+    assert "reshard" in plan.reason
+    assert_valid(tail, plan)
+
+
+def test_switch_only_when_the_gain_beats_the_cost_by_the_margin() -> None:
+    nodes, insts = cluster(2, (2, 2, 2, 2))
+    state = ComputeState(
+        nodes,
+        tuple(insts),
+        tuple(
+            Request(f"t{i}", 1024, 8000 + 300 * i, insts[i % len(insts)].id, True) for i in range(6)
+        ),
+    )
+    fc = forecast_for(state, HISTORY[-1])
+    strict = PlannerConfig(switch_margin_s=1000.0)
+    plan = plan_compute(state, fc, PM, 0.0, strict)
+    assert not plan.reshards
+    assert "not more than the margin" in plan.reason
+    # the explanation orlctl prints names the layouts it weighed
+    text = plan.explain()
+    assert "layouts considered" in text and "TP8" in text
+
+
+def test_reactive_balancing_moves_requests_off_a_straggler() -> None:
+    nodes, insts = cluster(2, (4, 4))
+    hot = insts[0]
+    reqs = tuple(Request(f"r{i:02d}", 2000, 500 + 10 * i, hot.id, True) for i in range(16))
+    state = ComputeState(nodes, tuple(insts), reqs)
+    plan = balance(state, forecast_for(state), PM, now=1.0)
+    assert not plan.reshards
+    moved = [m for m in plan.migrations if m.source != m.target]
+    assert moved
+    assert {m.method for m in moved} <= {MoveMethod.KV_NVLINK, MoveMethod.KV_NETWORK}
+    assert plan.prediction.planned_makespan_s < plan.prediction.keep_makespan_s
+    assert_valid(state, plan)
+
+
+def test_recompute_wins_when_the_network_is_slow() -> None:
+    slow = PerfModel(QWEN25_14B, dataclasses.replace(H800, nic_bandwidth=0.05e9))
+    nodes, insts = cluster(2, (8,))
+    reqs = tuple(Request(f"r{i:02d}", 3000, 200, insts[0].id, True) for i in range(24))
+    state = ComputeState(nodes, tuple(insts), reqs)
+    plan = balance(state, forecast_for(state), slow, now=0.0)
+    methods = {m.method for m in plan.migrations if m.source != m.target}
+    assert methods == {MoveMethod.RECOMPUTE}
+
+
+def test_requests_no_instance_can_hold_stay_queued() -> None:
+    pm = PerfModel(QWEN25_72B, H800)
+    nodes, insts = cluster(1, (4, 4))
+    huge = Request("huge", 3_000_000)
+    ok = Request("ok", 500)
+    state = ComputeState(nodes, tuple(insts), (huge, ok))
+    plan = plan_compute(state, forecast_for(state), pm, 0.0)
+    assert plan.unplaced == ("huge",)
+    assert dict(plan.assignment).keys() == {"ok"}
+    assert "fit no instance" in plan.explain()
+    assert_valid(state, plan)
+
+
+def test_deterministic_and_independent_of_input_order() -> None:
+    nodes, insts = cluster(2, (2, 2, 2, 2))
+    rng = random.Random(3)
+    reqs = [
+        Request(
+            f"r{i:03d}", rng.randint(100, 2000), rng.randint(0, 4000), rng.choice(insts).id, True
+        )
+        for i in range(40)
+    ]
+    a = ComputeState(nodes, tuple(insts), tuple(reqs))
+    b = ComputeState(nodes, tuple(reversed(insts)), tuple(reversed(reqs)))
+    fc = forecast_for(a)
+    pa = plan_compute(a, fc, PM, 0.0)
+    assert pa == plan_compute(a, fc, PM, 0.0)
+    assert pa == plan_compute(b, fc, PM, 0.0)
+
+
+def test_state_validation_names_the_problem() -> None:
+    node = NodeGpus("n0", (0, 1, 2, 3))
+    with pytest.raises(errors.InvalidArgument, match="shares GPUs"):
+        ComputeState((node,), (Instance("a", "n0", (0, 1)), Instance("b", "n0", (1, 2, 3))), ())
+    with pytest.raises(errors.InvalidArgument, match="belong to no instance"):
+        ComputeState((node,), (Instance("a", "n0", (0, 1)),), ())
+    with pytest.raises(errors.InvalidArgument, match="unknown instance"):
+        ComputeState(
+            (node,), (Instance("a", "n0", (0, 1, 2, 3)),), (Request("r", 10, 0, "zz", True),)
+        )
+    with pytest.raises(errors.InvalidArgument, match="running but has no instance"):
+        ComputeState(
+            (node,), (Instance("a", "n0", (0, 1, 2, 3)),), (Request("r", 10, 0, None, True),)
+        )
+    with pytest.raises(errors.InvalidArgument, match="uses 6 GPUs"):
+        canonical_instances("n0", range(4), (4, 2))
+
+
+# -- properties ---------------------------------------------------------------------
+
+
+@st.composite
+def states(draw: st.DrawFn) -> ComputeState:
+    n_nodes = draw(st.integers(1, 3))
+    gpus = draw(st.sampled_from([2, 4, 8]))
+    patterns = [
+        p for p in [(gpus,), (gpus // 2,) * 2, (1,) * gpus, (2,) * (gpus // 2)] if p[0] >= 1
+    ]
+    nodes = tuple(NodeGpus(f"n{i}", tuple(range(gpus))) for i in range(n_nodes))
+    insts: list[Instance] = []
+    for n in nodes:
+        insts.extend(canonical_instances(n.name, n.gpus, draw(st.sampled_from(patterns))))
+    n_req = draw(st.integers(0, 24))
+    reqs = []
+    for i in range(n_req):
+        prompt = draw(st.integers(10, 3000))
+        kind = draw(st.sampled_from(["queued", "dispatched", "running"]))
+        if kind == "queued":
+            reqs.append(Request(f"r{i:02d}", prompt))
+        else:
+            inst = draw(st.sampled_from(insts))
+            gen = draw(st.integers(0, 12000)) if kind == "running" else 0
+            reqs.append(Request(f"r{i:02d}", prompt, gen, inst.id, kind == "running"))
+    return ComputeState(nodes, tuple(insts), tuple(reqs))
+
+
+@settings(max_examples=60, deadline=None)
+@given(state=states(), now=st.floats(0, 1e6), reshard=st.booleans())
+def test_any_plan_is_valid_and_replanning_after_it_is_a_no_op(
+    state: ComputeState, now: float, reshard: bool
+) -> None:
+    fc = forecast_for(state)
+    plan = plan_compute(state, fc, PM, now, allow_reshard=reshard)
+    assert_valid(state, plan)
+    after = apply_plan(state, plan)
+    again = plan_compute(after, fc, PM, now, allow_reshard=reshard)
+    assert again.empty, again.explain()
+    assert not again.reshards
+    assert apply_plan(after, again) == after
+
+
+@settings(max_examples=30, deadline=None)
+@given(state=states())
+def test_predictions_are_consistent(state: ComputeState) -> None:
+    fc = forecast_for(state)
+    prob = build_problem(state, fc, PM)
+    plan = solve(prob, 0.0)
+    p = plan.prediction
+    assert p.steady_makespan_s <= p.planned_makespan_s + 1e-9
+    assert p.switching_s == max((r.pause_s for r in plan.reshards), default=0.0)
+    assert p.migration_s == pytest.approx(sum(m.cost_s for m in plan.migrations))
+    if not plan.reshards:
+        assert p.switching_s == 0.0

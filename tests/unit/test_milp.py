@@ -1,0 +1,92 @@
+"""The exact MILP bounds the heuristic: within 5 % of the optimum on small cases."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler.compute import PlannerConfig, Problem, build_problem, plan_objective, solve
+from scheduler.compute_state import ComputeState, Instance, NodeGpus, Request, canonical_instances
+from scheduler.forecast import build_forecast
+from scheduler.milp import solve_exact
+from scheduler.perf_model import H800, QWEN25_14B, QWEN25_72B, PerfModel
+
+pytestmark = pytest.mark.unit
+
+pytest.importorskip("highspy")
+
+# margins off: compare pure optimisation quality on the same objective
+EXACT = PlannerConfig(switch_margin_s=0.0, switch_margin_rel=0.0, move_margin_s=0.0)
+GAP_LIMIT = 0.05
+
+
+def small_case(rng: random.Random, pm: PerfModel) -> Problem:
+    sizes = [g for g in (2, 4, 8) if pm.fits(g)]
+    gpus = rng.choice(sizes)
+    nodes = tuple(NodeGpus(f"n{i}", tuple(range(gpus))) for i in range(rng.randint(1, 2)))
+    patterns = [
+        p
+        for p in {(gpus,), (gpus // 2,) * 2, (1,) * gpus, (2,) * (gpus // 2)}
+        if all(pm.fits(t) for t in p)
+    ]
+    insts: list[Instance] = []
+    for n in nodes:
+        insts.extend(canonical_instances(n.name, n.gpus, rng.choice(sorted(patterns))))
+    reqs = []
+    for i in range(rng.randint(1, 8)):
+        if rng.random() < 0.3:
+            reqs.append(Request(f"r{i}", rng.randint(100, 1500)))
+        else:
+            reqs.append(
+                Request(
+                    f"r{i}",
+                    rng.randint(100, 1500),
+                    rng.randint(0, 6000),
+                    rng.choice(insts).id,
+                    True,
+                )
+            )
+    state = ComputeState(nodes, tuple(insts), tuple(reqs))
+    history = [[int(rng.lognormvariate(7.5, 0.9)) for _ in range(200)]]
+    fc = build_forecast(history, [], [r.generated_tokens for r in reqs], max_tokens=16384)
+    return build_problem(state, fc, pm, EXACT)
+
+
+def gap_of(prob: Problem) -> tuple[float, float, float]:
+    plan = solve(prob, 0.0)
+    heuristic = plan_objective(prob, plan)
+    exact = solve_exact(prob)
+    assert exact.optimal
+    # the exact solution is a valid plan: every request once, one layout per node
+    placed = Counter(r for r, _ in exact.assignment)
+    assert set(placed) == set(prob.rids) and set(placed.values()) == {1}
+    assert set(exact.layout) == set(prob.nodes)
+    return heuristic, exact.objective_s, heuristic / exact.objective_s - 1.0
+
+
+@settings(
+    max_examples=20,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(seed=st.integers(0, 2**32 - 1), big=st.booleans())
+def test_heuristic_within_five_percent_of_the_milp_optimum(seed: int, big: bool) -> None:
+    pm = PerfModel(QWEN25_72B if big else QWEN25_14B, H800)
+    heuristic, exact, gap = gap_of(small_case(random.Random(seed), pm))
+    assert exact <= heuristic * (1 + 1e-6)  # the MILP is optimal
+    assert gap <= GAP_LIMIT, f"heuristic {heuristic:.3f} s vs optimum {exact:.3f} s"
+
+
+def test_worst_gap_on_a_fixed_sweep(capsys: pytest.CaptureFixture[str]) -> None:
+    rng = random.Random(2026)
+    pm = PerfModel(QWEN25_14B, H800)
+    gaps = [gap_of(small_case(rng, pm))[2] for _ in range(12)]
+    worst = max(gaps)
+    with capsys.disabled():
+        print(f"\nheuristic vs MILP: worst gap {worst:.2%} over {len(gaps)} cases")
+    assert worst <= GAP_LIMIT
