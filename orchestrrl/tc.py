@@ -10,19 +10,26 @@ and sends it out of ``b``, the same as
 ``tc filter add dev a parent ffff: protocol all u32 match u32 0 0 action mirred egress
 redirect dev b`` (``matchall`` is missing on some kernels; ``u32 match u32 0 0`` is
 not). A device carries at most one redirect: setting one replaces what was there.
+
+pyroute2's ``AsyncIPRoute`` cannot open its socket on uvloop (which the daemons run on:
+"cannot open a UDP handle, invalid family 16"), so this adapter drives the synchronous
+``IPRoute`` from one dedicated thread per instance: calls never block the event loop,
+and the socket is only ever used by the thread that created it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
-from pyroute2 import AsyncIPRoute, NetlinkError
+from pyroute2 import IPRoute, NetlinkError
 
 from orchestrrl import errors
 from orchestrrl.netlink import check_netns, kernel_error, netlink_socket
@@ -33,6 +40,8 @@ ETH_P_ALL = 0x0003
 # kernel never classifies into it, so any value does.
 UNUSED_CLASSID = 0x00010001
 MATCH_ALL = ["0x0/0x0+0"]  # u32: the 32-bit word at offset 0, mask 0 - every packet
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -53,16 +62,25 @@ class Tc:
         self.netns = check_netns(netns)
         self.where = f"netns {netns!r}" if netns else "the host namespace"
         self._ipr: Any = None
+        self._thread: ThreadPoolExecutor | None = None
         self._lock = asyncio.Lock()
+
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a blocking pyroute2 call on this instance's own thread."""
+        if self._thread is None:
+            raise errors.FailedPrecondition(f"traffic control of {self.where} is not open")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, functools.partial(fn, *args, **kwargs))
 
     async def open(self) -> Tc:
         if self._ipr is not None:
             return self
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"tc-{self.netns or 'host'}")
         try:
             sock = await asyncio.to_thread(netlink_socket, self.netns)
             fd = sock.detach()
             try:
-                self._ipr = AsyncIPRoute(fileno=fd, groups=0)
+                self._ipr = await self._call(IPRoute, fileno=fd, groups=0)
             except BaseException:
                 os.close(fd)
                 raise
@@ -85,8 +103,11 @@ class Tc:
 
     async def close(self) -> None:
         if self._ipr is not None:
-            self._ipr.close()
+            await self._call(self._ipr.close)
             self._ipr = None
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)
+            self._thread = None
 
     async def __aenter__(self) -> Tc:
         return await self.open()
@@ -108,7 +129,7 @@ class Tc:
         ipr = self._require()
         found: dict[str, LinkState] = {}
         try:
-            async for msg in await ipr.get_links():
+            for msg in await self._call(lambda: list(ipr.get_links())):
                 name = str(msg.get("ifname"))
                 found[name] = LinkState(
                     name=name,
@@ -135,7 +156,7 @@ class Tc:
                 if name not in links:
                     raise errors.field_error("device", name, f"no such interface in {self.where}")
                 try:
-                    await ipr.tc("add", "ingress", links[name].index)
+                    await self._call(ipr.tc, "add", "ingress", links[name].index)
                 except NetlinkError as exc:
                     if exc.code != errno.EEXIST:
                         raise kernel_error(
@@ -149,7 +170,8 @@ class Tc:
             index, target = await self._index(name), await self._index(to)
             await self._clear(index, name)
             try:
-                await ipr.tc(
+                await self._call(
+                    ipr.tc,
                     "add-filter",
                     "u32",
                     index,
@@ -177,7 +199,7 @@ class Tc:
 
     async def _clear(self, index: int, name: str) -> None:
         try:
-            await self._require().tc("del-filter", index=index, parent=INGRESS)
+            await self._call(self._require().tc, "del-filter", index=index, parent=INGRESS)
         except NetlinkError as exc:
             if exc.code not in (errno.ENOENT, errno.EINVAL):  # nothing there, or no qdisc
                 raise kernel_error(exc.code, f"clear {name}'s redirect in {self.where}") from None
@@ -187,19 +209,24 @@ class Tc:
         ipr = self._require()
         links = await self.links()
         names = {link.index: link.name for link in links.values()}
-        found: dict[str, str] = {}
-        try:
-            async for qdisc in await ipr.get_qdiscs():
+
+        def dump() -> dict[int, int]:
+            redirects: dict[int, int] = {}
+            for qdisc in ipr.get_qdiscs():
                 if qdisc.get("kind") != "ingress":
                     continue
                 index = int(qdisc["index"])
-                async for msg in await ipr.get_filters(index=index, parent=INGRESS):
+                for msg in ipr.get_filters(index=index, parent=INGRESS):
                     target = _mirred_target(msg)
                     if target is not None:
-                        found[names.get(index, str(index))] = names.get(target, str(target))
+                        redirects[index] = target
+            return redirects
+
+        try:
+            raw = await self._call(dump)
         except NetlinkError as exc:
             raise kernel_error(exc.code, f"list redirects in {self.where}") from None
-        return found
+        return {names.get(a, str(a)): names.get(b, str(b)) for a, b in raw.items()}
 
     async def set_up(self, name: str, up: bool) -> None:
         """``ip link set NAME up|down``."""
@@ -207,7 +234,7 @@ class Tc:
         async with self._lock:
             index = await self._index(name)
             try:
-                await ipr.link("set", index=index, state="up" if up else "down")
+                await self._call(ipr.link, "set", index=index, state="up" if up else "down")
             except NetlinkError as exc:
                 state = "up" if up else "down"
                 raise kernel_error(exc.code, f"set {name} {state} in {self.where}") from None
