@@ -26,7 +26,7 @@ from fabric_controller.drivers.electrical import ElectricalDriver
 from fabric_controller.drivers.ocs import OcsDriver
 from fabric_controller.events import Event, EventHub
 from fabric_controller.metrics import ControllerMetrics
-from fabric_controller.reconcile import check_applied, converge, ours, steps
+from fabric_controller.reconcile import Batch, check_applied, converge, ours, steps
 from fabric_controller.registry import Health, NodeRecord, Registry, health
 from fabric_controller.store import EpochRecord, PendingRecord, Store
 from fabric_controller.tor_routes import routed_tors, tor_routes
@@ -253,10 +253,22 @@ class Controller:
         """Apply a plan as make-before-break steps of per-OCS batches."""
         for i, step in enumerate(steps(plan)):
             for batch in step:
+                driver = self.ocs[batch.ocs]
                 try:
-                    await self.ocs[batch.ocs].apply(
+                    await driver.apply(
                         batch.disconnect, batch.connect, request_id=f"{tag}-{i}-{batch.ocs}"
                     )
+                except errors.Unavailable as exc:
+                    # a timeout leaves the outcome unknown: the switch's own table decides
+                    if not await self._batch_landed(driver, batch):
+                        raise _StageError(
+                            "program_ocs",
+                            f"OCS {batch.ocs!r} did not confirm the batch (disconnect "
+                            f"{list(batch.disconnect) or 'none'}, connect "
+                            f"{list(batch.connect) or 'none'}) and its table does not show "
+                            f"it: {exc}",
+                        ) from exc
+                    log.warning("OCS answer lost; its table shows the batch", ocs=batch.ocs)
                 except errors.OrlError as exc:
                     raise _StageError(
                         "program_ocs",
@@ -265,6 +277,14 @@ class Controller:
                         f"{list(batch.connect) or 'none'}): {exc}",
                     ) from exc
             self._fault("program_ocs")
+
+    @staticmethod
+    async def _batch_landed(driver: OcsDriver, batch: Batch) -> bool:
+        try:
+            table, _ = await driver.snapshot()
+        except errors.OrlError:
+            return False
+        return set(batch.connect) <= table and not set(batch.disconnect) & table
 
     async def _verify(self, plan: CircuitPlan) -> None:
         try:
@@ -592,7 +612,9 @@ class Controller:
         raise errors.FailedPrecondition(message) from None
 
 
-class _StageError(Exception):
+class _StageError(errors.FailedPrecondition):
+    """A stage of a reconfiguration failed (an OrlError, so every handler sees it)."""
+
     def __init__(self, stage: str, detail: str) -> None:
         super().__init__(f"{stage}: {detail}")
         self.stage = stage

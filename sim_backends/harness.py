@@ -48,8 +48,10 @@ async def _start_controller(
     deadline_s: float,
     options: dict[str, Any],
 ) -> _ControllerProcess:
+    options = dict(options)
+    timeout_s = float(options.pop("ocs_timeout_s", 10.0))
     drivers: dict[str, OcsDriver] = {
-        name: GrpcOcsDriver(name, addr) for name, addr in ocs_addresses.items()
+        name: GrpcOcsDriver(name, addr, timeout_s=timeout_s) for name, addr in ocs_addresses.items()
     }
     controller = Controller(
         wiring,
@@ -119,7 +121,8 @@ async def start_fabric(
     **controller_options: Any,
 ) -> Fabric:
     """Start the simulated OCSes of ``wiring`` and a controller keeping state in ``state``
-    (``controller_options`` go to :class:`Controller`, e.g. ``lock_timeout_s``)."""
+    (``controller_options`` go to :class:`Controller`, e.g. ``lock_timeout_s``; and
+    ``ocs_timeout_s`` to the OCS drivers)."""
     servers: list[grpcutil.RunningServer] = []
     switches: dict[str, SimulatedOcs] = {}
     addresses: dict[str, str] = {}

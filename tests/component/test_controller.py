@@ -10,6 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from fabric_controller.drivers.ocs import GrpcOcsDriver
 from orchestrrl import errors
 from orchestrrl import wiring as wiring_mod
 from orchestrrl.client import AsyncClient, PhaseChange
@@ -340,3 +341,41 @@ async def test_metrics_count_epochs_and_stages(fabric: Fabric, client: AsyncClie
     assert "orl_epochs_total 1.0" in text
     assert 'orl_reconfiguration_stage_seconds_count{stage="program_ocs"} 1.0' in text
     assert "orl_epoch 1.0" in text
+
+
+async def test_ocs_timeout_is_resolved_by_reading_the_switch_back(
+    example_wiring: Wiring, tmp_path: Path
+) -> None:
+    # the switch applies each batch, then takes 0.4 s of "optics"; the driver gives up
+    # after 0.15 s: the outcome is unknown until the controller reads the table back
+    f = await start_fabric(example_wiring, tmp_path / "s.db", switching_time_s=0.4,
+                           ocs_timeout_s=0.15)  # fmt: skip
+    try:
+        async with AsyncClient(f.address, timeout_s=10) as c:
+            r = await c.set_phase("training")
+            assert r.epoch == 1 and table(f) == circuits(r)
+    finally:
+        await f.stop()
+
+
+async def test_unreachable_ocs_mid_change_ends_in_a_known_epoch(
+    example_wiring: Wiring, tmp_path: Path
+) -> None:
+    f = await start_fabric(example_wiring, tmp_path / "s.db", switching_time_s=0.0,
+                           ocs_timeout_s=1.0)  # fmt: skip
+    try:
+        async with AsyncClient(f.address, timeout_s=10) as c:
+            good = await c.set_phase("training")
+            saved = f.controller.ocs["ocs0"]
+            # the switch drops off the network: the change stops at observe, untouched
+            f.controller.ocs["ocs0"] = GrpcOcsDriver("ocs0", "127.0.0.1:1", timeout_s=1.0)
+            with pytest.raises(errors.Unavailable) as info:
+                await c.set_phase("weight-sync")
+            assert "OCS 'ocs0' at 127.0.0.1:1: ListPorts: UNAVAILABLE" in str(info.value)
+            assert table(f) == circuits(good)  # nothing reached the switch
+            f.controller.ocs["ocs0"] = saved  # back on the network
+            assert await f.controller.reconcile_once() is not None
+            assert (await c.get_phase()).epoch == good.epoch
+            assert (await c.set_phase("weight-sync")).epoch == good.epoch + 1
+    finally:
+        await f.stop()
