@@ -185,6 +185,7 @@ def up(
                     str(n.gpus),
                     "--gpu-backend",
                     "auto",
+                    "--plaintext",  # loopback only
                 ],
                 timeout_s,
             )

@@ -18,6 +18,8 @@ from node_agent.telemetry import MAX_INTERVAL_S, MIN_INTERVAL_S, check_interval
 from orchestrrl import errors
 from orchestrrl.grpcutil import parse_address
 from orchestrrl.logs import LogFormat
+from orchestrrl.tls import TlsConfig, add_tls_arguments
+from orchestrrl.tls import from_args as tls_from_args
 from orchestrrl.wiring import NAME_RE
 
 DEFAULT_LISTEN = "127.0.0.1:50101"
@@ -46,6 +48,9 @@ class AgentConfig:
     log_level: str = "info"
     log_format: LogFormat = "auto"
     seed: int = 0
+    tls: TlsConfig | None = None  # None: plaintext (only with --plaintext)
+    # with mutual TLS, certificate identities whose commands the agent accepts
+    controller_identities: tuple[str, ...] = ("orl-fabric-controller",)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seed", help="seed of the simulated GPUs and engine (default: derived from --node)"
     )
+    p.add_argument(
+        "--controller-identity",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with mutual TLS, certificate identity whose commands (reshard, routes, RoCE, "
+        "drain/resume) are accepted; repeatable (default: orl-fabric-controller)",
+    )
+    add_tls_arguments(p)
     return p
 
 
@@ -173,6 +187,8 @@ def _validate(args: argparse.Namespace) -> AgentConfig:
         log_level=_choice(args.log_level, "--log-level", LOG_LEVELS),
         log_format=_choice(args.log_format, "--log-format", LOG_FORMATS),
         seed=seed,
+        tls=tls_from_args(args),
+        controller_identities=tuple(args.controller_identity or ["orl-fabric-controller"]),
     )
 
 

@@ -21,8 +21,16 @@ from node_agent.servicer import SERVICE_NAME, NodeAgentService
 from node_agent.telemetry import Collector
 from node_agent.uplink import Uplink, UplinkSettings
 from orchestrrl import errors
-from orchestrrl.grpcutil import parse_address, shutdown_signal, start_server, write_ready_file
+from orchestrrl.grpcutil import (
+    parse_address,
+    sd_notify,
+    shutdown_signal,
+    start_server,
+    watchdog,
+    write_ready_file,
+)
 from orchestrrl.logs import get_logger
+from orchestrrl.tls import Authorizer
 from orchestrrl.v1 import node_agent_pb2_grpc
 from sim_backends.engine import SimulatedEngine
 
@@ -97,12 +105,16 @@ async def _serve(
         config.telemetry_interval_s,
         routes=HostRoutes(),
         roce=RoceConfigurator(),
+        auth=Authorizer(config.tls),
+        controllers=frozenset(config.controller_identities),
     )
 
     def register(server: grpc.aio.Server) -> None:
         node_agent_pb2_grpc.add_NodeAgentServicer_to_server(servicer, server)
 
-    server = await start_server(config.listen, register, [SERVICE_NAME])
+    if config.tls is None:
+        log.warning("serving WITHOUT TLS (--plaintext): for local development only")
+    server = await start_server(config.listen, register, [SERVICE_NAME], tls=config.tls)
     try:
         # signal handlers go in before readiness is announced, so no SIGTERM is missed
         wait_stop = stop if stop is not None else shutdown_signal().wait
@@ -126,12 +138,15 @@ async def _serve(
             controller or config.controller,
             config.telemetry_interval_s,
             settings=uplink_settings,
+            tls=config.tls,
         )
         async with asyncio.TaskGroup() as tg:
-            uplink_task = tg.create_task(uplink.run())
+            loops = [tg.create_task(uplink.run()), tg.create_task(watchdog())]
             await wait_stop()
             log.info("stopping")
-            uplink_task.cancel()
+            sd_notify("STOPPING=1")
+            for task in loops:
+                task.cancel()
     finally:
         await server.stop(SHUTDOWN_GRACE_S)
         await commands.close()

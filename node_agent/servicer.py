@@ -16,6 +16,7 @@ from node_agent.telemetry import Collector, check_interval
 from orchestrrl import errors
 from orchestrrl.grpcutil import domain_errors_to_status
 from orchestrrl.logs import get_logger
+from orchestrrl.tls import Authorizer
 from orchestrrl.v1 import node_agent_pb2, node_agent_pb2_grpc
 
 log = get_logger("node_agent.servicer")
@@ -35,9 +36,14 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         *,
         routes: HostRoutes | None = None,
         roce: RoceConfigurator | None = None,
+        auth: Authorizer | None = None,
+        controllers: frozenset[str] = frozenset({"orl-fabric-controller"}),
     ) -> None:
         """``routes`` / ``roce`` None: this agent refuses ApplyRoutes / ConfigureRoce with
-        FAILED_PRECONDITION instead of touching the host (the daemon always passes both)."""
+        FAILED_PRECONDITION instead of touching the host (the daemon always passes both).
+        With mutual TLS (``auth``), commands are accepted only from ``controllers``."""
+        self._auth = auth or Authorizer(None)
+        self._controllers = controllers
         self._collector = collector
         self._engine = engine
         self._commands = commands
@@ -64,6 +70,8 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     async def Reshard(
         self, request: node_agent_pb2.ReshardRequest, context: Context
     ) -> node_agent_pb2.ReshardResponse:
+        self._auth.peer(context, self._controllers)
+
         async def reshard() -> node_agent_pb2.ReshardResponse:
             result = await self._engine.reshard(list(request.tp_layout))
             log.info(
@@ -83,6 +91,8 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     async def Drain(
         self, request: node_agent_pb2.DrainRequest, context: Context
     ) -> node_agent_pb2.EngineStateResponse:
+        self._auth.peer(context, self._controllers)
+
         async def drain() -> node_agent_pb2.EngineStateResponse:
             await self._engine.drain()
             log.info("drained", command_id=request.command_id)
@@ -94,6 +104,8 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     async def Resume(
         self, request: node_agent_pb2.ResumeRequest, context: Context
     ) -> node_agent_pb2.EngineStateResponse:
+        self._auth.peer(context, self._controllers)
+
         async def resume() -> node_agent_pb2.EngineStateResponse:
             await self._engine.resume()
             log.info("resumed", command_id=request.command_id)
@@ -105,6 +117,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     async def ApplyRoutes(
         self, request: node_agent_pb2.ApplyRoutesRequest, context: Context
     ) -> node_agent_pb2.ApplyRoutesResponse:
+        self._auth.peer(context, self._controllers)
         host_routes = self._routes
 
         async def apply() -> node_agent_pb2.ApplyRoutesResponse:
@@ -131,6 +144,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     async def ConfigureRoce(
         self, request: node_agent_pb2.ConfigureRoceRequest, context: Context
     ) -> node_agent_pb2.ConfigureRoceResponse:
+        self._auth.peer(context, self._controllers)
         configurator = self._roce
 
         async def configure() -> node_agent_pb2.ConfigureRoceResponse:

@@ -21,8 +21,9 @@ import grpc
 from node_agent import convert
 from node_agent.telemetry import Collector
 from orchestrrl import errors
-from orchestrrl.grpcutil import call, insecure_channel
+from orchestrrl.grpcutil import call, channel
 from orchestrrl.logs import get_logger
+from orchestrrl.tls import TlsConfig
 from orchestrrl.v1 import fabric_controller_pb2, fabric_controller_pb2_grpc
 
 log = get_logger("node_agent.uplink")
@@ -83,7 +84,9 @@ class Uplink:
         *,
         settings: UplinkSettings | None = None,
         rng: random.Random | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
+        self._tls = tls
         self._collector = collector
         self._agent_address = agent_address
         self._controller = controller if callable(controller) else (lambda: controller)
@@ -98,10 +101,10 @@ class Uplink:
         while True:
             address = self._controller()
             try:
-                async with insecure_channel(address) as channel:
+                async with channel(address, self._tls) as ch:
                     stub = cast(
                         "fabric_controller_pb2_grpc.FabricControllerAsyncStub",
-                        fabric_controller_pb2_grpc.FabricControllerStub(channel),
+                        fabric_controller_pb2_grpc.FabricControllerStub(ch),
                     )
                     session = await self._register(stub, address)
                     await self._keep_alive(stub, session)

@@ -149,7 +149,7 @@ class _Worker:
             if command is None or isinstance(command, Stop):
                 break
             self._reply(self._handle(command))
-        self._leave_group()
+        self._leave_group(abort=bool(self.leftover))
         if isinstance(command, Stop):
             self._reply(Done(self.rank, command.seq))
 
@@ -191,7 +191,10 @@ class _Worker:
         self.group = dist.group.WORLD
         dist.barrier()  # everyone is connected (and NCCL communicators exist) before use
 
-    def _leave_group(self) -> None:
+    def _leave_group(self, abort: bool) -> None:
+        if abort and self.group is not None:
+            with contextlib.suppress(Exception):  # already failing: destroy it regardless
+                self.group.abort()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.group = None
@@ -211,7 +214,9 @@ class _Worker:
                 return Done(self.rank, command.seq)
             if isinstance(command, Abort):
                 self.staged.clear()
-                self._leave_group()
+                # peers may be mid-transfer with us and our own posted work may never
+                # finish: abort first, or destroying the group could wait for it
+                self._leave_group(abort=True)
                 self.generation += 1
                 with self.lock:
                     self.abort_event.clear()
@@ -318,6 +323,9 @@ class _Worker:
                     works = dist.batch_isend_irecv(ops)
             else:
                 works = self._fail_midway(ops, inject)
+            with self.lock:  # an abort that came while posting may have missed some ops
+                if self.aborted_upto >= seq:
+                    raise _Aborted(f"transfers of command {seq} aborted while being posted")
             t0 = time.perf_counter()
             for dst, src in meanwhile:
                 dst.copy_(src)

@@ -263,6 +263,7 @@ async def test_the_daemon_process_registers_and_stops_on_sigterm(
             sys.executable,
             "-m",
             "node_agent.main",
+            "--plaintext",
             "--node=gen0-n1",
             "--listen=127.0.0.1:0",
             f"--controller={controller.address}",

@@ -110,3 +110,47 @@ def test_tls_flags_are_all_or_nothing(tmp_path: Path) -> None:
     )
     with pytest.raises(errors.InvalidArgument, match="--tls-cert="):
         from_args(missing)
+
+
+async def test_agent_accepts_commands_only_from_the_controller(tmp_path: Path) -> None:
+    from node_agent.commands import CommandLog
+    from node_agent.gpus import SimulatedGpus
+    from node_agent.nics import SysfsNics
+    from node_agent.servicer import SERVICE_NAME, NodeAgentService
+    from node_agent.telemetry import Collector
+    from orchestrrl.v1 import node_agent_pb2, node_agent_pb2_grpc
+    from sim_backends.engine import SimulatedEngine
+
+    pki = make_dev_pki(tmp_path / "pki", ["orl-fabric-controller", "gen0-n0", "alice"])
+    engine = SimulatedEngine(8, (2, 2, 2, 2), seed=1)
+    collector = Collector("gen0-n0", SimulatedGpus(8, seed=1), SysfsNics([]), engine)
+    await collector.open()
+    commands = CommandLog()
+    me = tls(pki["gen0-n0"])
+    servicer = NodeAgentService(
+        collector, engine, commands, 0.05, auth=Authorizer(me),
+        controllers=frozenset({"orl-fabric-controller"}),
+    )  # fmt: skip
+    server = await grpcutil.start_server(
+        "127.0.0.1:0",
+        lambda s: node_agent_pb2_grpc.add_NodeAgentServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        tls=me,
+    )
+    try:
+        for who, allowed in (("orl-fabric-controller", True), ("alice", False)):
+            async with grpcutil.channel(server.address, tls(pki[who])) as ch:
+                stub = node_agent_pb2_grpc.NodeAgentStub(ch)
+                status = await stub.GetStatus(node_agent_pb2.GetStatusRequest(), timeout=5)
+                assert status.node == "gen0-n0"  # any trusted peer may read
+                call = stub.Drain(node_agent_pb2.DrainRequest(command_id=f"d-{who}"), timeout=5)
+                if allowed:
+                    await call
+                else:
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await call
+                    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                    assert "allowed: orl-fabric-controller" in info.value.details()
+    finally:
+        await server.stop(0.1)
+        await commands.close()
