@@ -43,6 +43,9 @@ bench: $(STAMP)
 		--json bench/results/phase_switch_scale.json
 	$(PY) bench/telemetry_ingest.py --agents 2048 --hz 10 --seconds 10 \
 		--json bench/results/telemetry_ingest.json
+	$(PY) bench/reshard.py --json bench/results/reshard.json
+	@if [ "$$(id -u)" -eq 0 ]; then $(PY) bench/routes.py --json bench/results/routes.json; \
+	else echo "bench/routes.py skipped: programming routes into namespaces needs root"; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info orchestrrl/v1 .pytest_cache .mypy_cache .ruff_cache

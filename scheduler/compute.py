@@ -99,6 +99,10 @@ def balance(
 
 
 def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePlan:
+    """The plan for a built problem (``plan_compute`` = ``build_problem`` + this).
+
+    ``allow_reshard`` False keeps every node's layout (reactive balancing).
+    """
     config = prob.config
     n_req = len(prob.rids)
     cap = max((c.capacity_tokens for c in prob.costs.values()), default=0)

@@ -54,7 +54,7 @@ class PlannerConfig:
     exact_eval_limit: int = 1024  # requests x GPUs up to which layouts are scored exactly
     enumerate_limit: int = 200  # profiles enumerated exhaustively up to this count
     candidate_k: int = 2  # balancing looks at this many least-loaded instances per TP
-    candidate_requests: int = 8  # ... and moves one of the 8 longest or 8 smallest requests
+    candidate_requests: int = 4  # ... and moves one of the 4 longest or 4 smallest requests
     all_candidates_limit: int = 64  # ... or at every instance when there are this few
     max_moves: int = 1_000_000
 
@@ -166,6 +166,9 @@ class Problem:
     options: Mapping[str, tuple[Pattern, ...]]  # layouts a node may take (current first)
     instances: Mapping[str, Instance]  # current instances by id
     by_node: Mapping[str, tuple[Instance, ...]]  # current instances per node, sorted
+    # KV bytes/token, KV heads, NVLink latency and B/s per GPU pair, network latency and B/s
+    # per NIC (see PerfModel.kv_move_time)
+    links: tuple[float, int, float, float, float, float]
 
     def feasible(self, r: int, tp: int) -> bool:
         cost = self.costs.get(tp)
@@ -204,7 +207,19 @@ class Problem:
         same_node = src_node == dst.node
         if same_node and src_node_changes:
             return 0.0, MoveMethod.RELAYOUT
-        kv = self.perf.kv_move_time(self.ctx[r], same_node=same_node, src_tp=src_tp, dst_tp=dst.tp)
+        # PerfModel.kv_move_time, with its constants hoisted (this runs per candidate move)
+        kv_bytes, kv_heads, nvl_lat, nvl_bw, net_lat, net_bw = self.links
+        dst_tp = len(dst.gpus)
+        streams = min(src_tp, dst_tp, kv_heads)
+        if streams < 1:
+            streams = 1
+        nbytes = self.ctx[r] * kv_bytes
+        if nbytes <= 0:
+            kv = 0.0
+        elif same_node:
+            kv = nvl_lat + nbytes / (streams * nvl_bw)
+        else:
+            kv = net_lat + nbytes / (streams * net_bw)
         rec = (
             self.costs[dst.tp].prefill_per_token_s * self.ctx[r]
             if dst.tp in self.costs
@@ -225,11 +240,11 @@ class Problem:
         )
 
 
-_NODE_COST_CACHE: dict[tuple[int, Pattern, Pattern], float] = {}
+_NODE_COST_CACHE: dict[tuple[PerfModel, Pattern, Pattern], float] = {}  # a memo of pure values
 
 
 def node_pause(perf: PerfModel, old: Pattern, new: Pattern) -> float:
-    key = (hash(perf), old, new)
+    key = (perf, old, new)
     hit = _NODE_COST_CACHE.get(key)
     if hit is None:
         hit = perf.reshard_time(expand(old), expand(new))
@@ -237,6 +252,18 @@ def node_pause(perf: PerfModel, old: Pattern, new: Pattern) -> float:
             _NODE_COST_CACHE.clear()
         _NODE_COST_CACHE[key] = hit
     return hit
+
+
+def _links(perf: PerfModel) -> tuple[float, int, float, float, float, float]:
+    e, h = perf.efficiency, perf.hardware
+    return (
+        perf.kv_bytes_per_token(),
+        perf.model.kv_heads,
+        e.allreduce_base_s,
+        h.nvlink_bandwidth * e.link_efficiency,
+        e.network_latency_s,
+        h.nic_bandwidth * e.network_efficiency,
+    )
 
 
 def _group_by_node(
@@ -328,4 +355,5 @@ def build_problem(
         options=options,
         instances={i.id: i for i in state.instances},
         by_node=_group_by_node(state.instances, nodes),
+        links=_links(perf),
     )

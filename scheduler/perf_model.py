@@ -204,7 +204,7 @@ class ModelShape:
     def weight_bytes(self) -> float:
         return float(self.params * self.dtype_bytes)
 
-    @property
+    @cached_property
     def kv_bytes_per_token(self) -> float:
         """K and V of every layer for one token (all KV heads)."""
         return float(2 * self.layers * self.kv_dim * self.kv_dtype_bytes)
@@ -704,12 +704,12 @@ class PerfModel:
             raise errors.field_error("tp", tp, "a positive integer")
 
 
-_RATIO_CACHE: dict[int, dict[int, tuple[list[int], list[float]]]] = {}
+_RATIO_CACHE: dict[PerfModel, dict[int, tuple[list[int], list[float]]]] = {}  # memo
 
 
 def _ratio_table(model: PerfModel) -> dict[int, tuple[list[int], list[float]]]:
     """Per TP: sorted batches and measured/modelled ratios; key 0 holds the median."""
-    key = hash(model)
+    key = model
     cached = _RATIO_CACHE.get(key)
     if cached is not None:
         return cached

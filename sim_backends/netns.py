@@ -134,13 +134,36 @@ async def netns_pids(name: str) -> list[int]:
     return sorted(int(p) for p in out.stdout.split() if p.isdigit())
 
 
-async def batch(text: str, *, netns: str | None = None, tool: str = "ip") -> None:
-    """Run ``ip -batch -`` (or ``tc -batch -``) with ``text``, inside ``netns`` when given;
-    the first failing line stops it and is named in the error."""
+async def batch(
+    text: str, *, netns: str | None = None, tool: str = "ip", force: bool = False
+) -> CommandResult | None:
+    """Run ``ip -batch -`` (or ``tc -batch -``) with ``text``, inside ``netns`` when given.
+    The first failing line stops it and is named in the error; with ``force`` every line
+    runs and failures are only reported in the result (for deletions that may race)."""
     if not text:
-        return
-    argv = [tool, *(["-n", netns] if netns else []), "-batch", "-"]
-    await run(argv, stdin=text)
+        return None
+    argv = [tool, *(["-n", netns] if netns else []), *(["-force"] if force else []), "-batch", "-"]
+    return await run(argv, stdin=text, check=not force)
+
+
+async def wait_links_up(ns: str, timeout_s: float = 5.0) -> None:
+    """Wait until the kernel reports every link of ``ns`` (but lo) as up: after a veth
+    is created or set up, its operational state follows a moment later."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        out = await run(["ip", "-n", ns, "-j", "link", "show"])
+        down = [
+            str(link.get("ifname"))
+            for link in json.loads(out.stdout or "[]")
+            if link.get("ifname") != "lo" and link.get("operstate") not in ("UP", "UNKNOWN")
+        ]
+        if not down:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise errors.FailedPrecondition(
+                f"links of namespace {ns} not up after {timeout_s:g} s: {', '.join(down)}"
+            )
+        await asyncio.sleep(0.05)
 
 
 async def set_sysctls(netns: str, settings: Sequence[str]) -> None:

@@ -93,7 +93,13 @@ def _parser() -> argparse.ArgumentParser:
         "--parallel", type=int, default=None, help="TCP streams per transfer (default 1; 4 "
         "with --weight-sync, so that ECMP spreads them over the circuits)"
     )  # fmt: skip
-    t.add_argument("--tool", default="auto", choices=traffic.TOOLS, help="default: %(default)s")
+    t.add_argument(
+        "--tool",
+        default="auto",
+        choices=traffic.TOOLS,
+        help="auto: iperf3 when installed, else the built-in sender/receiver; with "
+        "--weight-sync always the built-in one, which times the last byte's arrival",
+    )
     t.add_argument("--timeout", type=float, default=120.0, help="seconds per transfer")
 
     m = sub.add_parser(
@@ -260,8 +266,9 @@ async def _traffic(args: argparse.Namespace) -> int:
     if args.weight_sync:
         if args.source or args.target:
             raise errors.InvalidArgument("--weight-sync takes no --from/--to (it uses every pod)")
+        tool = "builtin" if args.tool == "auto" else args.tool  # completion times: see traffic
         ws = await traffic.weight_sync(
-            plan, args.bytes, tool=args.tool, streams=args.parallel or 4, timeout_s=args.timeout
+            plan, args.bytes, tool=tool, streams=args.parallel or 4, timeout_s=args.timeout
         )
         lines = [ws.explanation] + [_result_line(r) for r in ws.traffic.results]
         lines.append(

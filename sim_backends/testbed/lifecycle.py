@@ -245,6 +245,9 @@ async def build_network(plan: TestbedPlan) -> None:
     await asyncio.gather(
         *(bounded(netns.batch(text, netns=ns, tool="tc")) for ns, text in cmds.shaping.items())
     )
+    # link-state events lag by up to a second; an OCS port that still looked DOWN
+    # would be left out by the planner
+    await asyncio.gather(*(netns.wait_links_up(ns) for ns in plan.namespaces()))
 
 
 def _spawn(d: Daemon, testbed_id: str) -> Proc:
@@ -376,14 +379,15 @@ async def down(
         if killed:
             report.append(f"killed {len(killed)} after {grace_s:g} s: {killed}")
         progress(report[-1])
-    if found.namespaces:
-        await netns.batch("".join(f"netns delete {ns}\n" for ns in found.namespaces))
-        report.append(f"deleted {len(found.namespaces)} namespace(s)")
+    if found.host_links:
+        # the bridge first; a veth end goes with its peer's namespace, so these may race
+        names = sorted(found.host_links, key=lambda n: not n.endswith("-br"))
+        await netns.batch("".join(f"link delete {n}\n" for n in names), force=True)
+        report.append(f"deleted {len(found.host_links)} host interface(s)")
         progress(report[-1])
-    links = await netns.links_with_prefix(f"{testbed_id}-")  # peers may have gone already
-    if links:
-        await netns.batch("".join(f"link delete {name}\n" for name in links))
-        report.append(f"deleted {len(links)} host interface(s)")
+    if found.namespaces:
+        await netns.batch("".join(f"netns delete {ns}\n" for ns in found.namespaces), force=True)
+        report.append(f"deleted {len(found.namespaces)} namespace(s)")
         progress(report[-1])
     if run.exists() and _is_run_dir(run):
         if keep_logs:

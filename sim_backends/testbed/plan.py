@@ -31,6 +31,7 @@ import shlex
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 from orchestrrl import errors
 from orchestrrl import wiring as wiring_mod
@@ -49,7 +50,7 @@ CONTROLLER_PORT = 50051
 OCS_PORT = 50061  # + index of the OCS
 AGENT_PORT = 50101
 HEARTBEAT_INTERVAL_S = 0.5
-RECONCILE_INTERVAL_S = 1.0  # how soon a failed OCS port is noticed and routed around
+RECONCILE_INTERVAL_S = 2.0  # how soon a failed OCS port is noticed and routed around
 OCS_DEVICE_PREFIX = "p"
 MGMT_DEVICE = "mg0"
 TBF_LATENCY_MS = 50
@@ -141,6 +142,8 @@ class Daemon:
 
 @dataclass(frozen=True)
 class TestbedPlan:
+    __test__: ClassVar[bool] = False  # not a pytest test class, despite its name
+
     id: str
     run_dir: str
     scale: Scale
@@ -528,6 +531,7 @@ def _daemons(plan: TestbedPlan, python: str) -> Iterator[Daemon]:
             "--gpu-backend", "sim",
             "--gpus", str(max(1, n.gpus)),
             "--nic", f"{n.device}={n.nic_gbps:g}",
+            "--plaintext",
             "--ready-file", ready,
             *common,
         )  # fmt: skip

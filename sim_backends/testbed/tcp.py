@@ -6,7 +6,9 @@ the seconds from the first to the last byte. ``send --to IP:PORT --streams N
 (--bytes B | --seconds S)`` opens N connections that share the byte budget (a faster
 stream sends more, as with ``iperf3 -n -P``) and prints its own JSON line, with
 ``error`` set when it could not connect. Both print ``listening``/``ready`` lines
-first so the caller knows when to start the other side.
+first so the caller knows when to start the other side; with ``--wait-go`` the
+sender connects, says ``ready`` and waits for a line on stdin before sending, so that a
+whole schedule starts at once with its handshakes (and ARP) done.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 CHUNK = 256 * 1024
+RCVLOWAT = 64 * 1024
 CONNECT_TIMEOUT_S = 3.0
 IDLE_TIMEOUT_S = 30.0
 
@@ -47,20 +50,21 @@ def receive(bind: str, streams: int) -> dict[str, object]:
         print("listening", flush=True)
         server.settimeout(IDLE_TIMEOUT_S)
         received = [0] * streams
-        first: list[float] = []
-        last = [0.0]
-        lock = threading.Lock()
+        first = [float("inf")] * streams
+        last = [0.0] * streams
 
         def drain(conn: socket.socket, i: int) -> None:
             conn.settimeout(IDLE_TIMEOUT_S)
+            # wake up for 64 KiB at a time, not for every segment: the receivers of a
+            # weight sync would otherwise spend the CPU the shaped links need
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, RCVLOWAT)
+            buffer = bytearray(CHUNK)
             with conn:
-                while data := conn.recv(CHUNK):
-                    now = time.monotonic()
-                    with lock:
-                        if not first:
-                            first.append(now)
-                        received[i] += len(data)
-                        last[0] = max(last[0], now)
+                while n := conn.recv_into(buffer):
+                    if not received[i]:
+                        first[i] = time.monotonic()
+                    received[i] += n
+                last[i] = time.monotonic()
 
         threads = []
         for i in range(streams):
@@ -70,25 +74,34 @@ def receive(bind: str, streams: int) -> dict[str, object]:
             threads.append(t)
         for t in threads:
             t.join()
-    seconds = (last[0] - first[0]) if first else 0.0
+    seconds = max(last) - min(first) if sum(received) else 0.0
     return {"bytes": sum(received), "seconds": seconds}
 
 
-def send(to: str, streams: int, nbytes: int, seconds: float) -> dict[str, object]:
+def send(
+    to: str,
+    streams: int,
+    nbytes: int,
+    seconds: float,
+    wait_go: bool = False,
+    connect_timeout_s: float = CONNECT_TIMEOUT_S,
+) -> dict[str, object]:
     budget = _Budget(nbytes if nbytes > 0 else 1 << 62, threading.Lock())
-    stop_at = time.monotonic() + seconds if seconds > 0 else float("inf")
     sent = [0] * streams
     errors: list[str] = []
     payload = b"\0" * CHUNK
     conns = []
     try:
         for _ in range(streams):
-            conns.append(socket.create_connection(_address(to), timeout=CONNECT_TIMEOUT_S))
+            conns.append(socket.create_connection(_address(to), timeout=connect_timeout_s))
     except OSError as exc:
         for c in conns:
             c.close()
         return {"bytes": 0, "seconds": 0.0, "error": f"connect {to}: {exc.strerror or exc}"}
     print("ready", flush=True)
+    if wait_go:
+        sys.stdin.readline()  # the caller starts every sender of a schedule at once
+    stop_at = time.monotonic() + seconds if seconds > 0 else float("inf")
 
     def pump(conn: socket.socket, i: int) -> None:
         conn.settimeout(IDLE_TIMEOUT_S)
@@ -124,12 +137,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--streams", type=int, default=1)
     s.add_argument("--bytes", type=int, default=0)
     s.add_argument("--seconds", type=float, default=0.0)
+    s.add_argument("--wait-go", action="store_true", help="connect, print ready, wait for a line")
+    s.add_argument("--connect-timeout", type=float, default=CONNECT_TIMEOUT_S, metavar="S")
     args = p.parse_args(argv)
     try:
         if args.command == "receive":
             result = receive(args.bind, args.streams)
         else:
-            result = send(args.to, args.streams, args.bytes, args.seconds)
+            result = send(
+                args.to, args.streams, args.bytes, args.seconds, args.wait_go, args.connect_timeout
+            )
     except OSError as exc:
         result = {"bytes": 0, "seconds": 0.0, "error": str(exc)}
     print(json.dumps(result), flush=True)

@@ -6,6 +6,11 @@ receiver first, waits until it listens, then all senders start together; through
 is what the receiver got over the time it took. Every process carries the testbed's
 environment marker, so ``orl-testbed down`` stops any that outlive a crash.
 
+Completion times need the built-in tool: ``iperf3 -n`` ends a test when the sender has
+handed its bytes to the kernel, so what is still queued in the shaped links is neither
+counted nor waited for. The built-in receiver reads to the end of every stream, so a
+transfer is complete when its last byte has arrived. Weight sync uses it by default.
+
 Weight sync follows the network planner's transfer schedule
 (``scheduler.weight_sync.plan_weight_sync``) on the circuits the controller has
 committed, with the testbed's emulated capacities, and compares the completion time
@@ -165,40 +170,49 @@ def capacity_mbps(
     return min(nics, min(count, streams) * plan.scale.mbps(plan.uplink_gbps))
 
 
-async def _start(netns: str, argv: Sequence[str], testbed_id: str) -> asyncio.subprocess.Process:
+async def _start(
+    netns: str, argv: Sequence[str], testbed_id: str, *, stdin: bool = False
+) -> asyncio.subprocess.Process:
     env = {**os.environ, ENV_MARKER: testbed_id, "PYTHONUNBUFFERED": "1"}
     return await asyncio.create_subprocess_exec(
         "ip", "netns", "exec", netns, *argv,
-        stdin=asyncio.subprocess.DEVNULL,
+        stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         env=env,
     )  # fmt: skip
 
 
-async def _wait_line(proc: asyncio.subprocess.Process, marker: str, what: str) -> None:
+async def _wait_line(proc: asyncio.subprocess.Process, marker: str) -> list[str] | None:
+    """None once a line contains ``marker``; else the lines seen before the process
+    ended or LISTEN_TIMEOUT_S passed."""
     assert proc.stdout is not None
     seen: list[str] = []
-    try:
+    with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(LISTEN_TIMEOUT_S):
             while line := (await proc.stdout.readline()).decode(errors="replace"):
                 if marker in line:
-                    return
+                    return None
                 seen.append(line.strip())
-    except TimeoutError:
-        pass
-    raise errors.Unavailable(f"{what} did not start listening: {' | '.join(seen[-3:])}")
+    return seen
 
 
-async def _finish(proc: asyncio.subprocess.Process) -> None:
+async def _finish(proc: asyncio.subprocess.Process | None) -> None:
+    if proc is None:
+        return
     if proc.returncode is None:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
     await proc.wait()
 
 
+Outcome = tuple[int, float, str]  # bytes received, seconds, error
+
+
 class _Run:
-    """One transfer: its receiver, then (on ``go``) its sender."""
+    """One transfer. ``listen`` starts its receiver; ``connect`` (built-in tool only)
+    starts the sender and opens its streams, so that ARP and handshakes are done before
+    any data flows; ``go`` sends and returns the outcome and the time it completed."""
 
     def __init__(
         self, plan: TestbedPlan, t: Transfer, port: int, tool: str, streams: int, seconds: float
@@ -207,62 +221,78 @@ class _Run:
         self.streams, self.seconds = streams, seconds
         self.src, self.dst = plan.node(t.source), plan.node(t.target)
         self.receiver: asyncio.subprocess.Process | None = None
+        self.sender: asyncio.subprocess.Process | None = None
+        self.failed: Outcome | None = None
 
     async def listen(self) -> None:
-        python = sys.executable
         if self.tool == "iperf3":
             argv = ["iperf3", "-s", "-1", "-B", self.dst.ip, "-p", str(self.port), "--forceflush"]
             marker = "Server listening"
         else:
-            bind = f"{self.dst.ip}:{self.port}"
-            argv = [python, "-m", "sim_backends.testbed.tcp", "receive", "--bind", bind]
-            argv += ["--streams", str(self.streams)]
+            argv = [sys.executable, "-m", "sim_backends.testbed.tcp", "receive"]
+            argv += ["--bind", f"{self.dst.ip}:{self.port}", "--streams", str(self.streams)]
             marker = "listening"
         self.receiver = await _start(self.dst.netns, argv, self.plan.id)
-        await _wait_line(self.receiver, marker, f"receiver on {self.dst.name}:{self.port}")
+        seen = await _wait_line(self.receiver, marker)
+        if seen is not None:
+            raise errors.Unavailable(
+                f"receiver on {self.dst.name}:{self.port} did not start: {' | '.join(seen[-3:])}"
+            )
 
-    async def send(self, timeout_s: float) -> tuple[int, float, str]:
-        """(bytes received, seconds, error)."""
-        amount = ["-t", f"{self.seconds:g}"] if self.seconds > 0 else ["-n", str(self.t.nbytes)]
+    async def connect(self) -> None:
         if self.tool == "iperf3":
-            argv = ["iperf3", "-c", self.dst.ip, "-p", str(self.port), "-B", self.src.ip]
-            argv += ["-P", str(self.streams), "-J", "--connect-timeout", str(CONNECT_TIMEOUT_MS)]
-            argv += amount
+            return
+        argv = [sys.executable, "-m", "sim_backends.testbed.tcp", "send", "--wait-go"]
+        argv += ["--to", f"{self.dst.ip}:{self.port}", "--streams", str(self.streams)]
+        if self.seconds > 0:
+            argv += ["--seconds", f"{self.seconds:g}"]
         else:
-            argv = [sys.executable, "-m", "sim_backends.testbed.tcp", "send"]
-            argv += ["--to", f"{self.dst.ip}:{self.port}", "--streams", str(self.streams)]
-            argv += ["--seconds", f"{self.seconds:g}"] if self.seconds > 0 else []
-            argv += ["--bytes", str(self.t.nbytes)] if self.seconds <= 0 else []
-        sender = await _start(self.src.netns, argv, self.plan.id)
+            argv += ["--bytes", str(self.t.nbytes)]
+        self.sender = await _start(self.src.netns, argv, self.plan.id, stdin=True)
+        seen = await _wait_line(self.sender, "ready")
+        if seen is not None:
+            error = _last_json("\n".join(seen)).get("error") or "the sender did not connect"
+            self.failed = (0, 0.0, str(error))
+
+    async def go(self, timeout_s: float) -> tuple[int, float, str, float]:
+        outcome = self.failed or await self._go(timeout_s)
+        return (*outcome, time.monotonic())
+
+    async def _go(self, timeout_s: float) -> Outcome:
         try:
             async with asyncio.timeout(timeout_s):
-                out, _ = await sender.communicate()
+                if self.tool == "iperf3":
+                    return await self._iperf3()
+                return await self._builtin()
         except TimeoutError:
-            await _finish(sender)
             return 0, 0.0, f"no result within {timeout_s:g} s (the path may black-hole packets)"
-        if self.tool == "iperf3":
-            return _iperf3_result(out.decode(errors="replace"))
-        return await self._builtin_result(out.decode(errors="replace"))
 
-    async def _builtin_result(self, sender_out: str) -> tuple[int, float, str]:
-        sent = _last_json(sender_out)
+    async def _iperf3(self) -> Outcome:
+        amount = ["-t", f"{self.seconds:g}"] if self.seconds > 0 else ["-n", str(self.t.nbytes)]
+        argv = ["iperf3", "-c", self.dst.ip, "-p", str(self.port), "-B", self.src.ip]
+        argv += ["-P", str(self.streams), "-J", "--connect-timeout", str(CONNECT_TIMEOUT_MS)]
+        self.sender = await _start(self.src.netns, [*argv, *amount], self.plan.id)
+        out, _ = await self.sender.communicate()
+        return _iperf3_result(out.decode(errors="replace"))
+
+    async def _builtin(self) -> Outcome:
+        assert self.sender is not None and self.sender.stdin is not None
+        assert self.receiver is not None and self.receiver.stdout is not None
+        self.sender.stdin.write(b"go\n")
+        await self.sender.stdin.drain()
+        out, _ = await self.sender.communicate()
+        sent = _last_json(out.decode(errors="replace"))
         if sent.get("error"):
             return 0, 0.0, str(sent["error"])
-        assert self.receiver is not None and self.receiver.stdout is not None
-        try:
-            async with asyncio.timeout(10.0):
-                rest = (await self.receiver.stdout.read()).decode(errors="replace")
-        except TimeoutError:
-            return 0, 0.0, "the receiver did not report"
-        got = _last_json(rest)
+        got = _last_json((await self.receiver.stdout.read()).decode(errors="replace"))
         nbytes, seconds = got.get("bytes", 0), got.get("seconds", 0.0)
         if not isinstance(nbytes, int) or not isinstance(seconds, int | float):
             return 0, 0.0, f"the receiver reported {got!r}"
         return nbytes, float(seconds), str(got.get("error", ""))
 
     async def close(self) -> None:
-        if self.receiver is not None:
-            await _finish(self.receiver)
+        await _finish(self.sender)
+        await _finish(self.receiver)
 
 
 def _last_json(text: str) -> dict[str, object]:
@@ -302,9 +332,10 @@ async def run_transfers(
     runs = [_Run(plan, t, BASE_PORT + i, chosen, streams, seconds) for i, t in enumerate(transfers)]
     try:
         await asyncio.gather(*(r.listen() for r in runs))
+        await asyncio.gather(*(r.connect() for r in runs))
         start = time.monotonic()
-        outcomes = await asyncio.gather(*(r.send(timeout_s) for r in runs))
-        wall = time.monotonic() - start
+        outcomes = await asyncio.gather(*(r.go(timeout_s) for r in runs))
+        wall = max(done for *_, done in outcomes) - start
     finally:
         await asyncio.gather(*(r.close() for r in runs))
     results = tuple(
@@ -318,7 +349,7 @@ async def run_transfers(
             chosen,
             streams,
         )
-        for r, (nbytes, secs, error) in zip(runs, outcomes, strict=True)
+        for r, (nbytes, secs, error, _) in zip(runs, outcomes, strict=True)
     )
     return Report(results, wall)
 
@@ -337,7 +368,7 @@ async def weight_sync(
     plan: TestbedPlan,
     model_bytes: int,
     *,
-    tool: str = "auto",
+    tool: str = "builtin",
     streams: int = 4,
     timeout_s: float = 300.0,
 ) -> WeightSyncReport:
