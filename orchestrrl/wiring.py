@@ -12,7 +12,7 @@ import itertools
 import re
 import tomllib
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,6 +110,17 @@ class _Checker:
             self.problems.append(str(exc))
             return None
         return value
+
+    def ref(self, where: str, value: object, known: Iterable[str], kinds: str) -> str | None:
+        """A name that must refer to something defined elsewhere in the file
+        (``kinds``: singular and plural, e.g. "pod/pods")."""
+        one, many = kinds.split("/")
+        name = self.name(where, value)
+        names = list(known)
+        if name and name not in names:
+            self.add(where, value, f"no such {one}; defined {many}: {', '.join(names) or 'none'}")
+            return None
+        return name
 
     def prefix(self, where: str, value: object) -> str | None:
         if value is None:
@@ -236,14 +247,9 @@ def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:
                 prefixes[name] = prefix
     c.disjoint("pod prefixes", prefixes)
     c.unique("pod", list(pod_names))
-    pods_known = set(pod_names)
 
     def pod_ref(where: str, value: object) -> str | None:
-        name = c.name(where, value)
-        if name and name not in pods_known:
-            c.add(where, value, f"no such pod; defined pods: {', '.join(pod_names) or 'none'}")
-            return None
-        return name
+        return c.ref(where, value, pod_names, "pod/pods")
 
     # ToRs and their uplinks
     tors: list[Tor] = []
@@ -264,11 +270,7 @@ def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:
             if u is None:
                 continue
             port = c.name(f"{uwhere}.port", u.get("port"))
-            ocs = c.name(f"{uwhere}.ocs", u.get("ocs"))
-            if ocs and ocs not in ocs_ports:
-                known = ", ".join(ocs_ports) or "none"
-                c.add(f"{uwhere}.ocs", ocs, f"no such OCS; defined OCSes: {known}")
-                ocs = None
+            ocs = c.ref(f"{uwhere}.ocs", u.get("ocs"), ocs_ports, "OCS/OCSes")
             limit = ocs_ports.get(ocs or "", MAX_OCS_PORTS)
             ocs_port = u.get("ocs_port")
             if ocs is not None and ocs_port is not None:
@@ -334,12 +336,8 @@ def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:
             if n is None:
                 continue
             nic_name = c.name(f"{nwhere}.name", n.get("name"))
-            tor = c.name(f"{nwhere}.tor", n.get("tor"))
-            if tor and tor not in tor_pod:
-                known = ", ".join(tor_pod) or "none"
-                c.add(f"{nwhere}.tor", tor, f"no such ToR; defined ToRs: {known}")
-                tor = None
-            elif tor and pod and tor_pod[tor] != pod:
+            tor = c.ref(f"{nwhere}.tor", n.get("tor"), tor_pod, "ToR/ToRs")
+            if tor and pod and tor_pod[tor] != pod:
                 c.add(
                     f"{nwhere}.tor",
                     tor,
