@@ -5,9 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Debian packages the project needs at run or test time (installed when root and missing).
-DEB_PACKAGES := iproute2
+DEB_PACKAGES := iproute2 iperf3
 
-.PHONY: all demo test lint bench proto deps clean
+.PHONY: all demo demo-testbed test lint bench bench-testbed proto deps clean
 
 all: test
 
@@ -28,6 +28,15 @@ proto: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/orlctl demo
+
+# The same phases on a real data plane: network namespaces, veth, tc (needs root).
+demo-testbed: $(STAMP)
+	@test "$$(id -u)" = 0 || { echo "make demo-testbed needs root: sudo make demo-testbed"; exit 1; }
+	$(VENV)/bin/orl-testbed demo
+
+bench-testbed: $(STAMP)
+	@test "$$(id -u)" = 0 || { echo "make bench-testbed needs root"; exit 1; }
+	$(PY) bench/testbed.py --json bench/results/testbed.json
 
 test: $(STAMP)
 	$(PY) -m pytest -q

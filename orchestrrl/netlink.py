@@ -4,7 +4,9 @@ It takes and returns our own frozen values (``RouteSpec``, ``RuleSpec``, ``LinkI
 ``RouteChange``), maps kernel error codes to ``orchestrrl.errors``, and never lets a
 pyroute2 object or ``**kwargs`` escape.
 
-- Links (lookup, MTU) and policy rules go through pyroute2's ``AsyncIPRoute``.
+- Links (lookup, MTU) and policy rules go through pyroute2's ``IPRoute``, driven from
+  one dedicated thread per adapter: pyroute2's ``AsyncIPRoute`` cannot open its socket
+  on uvloop, which the daemons run on, and the calls then never block the event loop.
 - Routes are the bulk object (thousands per switch at a phase change), so they go
   through our own small codec (``orchestrrl.rtnl``) in batches of hundreds of messages
   per ``send`` on a plain rtnetlink socket. See ``orchestrrl.rtnl`` for the
@@ -32,17 +34,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import os
 import re
 import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
-from pyroute2 import AsyncIPRoute, NetlinkError
+from pyroute2 import IPRoute, NetlinkError
 from pyroute2.netns import setns
 
 from orchestrrl import errors, rtnl
@@ -62,6 +66,7 @@ from orchestrrl.routing import (
     unknown_devices,
 )
 
+T = TypeVar("T")
 log = get_logger("orchestrrl.netlink")
 
 OWNER_PROTO = 77
@@ -352,18 +357,27 @@ class Netlink:
         self.verify_timeout_s = verify_timeout_s
         self.where = f"netns {netns!r}" if netns else "the host namespace"
         self._ipr: Any = None
+        self._thread: ThreadPoolExecutor | None = None
         self._routes: _RouteSocket | None = None
         self._lock = asyncio.Lock()
+
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a blocking pyroute2 call on this adapter's own thread."""
+        if self._thread is None:
+            raise errors.FailedPrecondition(f"netlink adapter for {self.where} is not open")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, functools.partial(fn, *args, **kwargs))
 
     async def open(self) -> Netlink:
         if self._ipr is not None:
             return self
         try:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"nl-{self.netns or 'host'}")
             self._routes = await asyncio.to_thread(_RouteSocket.open, self.netns)
             links_socket = await asyncio.to_thread(netlink_socket, self.netns)
-            fd = links_socket.detach()  # pyroute2 takes the descriptor over (at first use)
+            fd = links_socket.detach()  # pyroute2 takes the descriptor over
             try:
-                self._ipr = AsyncIPRoute(fileno=fd, groups=0)
+                self._ipr = await self._call(IPRoute, fileno=fd, groups=0)
             except BaseException:
                 os.close(fd)
                 raise
@@ -389,8 +403,12 @@ class Netlink:
 
     async def close(self) -> None:
         if self._ipr is not None:
-            self._ipr.close()
-            self._ipr = None
+            ipr, self._ipr = self._ipr, None
+            with contextlib.suppress(Exception):
+                await self._call(ipr.close)
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)
+            self._thread = None
         if self._routes is not None:
             self._routes.close()
             self._routes = None
@@ -421,7 +439,7 @@ class Netlink:
         ipr, _ = await self._require()
         found: dict[str, LinkInfo] = {}
         try:
-            async for msg in await ipr.get_links():
+            for msg in await self._call(lambda: list(ipr.get_links())):
                 info = LinkInfo(
                     name=str(msg.get("ifname")),
                     index=int(msg["index"]),
@@ -448,7 +466,7 @@ class Netlink:
                 raise errors.field_error("mtu", mtu, f"{name} accepts {low}..{high}")
             if link.mtu != mtu:
                 try:
-                    await ipr.link("set", index=link.index, mtu=mtu)
+                    await self._call(ipr.link, "set", index=link.index, mtu=mtu)
                 except NetlinkError as exc:
                     raise kernel_error(
                         exc.code, f"set mtu {mtu} on {name} in {self.where}"
@@ -661,7 +679,7 @@ class Netlink:
         theirs: list[RuleSpec] = []
         try:
             for family in (socket.AF_INET, socket.AF_INET6):
-                async for msg in await ipr.get_rules(family=family):
+                for msg in await self._call(lambda f=family: list(ipr.get_rules(family=f))):
                     spec = _rule_from_msg(msg)
                     if spec is not None:
                         owned = msg.get_attr("FRA_PROTOCOL") == OWNER_PROTO
@@ -736,7 +754,7 @@ class Netlink:
                 args[f"{name}_len"] = int(length)
         if rule.input_interface:
             args["iifname"] = rule.input_interface
-        await ipr.rule(op, **args)
+        await self._call(ipr.rule, op, **args)
 
     async def _undo_rules(self, done: Sequence[tuple[str, RuleSpec]]) -> None:
         for op, rule in reversed(done):

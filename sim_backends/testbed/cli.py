@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -86,7 +87,8 @@ def _parser() -> argparse.ArgumentParser:
         "--bytes",
         type=int,
         default=traffic.DEFAULT_BYTES,
-        help="bytes per transfer (model bytes with --weight-sync; default %(default)s)",
+        help="bytes per transfer: every node of --from sends them to every node of --to "
+        "(the model's size with --weight-sync; default %(default)s)",
     )
     t.add_argument("--seconds", type=float, default=0.0, help="send for S seconds instead")
     t.add_argument(
@@ -97,8 +99,9 @@ def _parser() -> argparse.ArgumentParser:
         "--tool",
         default="auto",
         choices=traffic.TOOLS,
-        help="auto: iperf3 when installed, else the built-in sender/receiver; with "
-        "--weight-sync always the built-in one, which times the last byte's arrival",
+        help="auto (default): iperf3 for a single transfer when installed, else the "
+        "built-in sender/receiver, which starts transfers together and times the arrival "
+        "of their last byte",
     )
     t.add_argument("--timeout", type=float, default=120.0, help="seconds per transfer")
 
@@ -113,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
         default=wiring_mod.default_wiring_path(),
         help="cluster wiring (default: the embedded 8-node example)",
     )
-    _scale_args(m)
+    _scale_args(m, demo_mod.DEFAULT_SCALE)
     m.add_argument(
         "--bytes",
         type=int,
@@ -124,13 +127,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _scale_args(p: argparse.ArgumentParser) -> None:
+def _scale_args(p: argparse.ArgumentParser, default: float = DEFAULT_SCALE) -> None:
     p.add_argument(
         "--scale",
         type=float,
-        default=DEFAULT_SCALE,
-        help="divide every capacity by this (default %(default)g: 400 Gb/s -> "
-        f"{400e3 / DEFAULT_SCALE:g} Mb/s)",
+        default=default,
+        help=f"divide every capacity by this (default %(default)g: 400 Gb/s -> "
+        f"{400e3 / default:g} Mb/s)",
     )
     p.add_argument(
         "--uplink-gbps",
@@ -166,14 +169,15 @@ async def _up(args: argparse.Namespace) -> int:
         progress=_progress(args),
     )
     plan = state.plan
+    where = f"--id {plan.id}" + (f" --run-dir {plan.run_dir}" if args.run_dir else "")
     lines = [
         describe(plan),
         f"run dir {plan.run_dir} (augmented wiring: {plan.run_dir}/wiring.toml)",
         f"up in {state.timings['up_s']:.1f} s. Try:",
         f"  orlctl --controller {plan.controller} phase set weight-sync",
-        f"  orl-testbed traffic --id {plan.id} --from {plan.nodes[0].pod} "
-        f"--to {plan.nodes[-1].pod}",
-        f"  orl-testbed down --id {plan.id}",
+        f"  orl-testbed traffic {where} --from {plan.nodes[0].pod} --to {plan.nodes[-1].pod}",
+        f"  orl-testbed traffic {where} --weight-sync --bytes 200000000",
+        f"  orl-testbed down {where}",
     ]
     _print(args, "\n".join(lines), _state_json(state))
     return 0
@@ -194,8 +198,6 @@ def _state_json(state: State) -> dict[str, Any]:
 
 
 async def _down(args: argparse.Namespace) -> int:
-    import time
-
     start = time.monotonic()
     report = await lifecycle.down(
         args.id, args.run_dir, grace_s=args.grace, keep_logs=args.keep_logs,
@@ -255,7 +257,7 @@ def _result_line(r: traffic.Result) -> str:
     if not r.ok:
         return f"  {r.source} -> {r.target}: FAILED: {r.error}"
     return (
-        f"  {r.source} -> {r.target}: {r.nbytes / 1e6:.1f} MB in {r.seconds:.2f} s = "
+        f"  {r.source} -> {r.target}: {r.nbytes / 1e6:.1f} MB received in {r.seconds:.2f} s = "
         f"{r.mbps:.1f} Mb/s{cap} [{r.tool}, {r.streams} stream(s)]"
     )
 
@@ -266,7 +268,7 @@ async def _traffic(args: argparse.Namespace) -> int:
     if args.weight_sync:
         if args.source or args.target:
             raise errors.InvalidArgument("--weight-sync takes no --from/--to (it uses every pod)")
-        tool = "builtin" if args.tool == "auto" else args.tool  # completion times: see traffic
+        tool = "builtin" if args.tool == "auto" else args.tool  # completion times
         ws = await traffic.weight_sync(
             plan, args.bytes, tool=tool, streams=args.parallel or 4, timeout_s=args.timeout
         )

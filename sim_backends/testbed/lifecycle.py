@@ -16,21 +16,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrrl import errors
 from orchestrrl import wiring as wiring_mod
 from orchestrrl.client import AsyncClient
+from orchestrrl.model import Wiring
 from scheduler.network import DEFAULT_UPLINK_GBPS
 from sim_backends import netns
 from sim_backends.testbed import resources
@@ -159,53 +162,28 @@ async def up(
             "cannot build a testbed here (nothing was created):\n"
             + "\n".join(f"  - {p}" for p in problems)
         )
-    existing = await find(testbed_id)
-    if not existing.empty:
-        raise errors.FailedPrecondition(
-            f"testbed id {testbed_id!r} is already in use ({existing.describe()}); run "
-            f"`orl-testbed down --id {testbed_id}` first or pick another --id "
-            "(nothing was created)"
-        )
-    run = (run_dir or default_run_dir(testbed_id)).resolve()
-    if run.exists() and any(run.iterdir()) and not _is_run_dir(run):
-        raise errors.InvalidArgument(
-            f"--run-dir {str(run)!r} exists and holds files that are not a testbed's; "
-            "pass an empty or new directory (nothing was created)"
-        )
-    mgmt = await choose_mgmt(len(w.nodes) + 1)
-    plan = make_plan(
-        w,
-        testbed_id=testbed_id,
-        run_dir=run,
-        mgmt=mgmt,
-        scale=Scale(scale),
-        uplink_gbps=uplink_gbps,
-        python=sys.executable,
-    )
-    problems = resources.check(plan, machine)
-    if problems:
-        need = resources.estimate(plan)
-        raise errors.FailedPrecondition(
-            f"wiring {str(wiring_path)!r} is too large for this machine ({need.processes} "
-            f"daemons, {need.namespaces} namespaces, {need.veths} veth pairs; nothing was "
-            "created):\n" + "\n".join(f"  - {p}" for p in problems)
-        )
-
     timings: dict[str, float] = {}
     procs: list[Proc] = []
+    run = (run_dir or default_run_dir(testbed_id)).resolve()
+    async with host_lock():  # the id and the management subnet are free until it is built
+        plan = await _checked_plan(w, wiring_path, testbed_id, run, scale, uplink_gbps, machine)
+        try:
+            shutil.rmtree(run, ignore_errors=True)  # an earlier testbed's remains (checked)
+            for sub in ("ready", "logs"):
+                (run / sub).mkdir(parents=True, exist_ok=True)
+            (run / "wiring.toml").write_text(wiring_mod.to_toml(plan.wiring))
+            save(State(plan, created_at=time.time()))
+            t = time.monotonic()
+            await build_network(plan)
+            timings["network_s"] = time.monotonic() - t
+        except BaseException as exc:
+            await _undo(testbed_id, run, exc, progress)
+            raise
+    progress(
+        f"network: {len(plan.namespaces())} namespaces, {len(plan.links)} veth pairs, "
+        f"scale {plan.scale.describe(plan.uplink_gbps)} ({timings['network_s']:.1f} s)"
+    )
     try:
-        shutil.rmtree(run, ignore_errors=True)
-        for sub in ("ready", "logs"):
-            (run / sub).mkdir(parents=True, exist_ok=True)
-        (run / "wiring.toml").write_text(wiring_mod.to_toml(plan.wiring))
-        save(State(plan, created_at=time.time()))
-        t = time.monotonic()
-        await build_network(plan)
-        timings["network_s"] = time.monotonic() - t
-        progress(
-            f"network: {len(plan.namespaces())} namespaces, {len(plan.links)} veth pairs, "
-            f"scale {plan.scale.describe(plan.uplink_gbps)} ({timings['network_s']:.1f} s)"
-        )
         t = time.monotonic()
         for group in ("ocs", "controller", "agent"):
             daemons = [d for d in plan.daemons if d.role == group]
@@ -221,18 +199,110 @@ async def up(
         progress(f"all {len(plan.nodes)} nodes registered; testbed up in {timings['up_s']:.1f} s")
         return state
     except BaseException as exc:
-        detail = f"{exc}" if isinstance(exc, errors.OrlError) else repr(exc)
-        progress(f"up failed ({detail.splitlines()[0] if detail else 'interrupted'}); cleaning up")
-        with contextlib.suppress(Exception):
-            await down(testbed_id, run)
+        await _undo(testbed_id, run, exc, progress)
         raise
+
+
+async def _checked_plan(
+    w: Wiring,
+    wiring_path: Path,
+    testbed_id: str,
+    run: Path,
+    scale: float,
+    uplink_gbps: float,
+    machine: resources.Machine,
+) -> TestbedPlan:
+    """The plan, once nothing stands in its way (nothing is created here)."""
+    existing = await find(testbed_id)
+    if not existing.empty:
+        raise errors.FailedPrecondition(
+            f"testbed id {testbed_id!r} is already in use ({existing.describe()}); run "
+            f"`orl-testbed down --id {testbed_id}` first or pick another --id "
+            "(nothing was created)"
+        )
+    if await asyncio.to_thread(_foreign, run):
+        raise errors.InvalidArgument(
+            f"--run-dir {str(run)!r} exists and holds files that are not a testbed's; "
+            "pass an empty or new directory (nothing was created)"
+        )
+    plan = make_plan(
+        w,
+        testbed_id=testbed_id,
+        run_dir=run,
+        mgmt=await choose_mgmt(len(w.nodes) + 1),
+        scale=Scale(scale),
+        uplink_gbps=uplink_gbps,
+        python=sys.executable,
+    )
+    problems = resources.check(plan, machine)
+    if problems:
+        need = resources.estimate(plan)
+        raise errors.FailedPrecondition(
+            f"wiring {str(wiring_path)!r} is too large for this machine ({need.processes} "
+            f"daemons, {need.namespaces} namespaces, {need.veths} veth pairs; nothing was "
+            "created):\n" + "\n".join(f"  - {p}" for p in problems)
+        )
+    return plan
+
+
+async def _undo(testbed_id: str, run: Path, exc: BaseException, progress: Progress) -> None:
+    """After a failed or interrupted `up`: remove what it built but the daemons' logs,
+    which the error points at (`orl-testbed down` removes them too)."""
+    detail = str(exc) if isinstance(exc, errors.OrlError) else repr(exc)
+    first = detail.splitlines()[0] if detail else "interrupted"
+    progress(f"up failed ({first}); removing what was built, keeping {run / 'logs'}")
+    with contextlib.suppress(Exception):
+        await down(testbed_id, run, keep_logs=True)
+
+
+LOCK_NAME = b"\0orchestrrl-testbed"  # an abstract socket: no file, freed when we exit
+_lock_depth = 0
+
+
+@contextlib.asynccontextmanager
+async def host_lock(timeout_s: float = 60.0) -> AsyncIterator[None]:
+    """One `up`/`down` at a time on this host: they pick ids and subnets from what the
+    host has. The holder binds an abstract unix socket, which the kernel releases when
+    the process ends however it ends; re-entrant within the process (a failed `up`
+    calls `down`)."""
+    global _lock_depth
+    if _lock_depth:
+        _lock_depth += 1
+        try:
+            yield
+        finally:
+            _lock_depth -= 1
+        return
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                sock.bind(LOCK_NAME)
+                break
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                if time.monotonic() > deadline:
+                    raise errors.Aborted(
+                        f"another orl-testbed up or down has been running on this host for "
+                        f"{timeout_s:g} s; try again when it is done"
+                    ) from None
+                await asyncio.sleep(0.05)
+        _lock_depth = 1
+        try:
+            yield
+        finally:
+            _lock_depth = 0
+    finally:
+        sock.close()
 
 
 async def build_network(plan: TestbedPlan) -> None:
     cmds = commands(plan)
     limit = asyncio.Semaphore(PARALLEL_BATCHES)
 
-    async def bounded(work: Awaitable[None]) -> None:
+    async def bounded(work: Awaitable[object]) -> None:
         async with limit:
             await work
 
@@ -285,15 +355,15 @@ async def start_daemons(daemons: Sequence[Daemon], testbed_id: str, timeout_s: f
                 del waiting[pid]
             elif (code := _children[pid].poll()) is not None:
                 raise errors.FailedPrecondition(
-                    f"{d.role} {d.name} exited with code {code} before serving; last log "
+                    f"{d.label} exited with code {code} before serving; last log "
                     f"lines ({d.log}):\n    {_tail(d.log)}"
                 )
         if waiting and time.monotonic() > deadline:
-            names = ", ".join(f"{d.role} {d.name}" for d in waiting.values())
+            names = ", ".join(d.label for d in waiting.values())
             first = next(iter(waiting.values()))
             raise errors.Unavailable(
                 f"{names}: not serving after {timeout_s:.0f} s; last log lines of "
-                f"{first.role} {first.name} ({first.log}):\n    {_tail(first.log)}"
+                f"{first.label} ({first.log}):\n    {_tail(first.log)}"
             )
         await asyncio.sleep(0.05)
     return procs
@@ -364,6 +434,17 @@ async def down(
 ) -> list[str]:
     """Remove everything of testbed ``testbed_id``; returns what was done."""
     check_id(testbed_id)
+    if os.geteuid() != 0:
+        raise errors.FailedPrecondition(
+            f"removing a testbed needs root (running as uid {os.geteuid()}): run it with sudo"
+        )
+    async with host_lock():
+        return await _down(testbed_id, run_dir, grace_s, keep_logs, progress)
+
+
+async def _down(
+    testbed_id: str, run_dir: Path | None, grace_s: float, keep_logs: bool, progress: Progress
+) -> list[str]:
     run = (run_dir or default_run_dir(testbed_id)).resolve()
     report: list[str] = []
     found = await find(testbed_id)
@@ -394,6 +475,8 @@ async def down(
             for entry in run.iterdir():
                 if entry.name != "logs":
                     _remove(entry)
+            if not any(run.iterdir()):
+                run.rmdir()
             report.append(f"removed {run} (logs kept in {run / 'logs'})")
         else:
             shutil.rmtree(run, ignore_errors=True)
@@ -422,6 +505,11 @@ RUN_DIR_ENTRIES = frozenset(
     {STATE_FILE, f".{STATE_FILE}.tmp", "wiring.toml", "ready", "logs", "state.db"}
     | {"state.db-wal", "state.db-shm", "state.db-journal"}
 )
+
+
+def _foreign(run: Path) -> bool:
+    """A run directory that holds files a testbed did not put there."""
+    return run.exists() and any(run.iterdir()) and not _is_run_dir(run)
 
 
 def _is_run_dir(path: Path) -> bool:

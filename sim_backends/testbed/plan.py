@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ipaddress
 import re
-import shlex
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import ClassVar
 
 from orchestrrl import errors
 from orchestrrl import wiring as wiring_mod
-from orchestrrl.model import Node, Ocs, Pod, Role, Tor, Wiring
+from orchestrrl.model import Node, Ocs, Pod, Tor, Wiring
 from scheduler.network import DEFAULT_UPLINK_GBPS
 
 ID_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
@@ -138,6 +137,10 @@ class Daemon:
     address: str
     ready: str  # the file it writes its bound address to
     log: str
+
+    @property
+    def label(self) -> str:
+        return self.role if self.name == self.role else f"{self.role} {self.name}"
 
 
 @dataclass(frozen=True)
@@ -248,7 +251,7 @@ def make_plan(
     problems: list[str] = []
     if not 0 < uplink_gbps <= 3200:
         problems.append(f"uplink_gbps={uplink_gbps!r}: a speed in Gb/s, more than 0, at most 3200")
-    if not mgmt.subnet_of(MGMT_POOL) and not mgmt.is_private:
+    if not mgmt.is_private:
         problems.append(f"management network {mgmt}: must be a private IPv4 network")
 
     elements = [("OCS", o.name) for o in w.ocses] + [("ToR", t.name) for t in w.tors]
@@ -292,15 +295,36 @@ def make_plan(
             f"management network {mgmt} has {len(mgmt_hosts)} addresses; "
             f"{len(w.nodes) + 1} are needed (controller and {len(w.nodes)} agents)"
         )
-    user_prefixes = {p.name: ipaddress.IPv4Network(p.prefix) for p in w.pods if p.prefix}
-    for name, net in user_prefixes.items():
-        if net.overlaps(mgmt):
-            problems.append(f"pod {name!r}.prefix = {str(net)!r} overlaps the management {mgmt}")
-    if problems:
-        raise errors.InvalidArgument(
-            f"wiring {w.source or w.cluster!r} cannot become testbed {testbed_id!r}:\n"
-            + "\n".join(f"  - {p}" for p in problems)
-        )
+    user_prefixes: dict[str, ipaddress.IPv4Network] = {}
+    for pod in w.pods:
+        net = ipaddress.ip_network(pod.prefix) if pod.prefix else None
+        if isinstance(net, ipaddress.IPv6Network):
+            problems.append(
+                f"pod {pod.name!r}.prefix = {pod.prefix!r}: the testbed routes IPv4 only; "
+                "give the pod an IPv4 prefix or none (one is then assigned)"
+            )
+        elif net is not None and net.overlaps(mgmt):
+            problems.append(
+                f"pod {pod.name!r}.prefix = {pod.prefix!r} overlaps the management {mgmt}"
+            )
+        elif net is not None:
+            user_prefixes[pod.name] = net
+    _refuse(w, testbed_id, problems)
+
+    for t in w.tors:
+        for u in t.uplinks:
+            if not u.ip:
+                continue
+            address = ipaddress.ip_address(u.ip)
+            inside = [str(n) for n in (mgmt, *user_prefixes.values()) if address in n]
+            if address.version != 4 or inside:
+                where = f"inside {', '.join(inside)}" if inside else "not IPv4"
+                problems.append(
+                    f"tor {t.name!r} uplink {u.port!r}.ip = {u.ip!r} is {where}: an uplink "
+                    "address must be an IPv4 address outside every pod prefix and the "
+                    "management network"
+                )
+    _refuse(w, testbed_id, problems)
 
     used: list[ipaddress.IPv4Network] = [mgmt, *user_prefixes.values()]
     prefixes: dict[str, ipaddress.IPv4Network] = {}
@@ -322,11 +346,7 @@ def make_plan(
         prefixes[pod.name] = chosen
         used.append(chosen)
     uplink_ips = _uplink_addresses(w, used)
-    if problems:
-        raise errors.InvalidArgument(
-            f"wiring {w.source or w.cluster!r} cannot become testbed {testbed_id!r}:\n"
-            + "\n".join(f"  - {p}" for p in problems)
-        )
+    _refuse(w, testbed_id, problems)
 
     run = Path(run_dir)
     bridge_ip = mgmt_hosts[0]
@@ -462,6 +482,14 @@ def make_plan(
         source=w.source,
     )
     return replace(plan, daemons=tuple(_daemons(plan, python)))
+
+
+def _refuse(w: Wiring, testbed_id: str, problems: list[str]) -> None:
+    if problems:
+        raise errors.InvalidArgument(
+            f"wiring {w.source or w.cluster!r} cannot become testbed {testbed_id!r} "
+            "(nothing was created):\n" + "\n".join(f"  - {p}" for p in problems)
+        )
 
 
 def _uplink_addresses(w: Wiring, avoid: list[ipaddress.IPv4Network]) -> dict[tuple[str, int], str]:
@@ -624,11 +652,3 @@ def describe(plan: TestbedPlan) -> str:
         f"{len(plan.links)} veth pairs ({len(shaped)} shaped); "
         f"scale {plan.scale.describe(plan.uplink_gbps)}; controller {plan.controller}"
     )
-
-
-def shell(argv: Iterable[str]) -> str:
-    return shlex.join(argv)
-
-
-def roles(plan: TestbedPlan, role: Role) -> tuple[NodePlan, ...]:
-    return tuple(n for n in plan.nodes if n.role == role.value)

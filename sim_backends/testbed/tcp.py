@@ -88,8 +88,8 @@ def send(
 ) -> dict[str, object]:
     budget = _Budget(nbytes if nbytes > 0 else 1 << 62, threading.Lock())
     sent = [0] * streams
-    errors: list[str] = []
-    payload = b"\0" * CHUNK
+    failures: list[str] = []
+    payload = memoryview(bytes(CHUNK))
     conns = []
     try:
         for _ in range(streams):
@@ -112,7 +112,7 @@ def send(
                     sent[i] += n
                 conn.shutdown(socket.SHUT_WR)
         except OSError as exc:
-            errors.append(f"stream {i}: {exc.strerror or exc}")
+            failures.append(f"stream {i}: {exc.strerror or exc}")
 
     start = time.monotonic()
     threads = [threading.Thread(target=pump, args=(c, i)) for i, c in enumerate(conns)]
@@ -121,8 +121,8 @@ def send(
     for t in threads:
         t.join()
     out: dict[str, object] = {"bytes": sum(sent), "seconds": time.monotonic() - start}
-    if errors:
-        out["error"] = "; ".join(errors)
+    if failures:
+        out["error"] = "; ".join(failures)
     return out
 
 

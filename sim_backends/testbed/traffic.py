@@ -1,15 +1,19 @@
 """Real TCP transfers between the testbed's node namespaces.
 
-``iperf3`` runs inside the namespaces when installed (``ip netns exec``); otherwise the
-built-in sender/receiver of ``sim_backends.testbed.tcp``. Every transfer starts its
-receiver first, waits until it listens, then all senders start together; throughput
-is what the receiver got over the time it took. Every process carries the testbed's
-environment marker, so ``orl-testbed down`` stops any that outlive a crash.
+``iperf3`` runs inside the namespaces when installed (``ip netns exec``) for a single
+transfer; several transfers at once, and machines without iperf3, use the built-in
+sender/receiver of ``sim_backends.testbed.tcp``. Every transfer starts its
+receiver first and waits until it listens; the built-in senders then open their
+connections (so handshakes and ARP are done before any data flows) and all transfers
+start together. Throughput is what a receiver got over the time it took. Every
+process carries the testbed's environment marker, so ``orl-testbed down`` stops any
+that outlive a crash.
 
 Completion times need the built-in tool: ``iperf3 -n`` ends a test when the sender has
 handed its bytes to the kernel, so what is still queued in the shaped links is neither
-counted nor waited for. The built-in receiver reads to the end of every stream, so a
-transfer is complete when its last byte has arrived. Weight sync uses it by default.
+counted nor waited for, and each iperf3 client connects on its own schedule. The
+built-in receiver reads to the end of every stream, so a transfer is complete when its
+last byte has arrived; weight sync and pod-to-pod traffic use it.
 
 Weight sync follows the network planner's transfer schedule
 (``scheduler.weight_sync.plan_weight_sync``) on the circuits the controller has
@@ -73,7 +77,7 @@ class Result:
 @dataclass(frozen=True)
 class Report:
     results: tuple[Result, ...]
-    wall_s: float  # from the first sender's start to the last one's end
+    wall_s: float  # from the start of all senders to the last transfer's completion
 
     @property
     def nbytes(self) -> int:
@@ -104,11 +108,13 @@ class WeightSyncReport:
         return self.ideal_s / self.completion_s if self.completion_s > 0 else 0.0
 
 
-def choose_tool(tool: str) -> str:
+def choose_tool(tool: str, transfers: int = 1) -> str:
+    """``auto``: iperf3 for one transfer when installed; the built-in tool for several,
+    because it starts them together and times their last bytes (see the docstring)."""
     if tool not in TOOLS:
         raise errors.field_error("--tool", tool, f"one of {', '.join(TOOLS)}")
     if tool == "auto":
-        return "iperf3" if shutil.which("iperf3") else "builtin"
+        return "iperf3" if transfers == 1 and shutil.which("iperf3") else "builtin"
     if tool == "iperf3" and shutil.which("iperf3") is None:
         raise errors.FailedPrecondition(
             "iperf3 is not installed (apt-get install iperf3); use --tool builtin"
@@ -132,6 +138,8 @@ def endpoints(plan: TestbedPlan, name: str) -> tuple[NodePlan, ...]:
 
 def transfers_between(plan: TestbedPlan, source: str, target: str, nbytes: int) -> list[Transfer]:
     """Every node of ``source`` to every node of ``target`` (a node never to itself)."""
+    if nbytes <= 0:
+        raise errors.field_error("--bytes", nbytes, "a number of bytes > 0")
     pairs = [
         Transfer(s.name, t.name, nbytes)
         for s in endpoints(plan, source)
@@ -328,7 +336,7 @@ async def run_transfers(
     """Run ``transfers`` at once; each failed one carries its reason (none raises)."""
     if not 1 <= streams <= 128:
         raise errors.field_error("--parallel", streams, "1..128 streams per transfer")
-    chosen = choose_tool(tool)
+    chosen = choose_tool(tool, len(transfers))
     runs = [_Run(plan, t, BASE_PORT + i, chosen, streams, seconds) for i, t in enumerate(transfers)]
     try:
         await asyncio.gather(*(r.listen() for r in runs))
