@@ -53,6 +53,7 @@ bench: $(STAMP)
 	$(PY) bench/telemetry_ingest.py --agents 2048 --hz 10 --seconds 10 \
 		--json bench/results/telemetry_ingest.json
 	$(PY) bench/reshard.py --json bench/results/reshard.json
+	$(PY) bench/agent_overhead.py --json bench/results/agent_overhead.json
 	@if [ "$$(id -u)" -eq 0 ]; then $(PY) bench/routes.py --json bench/results/routes.json; \
 	else echo "bench/routes.py skipped: programming routes into namespaces needs root"; fi
 

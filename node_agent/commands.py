@@ -29,10 +29,19 @@ class _Entry:
 
 
 class CommandLog:
-    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(
+        self,
+        capacity: int = DEFAULT_CAPACITY,
+        *,
+        observe: Callable[[str, str], None] | None = None,
+    ) -> None:
+        """``observe(kind, outcome)`` is told how each command ended: ``ok``, ``cancelled``,
+        the error (``invalid_argument``, ``failed_precondition``, ...) or ``replayed``
+        (a repeated command_id answered from the log)."""
         if capacity < 1:
             raise errors.field_error("capacity", capacity, "must be at least 1")
         self._capacity = capacity
+        self._observe = observe
         self._entries: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
 
     def __len__(self) -> int:
@@ -59,6 +68,8 @@ class CommandLog:
             entry = _Entry(kind, request_key, asyncio.ensure_future(action()))
             self._entries[command_id] = entry
             entry.task.add_done_callback(lambda task: self._settled(command_id, task))
+            if self._observe is not None:
+                entry.task.add_done_callback(lambda task: self._report(kind, task))
             self._evict()
         elif entry.kind != kind or entry.request_key != request_key:
             raise errors.InvalidArgument(
@@ -67,6 +78,8 @@ class CommandLog:
             )
         else:
             self._entries.move_to_end(command_id)
+            if self._observe is not None:
+                self._observe(kind, "replayed")
         result: T = await asyncio.shield(entry.task)
         return result
 
@@ -83,6 +96,16 @@ class CommandLog:
         if _failed(task) and entry is not None and entry.task is task:
             del self._entries[command_id]
 
+    def _report(self, kind: str, task: asyncio.Future[Any]) -> None:
+        assert self._observe is not None
+        if task.cancelled():
+            outcome = "cancelled"
+        elif (exc := task.exception()) is None:
+            outcome = "ok"
+        else:
+            outcome = _snake(type(exc).__name__)
+        self._observe(kind, outcome)
+
     def _evict(self) -> None:
         """Forget the oldest finished commands beyond the capacity (never a running one)."""
         excess = len(self._entries) - self._capacity
@@ -90,6 +113,10 @@ class CommandLog:
             return
         for command_id in [k for k, e in self._entries.items() if e.task.done()][:excess]:
             del self._entries[command_id]
+
+
+def _snake(name: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
 
 
 def _failed(task: asyncio.Future[Any]) -> bool:

@@ -1,20 +1,32 @@
-"""Command-line configuration of orl-node-agent, validated into a frozen value."""
+"""Configuration of orl-node-agent: flags, an optional TOML file, validated into a frozen value.
+
+Every flag can also be set in the file given with ``--config`` (keys are the flag names
+with ``_`` for ``-``; the repeatable ``--nic`` and ``--controller-identity`` are the
+lists ``nics`` and ``controller_identities``). Precedence: flags, then the file, then
+``$ORL_CONTROLLER`` (for ``controller`` only), then the built-in defaults. Every problem
+is reported at once, naming the flag or file key, the value and what is allowed.
+``node_agent/agent.example.toml`` shows every key.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
+import tomllib
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, Literal, TypeVar
 
 from node_agent.engine import default_layout, parse_layout, validate_layout
 from node_agent.gpus import BACKEND_KINDS, BackendKind
 from node_agent.nics import parse_nic
 from node_agent.reshard.engine import RESHARD_BACKENDS, ReshardBackend
 from node_agent.telemetry import MAX_INTERVAL_S, MIN_INTERVAL_S, check_interval
+from node_agent.uplink import DEFAULT_BUFFER_SAMPLES
 from orchestrrl import errors
 from orchestrrl.grpcutil import parse_address
 from orchestrrl.logs import LogFormat
@@ -28,6 +40,8 @@ CONTROLLER_ENV = "ORL_CONTROLLER"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS: tuple[LogFormat, ...] = ("auto", "json", "console")
 MAX_GPUS = 64
+
+MAX_BUFFER_SAMPLES = 1_000_000
 
 S = TypeVar("S", bound=str)
 
@@ -51,24 +65,115 @@ class AgentConfig:
     tls: TlsConfig | None = None  # None: plaintext (only with --plaintext)
     # with mutual TLS, certificate identities whose commands the agent accepts
     controller_identities: tuple[str, ...] = ("orl-fabric-controller",)
+    metrics_listen: str | None = None  # HOST:PORT of Prometheus /metrics; None: off
+    telemetry_buffer: int = DEFAULT_BUFFER_SAMPLES  # samples kept while the controller is away
+
+
+# Settings a running agent applies on SIGHUP; a change to any other needs a restart.
+RUNTIME_FIELDS = frozenset({"telemetry_interval_s", "log_level", "nics"})
+
+Kind = Literal["str", "int", "number", "bool", "strs", "layout"]
+
+
+@dataclass(frozen=True)
+class Key:
+    """A setting: its flag, the key in the config file and the TOML type there."""
+
+    name: str  # file key; also the argparse dest
+    kind: Kind
+
+    @property
+    def flag(self) -> str:
+        singular = {"nics": "nic", "controller_identities": "controller-identity"}
+        return "--" + singular.get(self.name, self.name).replace("_", "-")
+
+
+KEYS: dict[str, Key] = {
+    k.name: k
+    for k in (
+        Key("node", "str"),
+        Key("listen", "str"),
+        Key("controller", "str"),
+        Key("advertise_host", "str"),
+        Key("gpus", "int"),
+        Key("gpu_backend", "str"),
+        Key("nics", "strs"),
+        Key("tp_layout", "layout"),
+        Key("reshard_backend", "str"),
+        Key("telemetry_interval", "number"),
+        Key("telemetry_buffer", "int"),
+        Key("metrics_listen", "str"),
+        Key("ready_file", "str"),
+        Key("log_level", "str"),
+        Key("log_format", "str"),
+        Key("seed", "int"),
+        Key("controller_identities", "strs"),
+        Key("tls_cert", "str"),
+        Key("tls_key", "str"),
+        Key("tls_ca", "str"),
+        Key("plaintext", "bool"),
+    )
+}
+
+DEFAULTS: dict[str, Any] = {
+    "listen": DEFAULT_LISTEN,
+    "controller": DEFAULT_CONTROLLER,
+    "gpus": "8",
+    "gpu_backend": "auto",
+    "nics": [],
+    "reshard_backend": "sim",
+    "telemetry_interval": "1.0",
+    "telemetry_buffer": str(DEFAULT_BUFFER_SAMPLES),
+    "log_level": "info",
+    "log_format": "auto",
+    "controller_identities": [],
+    "plaintext": False,
+}
+
+
+class ConfigProblems(errors.InvalidArgument):
+    """One or more problems with the flags or the config file, each a line."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = tuple(problems)
+        super().__init__("\n".join(self.problems))
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where the configuration comes from: the flags given and the file, re-read on SIGHUP."""
+
+    flags: Mapping[str, Any]
+    path: Path | None = None
+    environ: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # No argparse defaults: a flag that is absent must not hide the config file's value.
     p = argparse.ArgumentParser(
         prog="orl-node-agent",
         description="OrchestrRL node agent: GPU/NIC/engine telemetry up to the fabric "
-        "controller, reshard and drain commands down to the rollout engine.",
+        "controller, reshard and drain commands down to the rollout engine. Every flag can "
+        "be set in a TOML --config file instead; flags override the file.",
+        argument_default=argparse.SUPPRESS,
     )
-    p.add_argument("--node", required=True, help="this node's name in the cluster wiring")
+    p.add_argument(
+        "--config", metavar="FILE", help="TOML file of settings (see agent.example.toml)"
+    )
+    p.add_argument(
+        "--check-config",
+        metavar="FILE",
+        help="validate FILE (with the other flags) and print the resulting configuration "
+        "(exit 0) or every problem (exit 2); starts nothing",
+    )
+    p.add_argument("--node", help="this node's name in the cluster wiring (required)")
     p.add_argument(
         "--listen",
-        default=DEFAULT_LISTEN,
         help="HOST:PORT to serve NodeAgent on; port 0 picks a free port "
         f"(default {DEFAULT_LISTEN})",
     )
     p.add_argument(
         "--controller",
-        default=os.environ.get(CONTROLLER_ENV, DEFAULT_CONTROLLER),
         help=f"fabric controller HOST:PORT (default ${CONTROLLER_ENV} or {DEFAULT_CONTROLLER})",
     )
     p.add_argument(
@@ -78,18 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--gpus",
-        default="8",
-        help=f"number of simulated GPUs, 1..{MAX_GPUS} (the sim backend; NVML counts real GPUs)",
+        help=f"number of simulated GPUs, 1..{MAX_GPUS} (the sim backend; NVML counts real GPUs) "
+        "(default 8)",
     )
     p.add_argument(
         "--gpu-backend",
-        default="auto",
         help="auto (NVML, else simulated GPUs), nvml (fail without NVML) or sim (default auto)",
     )
     p.add_argument(
         "--nic",
+        dest="nics",
         action="append",
-        default=[],
         metavar="NAME[=GBPS]",
         help="a NIC to report (repeatable); GBPS defaults to the link speed from sysfs",
     )
@@ -101,30 +205,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--reshard-backend",
-        default="sim",
         help="sim (reshard changes the layout only) or torch (one worker process per GPU "
         "holds weight shards and reshard moves them with torch.distributed; needs the "
         "'reshard' extra) (default sim)",
     )
     p.add_argument(
         "--telemetry-interval",
-        default="1.0",
         metavar="S",
         help=f"seconds between telemetry samples, {MIN_INTERVAL_S}..{MAX_INTERVAL_S:g} "
         "(default 1.0)",
     )
+    p.add_argument(
+        "--telemetry-buffer",
+        metavar="N",
+        help="telemetry samples kept while the controller is away; when full the oldest is "
+        f"dropped (and counted) (default {DEFAULT_BUFFER_SAMPLES})",
+    )
+    p.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve Prometheus /metrics there (default: off)",
+    )
     p.add_argument("--ready-file", help="write the bound HOST:PORT here once serving")
-    p.add_argument("--log-level", default="info", help=f"{', '.join(LOG_LEVELS)} (default info)")
-    p.add_argument(
-        "--log-format", default="auto", help="auto (JSON unless a terminal), json or console"
-    )
-    p.add_argument(
-        "--seed", help="seed of the simulated GPUs and engine (default: derived from --node)"
-    )
+    p.add_argument("--log-level", help=f"{', '.join(LOG_LEVELS)} (default info)")
+    p.add_argument("--log-format", help="auto (JSON unless a terminal), json or console")
+    p.add_argument("--seed", help="seed of the simulated GPUs and engine (default: from --node)")
     p.add_argument(
         "--controller-identity",
+        dest="controller_identities",
         action="append",
-        default=[],
         metavar="NAME",
         help="with mutual TLS, certificate identity whose commands (reshard, routes, RoCE, "
         "drain/resume) are accepted; repeatable (default: orl-fabric-controller)",
@@ -133,63 +242,294 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@dataclass(frozen=True)
+class CommandLine:
+    source: ConfigSource
+    check_only: bool
+
+
+def parse_command_line(argv: Sequence[str] | None = None) -> CommandLine:
+    """Parse the flags only (argparse exits 2 on an unknown flag, 0 on --help)."""
+    args = vars(build_parser().parse_args(argv))
+    check = args.pop("check_config", None)
+    config = args.pop("config", None)
+    if check is not None and config is not None and check != config:
+        raise ConfigProblems(["--config and --check-config name different files; give one"])
+    path = check or config
+    flags = {k: (str(v) if isinstance(v, Path) else v) for k, v in args.items()}
+    return CommandLine(
+        ConfigSource(flags, Path(path) if path else None, dict(os.environ)), check is not None
+    )
+
+
 def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
-    """Parse and validate; a bad flag exits with status 2 and names flag, value and rule."""
+    """Parse and validate; a bad flag or file exits with status 2 naming what is wrong."""
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        return _validate(args)
+        return load(parse_command_line(argv).source)
     except errors.InvalidArgument as exc:
         parser.error(str(exc))
 
 
-def _validate(args: argparse.Namespace) -> AgentConfig:
-    node: str = args.node
+def load(source: ConfigSource) -> AgentConfig:
+    """Merge flags over the file over the defaults and validate; :class:`ConfigProblems`."""
+    problems: list[str] = []
+    file_values: dict[str, Any] = {}
+    if source.path is not None:
+        read = _read_file(source.path, problems)
+        if read is None:  # unreadable or not TOML: nothing else is worth reporting
+            raise ConfigProblems(problems)
+        file_values = read
+    values: dict[str, Any] = dict(DEFAULTS)
+    if CONTROLLER_ENV in source.environ:
+        values["controller"] = source.environ[CONTROLLER_ENV]
+    values.update(file_values)
+    # Security is one choice: --plaintext overrides the file's TLS files and --tls-* flags
+    # override the file's `plaintext`, rather than clashing with them.
+    if source.flags.get("plaintext"):
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            values.pop(name, None)
+    if any(name in source.flags for name in ("tls_cert", "tls_key", "tls_ca")):
+        values["plaintext"] = False
+    values.update(source.flags)
+    where: dict[str, str] = {}
+    for name in values:
+        where[name] = (
+            f"{source.path}: {name}"
+            if name in file_values and name not in source.flags
+            else KEYS[name].flag
+        )
+    # Keys of the wrong type or unknown were left out (and are problems already); the
+    # rest is validated too, so that one run reports everything.
+    config = _validate(values, where, problems)
+    if problems or config is None:
+        raise ConfigProblems(problems)
+    return config
+
+
+def _read_file(path: Path, problems: list[str]) -> dict[str, Any] | None:
+    try:
+        doc = tomllib.loads(path.read_text())
+    except OSError as exc:
+        problems.append(f"config file {path}: cannot read it ({exc.strerror})")
+        return None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        problems.append(f"config file {path}: not valid TOML ({exc})")
+        return None
+    out: dict[str, Any] = {}
+    for name, value in doc.items():
+        key = KEYS.get(name)
+        if key is None:
+            problems.append(
+                f"{path}: unknown key {name!r}; allowed keys: {', '.join(sorted(KEYS))}"
+            )
+            continue
+        converted = _from_toml(key, value)
+        if converted is None:
+            problems.append(
+                str(errors.field_error(f"{path}: {name}", value, f"expected {_EXPECT[key.kind]}"))
+            )
+            continue
+        out[name] = converted
+    return out
+
+
+_EXPECT: dict[Kind, str] = {
+    "str": "a string",
+    "int": "an integer",
+    "number": "a number",
+    "bool": "true or false",
+    "strs": "a list of strings",
+    "layout": 'a list of integers, e.g. [2, 2, 2, 2], or a string "2,2,2,2"',
+}
+
+
+def _from_toml(key: Key, value: Any) -> Any:
+    """A file value in the form the flag would have given it; None when of the wrong type."""
+    if key.kind == "bool":
+        return value if isinstance(value, bool) else None
+    if isinstance(value, bool):
+        return None
+    if key.kind == "str":
+        return value if isinstance(value, str) else None
+    if key.kind == "int":
+        return str(value) if isinstance(value, int) else None
+    if key.kind == "number":
+        return str(value) if isinstance(value, int | float) else None
+    if key.kind == "strs":
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        return list(value) if ok else None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        return ",".join(str(v) for v in value)
+    return None
+
+
+def _validate(
+    values: dict[str, Any], where: dict[str, str], problems: list[str]
+) -> AgentConfig | None:
+    """Validate every field, collecting each problem; None when there was any."""
+    ok: dict[str, Any] = {}
+
+    def check(name: str, fn: Callable[[str], Any]) -> None:
+        try:
+            ok[name] = fn(where.get(name, KEYS[name].flag))
+        except errors.InvalidArgument as exc:
+            problems.append(str(exc))
+
+    node = values.get("node")
+    if node is None:
+        problems.append('--node is required (or `node = "..."` in the --config file)')
+    else:
+        check("node", lambda f: _node(node, f))
+    check("listen", lambda f: parse_address(values["listen"], f) and values["listen"])
+    check("controller", lambda f: parse_address(values["controller"], f) and values["controller"])
+    check("gpus", lambda f: _int(values["gpus"], f, 1, MAX_GPUS))
+    check("gpu_backend", lambda f: _choice(values["gpu_backend"], f, BACKEND_KINDS))
+    if "tp_layout" in values:
+        gpus = ok.get("gpus") if ok.get("gpu_backend") == "sim" else None
+        # The GPU count is only known for the sim backend here; NVML's is checked at start.
+        check("tp_layout", lambda f: parse_layout(values["tp_layout"], gpus, f))
+    check("nics", lambda f: _nics(values["nics"], f))
+    check(
+        "telemetry_interval",
+        lambda f: check_interval(_float(values["telemetry_interval"], f), f),
+    )
+    check("telemetry_buffer", lambda f: _int(values["telemetry_buffer"], f, 1, MAX_BUFFER_SAMPLES))
+    if values.get("metrics_listen") is not None:
+        check(
+            "metrics_listen",
+            lambda f: parse_address(values["metrics_listen"], f) and values["metrics_listen"],
+        )
+    if values.get("advertise_host") is not None:
+        check(
+            "advertise_host",
+            lambda f: (
+                parse_address(f"{values['advertise_host']}:0", f) and values["advertise_host"]
+            ),
+        )
+    if values.get("seed") is not None:
+        check("seed", lambda f: _int(values["seed"], f, 0, 2**63 - 1))
+    check("reshard_backend", lambda f: _choice(values["reshard_backend"], f, RESHARD_BACKENDS))
+    check("log_level", lambda f: _choice(values["log_level"], f, LOG_LEVELS))
+    check("log_format", lambda f: _choice(values["log_format"], f, LOG_FORMATS))
+    tls_args = argparse.Namespace(
+        plaintext=values["plaintext"],
+        **{
+            k: Path(values[k]) if values.get(k) else None for k in ("tls_cert", "tls_key", "tls_ca")
+        },
+    )
+    try:
+        ok["tls"] = tls_from_args(tls_args)
+    except errors.InvalidArgument as exc:
+        problems.append(str(exc))
+    if problems:
+        return None
+    return AgentConfig(
+        node=ok["node"],
+        listen=ok["listen"],
+        controller=ok["controller"],
+        advertise_host=ok.get("advertise_host"),
+        gpus=ok["gpus"],
+        gpu_backend=ok["gpu_backend"],
+        nics=ok["nics"],
+        tp_layout=ok.get("tp_layout"),
+        reshard_backend=ok["reshard_backend"],
+        telemetry_interval_s=ok["telemetry_interval"],
+        ready_file=Path(values["ready_file"]) if values.get("ready_file") else None,
+        log_level=ok["log_level"],
+        log_format=ok["log_format"],
+        seed=ok["seed"] if "seed" in ok else zlib.crc32(ok["node"].encode()),
+        tls=ok["tls"],
+        controller_identities=tuple(values["controller_identities"] or ["orl-fabric-controller"]),
+        metrics_listen=ok.get("metrics_listen"),
+        telemetry_buffer=ok["telemetry_buffer"],
+    )
+
+
+def _node(node: str, field: str) -> str:
     if not NAME_RE.match(node):
         raise errors.field_error(
-            "--node", node, "1-63 characters: letters, digits, '.', '_' or '-', starting alnum"
+            field, node, "1-63 characters: letters, digits, '.', '_' or '-', starting alnum"
         )
-    parse_address(args.listen, "--listen")
-    parse_address(args.controller, "--controller")
-    gpus = _int(args.gpus, "--gpus", 1, MAX_GPUS)
-    backend = _choice(args.gpu_backend, "--gpu-backend", BACKEND_KINDS)
-    layout = None
-    if args.tp_layout is not None:
-        # The GPU count is only known for the sim backend here; NVML's is checked at start.
-        layout = parse_layout(args.tp_layout, gpus if backend == "sim" else None)
-    nics = tuple(parse_nic(text) for text in args.nic)
+    return node
+
+
+def _nics(texts: Sequence[str], field: str) -> tuple[tuple[str, float | None], ...]:
+    nics = tuple(parse_nic(text, field) for text in texts)
     names = [name for name, _ in nics]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise errors.field_error("--nic", duplicates, "each NIC may be named once")
-    interval = check_interval(
-        _float(args.telemetry_interval, "--telemetry-interval"), "--telemetry-interval"
+        raise errors.field_error(field, duplicates, "each NIC may be named once")
+    return nics
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    """What a reload changes: fields applied at run time and fields that need a restart."""
+
+    applied: tuple[str, ...]
+    needs_restart: tuple[str, ...]
+
+
+def diff(old: AgentConfig, new: AgentConfig) -> ConfigChange:
+    changed = [
+        f.name
+        for f in dataclasses.fields(AgentConfig)
+        if getattr(old, f.name) != getattr(new, f.name)
+    ]
+    return ConfigChange(
+        tuple(n for n in changed if n in RUNTIME_FIELDS),
+        tuple(n for n in changed if n not in RUNTIME_FIELDS),
     )
-    if args.advertise_host is not None:
-        parse_address(f"{args.advertise_host}:0", "--advertise-host")
-    seed = (
-        _int(args.seed, "--seed", 0, 2**63 - 1)
-        if args.seed is not None
-        else zlib.crc32(node.encode())
-    )
-    return AgentConfig(
-        node=node,
-        listen=args.listen,
-        controller=args.controller,
-        advertise_host=args.advertise_host,
-        gpus=gpus,
-        gpu_backend=backend,
-        nics=nics,
-        tp_layout=layout,
-        reshard_backend=_choice(args.reshard_backend, "--reshard-backend", RESHARD_BACKENDS),
-        telemetry_interval_s=interval,
-        ready_file=Path(args.ready_file) if args.ready_file else None,
-        log_level=_choice(args.log_level, "--log-level", LOG_LEVELS),
-        log_format=_choice(args.log_format, "--log-format", LOG_FORMATS),
-        seed=seed,
-        tls=tls_from_args(args),
-        controller_identities=tuple(args.controller_identity or ["orl-fabric-controller"]),
-    )
+
+
+def to_toml(config: AgentConfig) -> str:
+    """The normalised configuration as a config file (every key, defaults included)."""
+    tls = config.tls
+    values: dict[str, Any] = {
+        "node": config.node,
+        "listen": config.listen,
+        "controller": config.controller,
+        "advertise_host": config.advertise_host,
+        "gpus": config.gpus,
+        "gpu_backend": config.gpu_backend,
+        "nics": [name if gbps is None else f"{name}={gbps:g}" for name, gbps in config.nics],
+        "tp_layout": list(config.tp_layout) if config.tp_layout is not None else None,
+        "reshard_backend": config.reshard_backend,
+        "telemetry_interval": config.telemetry_interval_s,
+        "telemetry_buffer": config.telemetry_buffer,
+        "metrics_listen": config.metrics_listen,
+        "ready_file": str(config.ready_file) if config.ready_file else None,
+        "log_level": config.log_level,
+        "log_format": config.log_format,
+        "seed": config.seed,
+        "controller_identities": list(config.controller_identities),
+        "plaintext": tls is None,
+        "tls_cert": str(tls.cert) if tls else None,
+        "tls_key": str(tls.key) if tls else None,
+        "tls_ca": str(tls.ca) if tls else None,
+    }
+    lines = []
+    for name, value in values.items():
+        if value is None:
+            lines.append(f"# {name} is not set")
+        else:
+            lines.append(f"{name} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
 
 
 def layout_for(config: AgentConfig, gpus: int) -> tuple[int, ...]:

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import grpc
 import structlog
 
 from node_agent.commands import CommandLog
-from node_agent.config import AgentConfig, layout_for
+from node_agent.config import AgentConfig, ConfigChange, layout_for
 from node_agent.engine import busy_fraction
 from node_agent.gpus import GpuBackend, NvmlUnavailable, SimulatedGpus, select_backend
+from node_agent.metrics import AgentMetrics
 from node_agent.nics import SysfsNics
+from node_agent.rdma import SYSFS_INFINIBAND, SysfsRdma
+from node_agent.reload import Reloader
 from node_agent.reshard.engine import close_engine, open_engine
 from node_agent.roce import RoceConfigurator
 from node_agent.routes import HostRoutes
@@ -25,6 +30,7 @@ from orchestrrl.grpcutil import (
     parse_address,
     sd_notify,
     shutdown_signal,
+    start_metrics_server,
     start_server,
     watchdog,
     write_ready_file,
@@ -56,12 +62,22 @@ async def run_agent(
     *,
     controller: Callable[[], str] | None = None,
     uplink_settings: UplinkSettings | None = None,
+    metrics: AgentMetrics | None = None,
+    reload: Callable[[], AgentConfig] | None = None,
+    hangup: Callable[[], Awaitable[object]] | None = None,
+    set_log_level: Callable[[str], None] | None = None,
+    rdma_root: Path = SYSFS_INFINIBAND,
 ) -> int:
     """Serve until ``stop()`` returns (default: SIGTERM/SIGINT); the daemon's exit status.
 
     ``controller`` overrides ``config.controller`` and is read before every
-    registration (tests move a fake controller between ports).
+    registration (tests move a fake controller between ports). ``reload`` re-reads the
+    configuration each time ``hangup()`` returns (default: on SIGHUP); ``set_log_level``
+    applies a new log level (the shell reconfigures logging; None: not applied).
     """
+    shell = _Shell(
+        metrics or AgentMetrics(), reload, hangup, set_log_level, rdma_root, uplink_settings
+    )
     structlog.contextvars.bind_contextvars(node=config.node)
     try:
         gpus = await select_backend(config.gpu_backend, config.gpus, config.seed)
@@ -69,7 +85,7 @@ async def run_agent(
         log.error("gpu_backend_unavailable", error=str(exc))
         return EXIT_FAILURE
     try:
-        return await _serve(config, gpus, stop, controller, uplink_settings)
+        return await _serve(config, gpus, stop, controller, shell)
     except errors.InvalidArgument as exc:
         log.error("invalid_configuration", error=str(exc))
         return EXIT_USAGE
@@ -80,13 +96,46 @@ async def run_agent(
         await gpus.close()
 
 
+class _Shell:
+    """What run_agent was given besides the config (injected by tests)."""
+
+    def __init__(
+        self,
+        metrics: AgentMetrics,
+        reload: Callable[[], AgentConfig] | None,
+        hangup: Callable[[], Awaitable[object]] | None,
+        set_log_level: Callable[[str], None] | None,
+        rdma_root: Path,
+        uplink_settings: UplinkSettings | None,
+    ) -> None:
+        self.metrics = metrics
+        self.reload = reload
+        self.hangup = hangup
+        self.set_log_level = set_log_level
+        self.rdma_root = rdma_root
+        self.uplink_settings = uplink_settings
+
+
+def hangup_signal() -> Callable[[], Awaitable[None]]:
+    """A waiter that returns at each SIGHUP (several while busy count as one)."""
+    event = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, event.set)
+
+    async def wait() -> None:
+        await event.wait()
+        event.clear()
+
+    return wait
+
+
 async def _serve(
     config: AgentConfig,
     gpus: GpuBackend,
     stop: Callable[[], Awaitable[object]] | None,
     controller: Callable[[], str] | None,
-    uplink_settings: UplinkSettings | None,
+    shell: _Shell,
 ) -> int:
+    metrics = shell.metrics
     gpu_count = len(await gpus.inventory())
     engine = await open_engine(
         config.reshard_backend,
@@ -95,9 +144,13 @@ async def _serve(
     )
     if isinstance(gpus, SimulatedGpus):
         gpus.follow(lambda: busy_fraction(engine.stats()))
-    collector = Collector(config.node, gpus, SysfsNics(config.nics), engine)
+    collector = Collector(
+        config.node, gpus, SysfsNics(config.nics), engine, rdma=SysfsRdma(root=shell.rdma_root)
+    )
     await collector.open()
-    commands = CommandLog()
+    commands = CommandLog(
+        observe=lambda kind, outcome: metrics.commands.labels(kind, outcome).inc()
+    )
     servicer = NodeAgentService(
         collector,
         engine,
@@ -107,6 +160,7 @@ async def _serve(
         roce=RoceConfigurator(),
         auth=Authorizer(config.tls),
         controllers=frozenset(config.controller_identities),
+        metrics=metrics,
     )
 
     def register(server: grpc.aio.Server) -> None:
@@ -114,10 +168,21 @@ async def _serve(
 
     if config.tls is None:
         log.warning("serving WITHOUT TLS (--plaintext): for local development only")
-    server = await start_server(config.listen, register, [SERVICE_NAME], tls=config.tls)
+    stop_metrics: Callable[[], None] | None = None
+    try:
+        if config.metrics_listen:
+            stop_metrics = start_metrics_server(config.metrics_listen, metrics.registry)
+        server = await start_server(config.listen, register, [SERVICE_NAME], tls=config.tls)
+    except BaseException:  # nothing is serving: release what was opened, then report
+        if stop_metrics is not None:
+            await asyncio.to_thread(stop_metrics)
+        await commands.close()
+        await close_engine(engine)
+        raise
     try:
         # signal handlers go in before readiness is announced, so no SIGTERM is missed
         wait_stop = stop if stop is not None else shutdown_signal().wait
+        wait_hangup = shell.hangup if shell.hangup is not None else hangup_signal()
         write_ready_file(config.ready_file, server.address)
         agent_address = advertised_address(server.address, config.advertise_host)
         log.info(
@@ -131,17 +196,35 @@ async def _serve(
             reshard_backend=config.reshard_backend,
             tp_layout=list(engine.tp_layout),
             nics=[n.name for n in collector.status().nics],
+            metrics=config.metrics_listen,
         )
         uplink = Uplink(
             collector,
             agent_address,
             controller or config.controller,
             config.telemetry_interval_s,
-            settings=uplink_settings,
+            settings=shell.uplink_settings,
             tls=config.tls,
+            buffer_samples=config.telemetry_buffer,
+            metrics=metrics,
         )
+
+        async def apply(new: AgentConfig, change: ConfigChange) -> None:
+            if "telemetry_interval_s" in change.applied:
+                uplink.telemetry_interval_s = new.telemetry_interval_s
+                servicer.set_default_interval(new.telemetry_interval_s)
+            if "log_level" in change.applied and shell.set_log_level is not None:
+                shell.set_log_level(new.log_level)
+            if "nics" in change.applied:
+                await collector.replace_nics(SysfsNics(new.nics))
+
+        reloader = Reloader(config, shell.reload, apply)
         async with asyncio.TaskGroup() as tg:
-            loops = [tg.create_task(uplink.run()), tg.create_task(watchdog())]
+            loops = [
+                tg.create_task(uplink.run()),
+                tg.create_task(watchdog()),
+                tg.create_task(reloader.serve(wait_hangup)),
+            ]
             await wait_stop()
             log.info("stopping")
             sd_notify("STOPPING=1")
@@ -151,5 +234,7 @@ async def _serve(
         await server.stop(SHUTDOWN_GRACE_S)
         await commands.close()
         await close_engine(engine)
+        if stop_metrics is not None:
+            await asyncio.to_thread(stop_metrics)
     log.info("stopped")
     return EXIT_OK

@@ -8,6 +8,7 @@ a renamed or unplugged NIC never stops the agent.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -93,6 +94,8 @@ class SysfsNics:
         return list(self._specs) if self._specs else [NicSpec(n, g or 0.0) for n, g in self._nics]
 
     async def sample(self) -> list[NicSample]:
+        if not self._nics:  # nothing to read: no worker-thread hop
+            return []
         async with self._lock:
             readings = await asyncio.to_thread(self._read_all)
             now = self._clock()
@@ -118,14 +121,15 @@ class SysfsNics:
         return [(name, self._read(name)) for name, _ in self._nics]
 
     def _read(self, name: str) -> _Counters | None:
-        base = self._root / name
+        # os.open/os.read on prebuilt paths: a tenth of pathlib's cost, which matters at 10 Hz
+        base = f"{self._root}/{name}"
         try:
-            rx = int((base / "statistics" / "rx_bytes").read_text())
-            tx = int((base / "statistics" / "tx_bytes").read_text())
-            state = (base / "operstate").read_text().strip()
+            rx = int(_read_small(f"{base}/statistics/rx_bytes"))
+            tx = int(_read_small(f"{base}/statistics/tx_bytes"))
+            state = _read_small(f"{base}/operstate").strip()
         except (OSError, ValueError):
             return None
-        return _Counters(rx, tx, state == "up")
+        return _Counters(rx, tx, state == b"up")
 
     # -- rates --------------------------------------------------------------------------
 
@@ -156,6 +160,15 @@ class SysfsNics:
         return NicSample(
             name, counters.rx_bytes, counters.tx_bytes, rx_gbps, tx_gbps, counters.oper_up
         )
+
+
+def _read_small(path: str) -> bytes:
+    """The content of a small sysfs file (a counter or a word)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, 256)
+    finally:
+        os.close(fd)
 
 
 def _gbps(delta_bytes: int, elapsed_s: float) -> float:

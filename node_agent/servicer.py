@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeAlias
 
@@ -10,6 +11,7 @@ import grpc
 from node_agent import convert, roce, routes
 from node_agent.commands import CommandLog
 from node_agent.engine import RolloutEngine
+from node_agent.metrics import AgentMetrics
 from node_agent.roce import RoceConfigurator
 from node_agent.routes import HostRoutes
 from node_agent.telemetry import Collector, check_interval
@@ -38,6 +40,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         roce: RoceConfigurator | None = None,
         auth: Authorizer | None = None,
         controllers: frozenset[str] = frozenset({"orl-fabric-controller"}),
+        metrics: AgentMetrics | None = None,
     ) -> None:
         """``routes`` / ``roce`` None: this agent refuses ApplyRoutes / ConfigureRoce with
         FAILED_PRECONDITION instead of touching the host (the daemon always passes both).
@@ -50,6 +53,11 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         self._default_interval_s = default_interval_s
         self._routes = routes
         self._roce = roce
+        self._metrics = metrics
+
+    def set_default_interval(self, interval_s: float) -> None:
+        """The StreamTelemetry interval when a request names none (config reload)."""
+        self._default_interval_s = interval_s
 
     @domain_errors_to_status
     async def GetStatus(
@@ -73,7 +81,10 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         self._auth.peer(context, self._controllers)
 
         async def reshard() -> node_agent_pb2.ReshardResponse:
+            started = time.monotonic()
             result = await self._engine.reshard(list(request.tp_layout))
+            if self._metrics is not None:
+                self._metrics.reshard_seconds.observe(time.monotonic() - started)
             log.info(
                 "resharded",
                 command_id=request.command_id,

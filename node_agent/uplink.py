@@ -1,5 +1,10 @@
 """The agent's link to the fabric controller: register, then heartbeat and stream telemetry.
 
+Telemetry is sampled at a fixed rate whether or not the controller is there: samples go
+into a bounded buffer (:class:`TelemetryBuffer`) and the session sends from its head,
+so after an outage the samples taken while away arrive first, oldest first. A full
+buffer drops its oldest sample and counts it (logged, and on /metrics).
+
 Any failure (controller unreachable, stream broken, session unknown after a controller
 restart) ends the session; the uplink logs why, backs off with jitter and registers
 again. A controller that rejects the registration (node not in its wiring) is retried at
@@ -10,6 +15,7 @@ own NodeAgent service throughout.
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import random
 from collections.abc import Callable
@@ -19,7 +25,8 @@ from typing import cast
 import grpc
 
 from node_agent import convert
-from node_agent.telemetry import Collector
+from node_agent.metrics import AgentMetrics
+from node_agent.telemetry import Collector, Telemetry, ticks
 from orchestrrl import errors
 from orchestrrl.grpcutil import call, channel
 from orchestrrl.logs import get_logger
@@ -27,6 +34,8 @@ from orchestrrl.tls import TlsConfig
 from orchestrrl.v1 import fabric_controller_pb2, fabric_controller_pb2_grpc
 
 log = get_logger("node_agent.uplink")
+
+DEFAULT_BUFFER_SAMPLES = 600  # 10 minutes at the default 1 s interval
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,61 @@ class Backoff:
         return self._rng.uniform(ceiling / 2.0, ceiling)
 
 
+class TelemetryBuffer:
+    """Samples waiting for the controller, oldest first; full, it drops the oldest."""
+
+    def __init__(self, capacity: int, metrics: AgentMetrics | None = None) -> None:
+        if capacity < 1:
+            raise errors.field_error("telemetry_buffer", capacity, "must be at least 1 sample")
+        self.capacity = capacity
+        self.dropped = 0  # since the agent started
+        self.dropped_unreported = 0  # since the last report (see take_drop_report)
+        self._items: collections.deque[Telemetry] = collections.deque()
+        self._ready = asyncio.Event()
+        self._metrics = metrics
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, sample: Telemetry) -> None:
+        if len(self._items) >= self.capacity:
+            self._items.popleft()
+            self.dropped += 1
+            self.dropped_unreported += 1
+            if self.dropped_unreported == 1:
+                log.warning(
+                    "telemetry_buffer_full",
+                    capacity=self.capacity,
+                    effect="dropping the oldest samples until the controller is back",
+                )
+            if self._metrics is not None:
+                self._metrics.samples_dropped.inc()
+        self._items.append(sample)
+        self._ready.set()
+        self._gauge()
+
+    async def head(self) -> Telemetry:
+        """The oldest sample, waiting for one; it stays buffered until :meth:`sent`."""
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items[0]
+
+    def sent(self, sample: Telemetry) -> None:
+        """``sample`` (a head) reached the stream; drop it unless it was dropped already."""
+        if self._items and self._items[0] is sample:
+            self._items.popleft()
+        self._gauge()
+
+    def take_drop_report(self) -> int:
+        dropped, self.dropped_unreported = self.dropped_unreported, 0
+        return dropped
+
+    def _gauge(self) -> None:
+        if self._metrics is not None:
+            self._metrics.samples_buffered.set(len(self._items))
+
+
 class RegistrationRejected(errors.OrlError):
     """The controller refused the registration (NOT_FOUND or INVALID_ARGUMENT)."""
 
@@ -85,8 +149,12 @@ class Uplink:
         settings: UplinkSettings | None = None,
         rng: random.Random | None = None,
         tls: TlsConfig | None = None,
+        buffer_samples: int = DEFAULT_BUFFER_SAMPLES,
+        metrics: AgentMetrics | None = None,
     ) -> None:
         self._tls = tls
+        self.metrics = metrics or AgentMetrics()
+        self.buffer = TelemetryBuffer(buffer_samples, self.metrics)
         self._collector = collector
         self._agent_address = agent_address
         self._controller = controller if callable(controller) else (lambda: controller)
@@ -95,8 +163,33 @@ class Uplink:
         self._backoff = Backoff(self._settings.backoff_initial_s, self._settings.backoff_max_s, rng)
         self.session: Session | None = None
 
+    @property
+    def telemetry_interval_s(self) -> float:
+        return self._telemetry_interval_s
+
+    @telemetry_interval_s.setter
+    def telemetry_interval_s(self, value: float) -> None:
+        """A new interval (config reload) applies from the next sample."""
+        self._telemetry_interval_s = value
+
     async def run(self) -> None:
-        """Register and keep the session alive until cancelled; never returns otherwise."""
+        """Sample telemetry, and register and keep the session alive, until cancelled."""
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._sample_forever())
+            tg.create_task(self._sessions())
+
+    async def _sample_forever(self) -> None:
+        async for _ in ticks(lambda: self._telemetry_interval_s):
+            try:
+                sample = await self._collector.sample()
+            except Exception as exc:  # a broken reading must not stop the agent
+                log.warning("telemetry_sample_failed", reason=_reason(exc))
+                continue
+            self.buffer.put(sample)
+            self.metrics.observe_gpus(sample.gpus)
+            self.metrics.observe_rdma(sample.rdma)
+
+    async def _sessions(self) -> None:
         failures = 0
         while True:
             address = self._controller()
@@ -132,7 +225,10 @@ class Uplink:
                     failures=failures,
                     retry_in_s=round(delay, 3),
                 )
+            if self.session is not None:
+                self.metrics.reconnects.inc()
             self.session = None
+            self.metrics.registered.set(0)
             await asyncio.sleep(delay)
 
     async def _register(
@@ -159,6 +255,7 @@ class Uplink:
             )
             interval = self._settings.min_heartbeat_interval_s
         self.session = Session(address, response.session_id, interval)
+        self.metrics.registered.set(1)
         log.info(
             "registered",
             controller=address,
@@ -192,14 +289,25 @@ class Uplink:
     ) -> None:
         # A long-lived client stream: no deadline; channel keepalives and heartbeats watch it.
         stream = stub.ReportTelemetry(None)
+        dropped = self.buffer.take_drop_report()
+        if dropped or len(self.buffer) > 1:
+            log.info(
+                "telemetry_backlog_sending",
+                buffered=len(self.buffer),
+                dropped_while_away=dropped,
+                dropped_total=self.buffer.dropped,
+            )
         try:
-            async for sample in self._collector.every(self._telemetry_interval_s):
+            while True:
+                sample = await self.buffer.head()
                 try:
                     await call("ReportTelemetry", stream.write(convert.telemetry_to_pb(sample)))
                 except asyncio.InvalidStateError:
                     raise errors.Unavailable(
                         "ReportTelemetry: the controller closed the telemetry stream"
                     ) from None
+                self.buffer.sent(sample)
+                self.metrics.samples_sent.inc()
         finally:
             stream.cancel()
 

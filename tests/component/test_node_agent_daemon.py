@@ -11,17 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-import grpc
 import pytest
 from structlog.testing import capture_logs
 
 from node_agent.config import AgentConfig
 from node_agent.daemon import run_agent
+from node_agent.fake_controller import RunningFakeController, start_fake_controller
 from node_agent.uplink import UplinkSettings
 from orchestrrl import grpcutil
-from orchestrrl.v1 import common_pb2, node_agent_pb2, node_agent_pb2_grpc
-from orchestrrl.v1 import fabric_controller_pb2 as pb
-from orchestrrl.v1 import fabric_controller_pb2_grpc as pb_grpc
+from orchestrrl.v1 import node_agent_pb2, node_agent_pb2_grpc
 
 if TYPE_CHECKING:
     from orchestrrl.v1.node_agent_pb2_grpc import NodeAgentAsyncStub
@@ -34,68 +32,8 @@ FAST = UplinkSettings(rpc_timeout_s=2.0, backoff_initial_s=0.02, backoff_max_s=0
 Context = Any
 
 
-class FakeController(pb_grpc.FabricControllerServicer):
-    """Records what agents send; can reject registrations and forget sessions."""
-
-    def __init__(self, reject: str | None = None) -> None:
-        self.reject = reject
-        self.registrations: list[pb.RegisterRequest] = []
-        self.heartbeats: list[pb.HeartbeatRequest] = []
-        self.samples: list[node_agent_pb2.TelemetrySample] = []
-        self.sessions: set[str] = set()
-
-    async def Register(self, request: pb.RegisterRequest, context: Context) -> pb.RegisterResponse:
-        self.registrations.append(request)
-        if self.reject is not None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, self.reject)
-        session_id = f"session-{len(self.registrations)}"
-        self.sessions.add(session_id)
-        return pb.RegisterResponse(
-            session_id=session_id,
-            heartbeat_interval_s=0.05,
-            epoch=3,
-            phase=common_pb2.PHASE_GENERATION,
-        )
-
-    async def Heartbeat(
-        self, request: pb.HeartbeatRequest, context: Context
-    ) -> pb.HeartbeatResponse:
-        if request.session_id not in self.sessions:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"node {request.node!r}: session {request.session_id!r} is not current",
-            )
-        self.heartbeats.append(request)
-        return pb.HeartbeatResponse(epoch=3, phase=common_pb2.PHASE_GENERATION)
-
-    async def ReportTelemetry(
-        self, request_iterator: AsyncIterator[node_agent_pb2.TelemetrySample], context: Context
-    ) -> pb.ReportTelemetryResponse:
-        accepted = 0
-        async for sample in request_iterator:
-            self.samples.append(sample)
-            accepted += 1
-        return pb.ReportTelemetryResponse(accepted=accepted)
-
-
-@dataclass
-class Controller:
-    fake: FakeController
-    server: grpcutil.RunningServer
-
-    @property
-    def address(self) -> str:
-        return self.server.address
-
-
-async def start_controller(listen: str = "127.0.0.1:0", **kwargs: Any) -> Controller:
-    fake = FakeController(**kwargs)
-    server = await grpcutil.start_server(
-        listen,
-        lambda s: pb_grpc.add_FabricControllerServicer_to_server(fake, s),
-        [pb.DESCRIPTOR.services_by_name["FabricController"].full_name],
-    )
-    return Controller(fake, server)
+Controller = RunningFakeController
+start_controller = start_fake_controller
 
 
 @pytest.fixture
@@ -331,3 +269,46 @@ async def test_layout_that_does_not_fit_the_gpus_exits_2(tmp_path: Path) -> None
     assert error["event"] == "invalid_configuration"
     assert "--tp-layout=[4, 4]" in error["error"]
     assert not ready.exists()  # never announced ready
+
+
+async def test_the_daemon_process_reloads_its_config_file_on_sighup(
+    controller: Controller, tmp_path: Path
+) -> None:
+    ready = tmp_path / "agent.ready"
+    config = tmp_path / "agent.toml"
+    common = (
+        f'node = "gen0-n1"\nlisten = "127.0.0.1:0"\ncontroller = "{controller.address}"\n'
+        f'gpu_backend = "sim"\ngpus = 2\nplaintext = true\nready_file = "{ready}"\n'
+        'log_format = "json"\n'
+    )
+    config.write_text(common + "telemetry_interval = 0.05\n")
+    log_path = tmp_path / "agent.log"
+    with log_path.open("w") as log_file:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "node_agent.main",
+            f"--config={config}",
+            cwd=REPO,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=log_file,
+        )
+    try:
+        await eventually(lambda: len(controller.fake.samples) >= 1, "the daemon streams")
+        config.write_text(common + 'telemetry_interval = 0.1\nlog_level = "debug"\n')
+        proc.send_signal(signal.SIGHUP)
+        await eventually(lambda: "config_reloaded" in log_path.read_text(), "it reloads")
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(TIMEOUT):
+            code = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    output = log_path.read_text()
+    assert code == 0, output
+    events = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    [reloaded] = [e for e in events if e["event"] == "config_reloaded"]
+    assert reloaded["applied"] == {"telemetry_interval_s": 0.1, "log_level": "debug"}
+    assert reloaded["needs_restart"] == []

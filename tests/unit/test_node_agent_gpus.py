@@ -71,6 +71,10 @@ class FakeNvml:
         self.count = count
         self.calls: list[str] = []
         self.power_error: int | None = None
+        self.unsupported: set[str] = set()  # names of NVML functions that fail
+        self.nvlink_kib = [0, 0]  # cumulative TX, RX KiB on each of links 0 and 1
+        self.xid_events: list[tuple[str, int]] = []  # (handle, xid) pending
+        self.registered: list[str] = []
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         for name in (
@@ -84,8 +88,76 @@ class FakeNvml:
             "nvmlDeviceGetUtilizationRates",
             "nvmlDeviceGetPowerUsage",
             "nvmlDeviceGetTemperature",
+            "nvmlDeviceGetClockInfo",
+            "nvmlDeviceGetPcieThroughput",
+            "nvmlDeviceGetTotalEccErrors",
+            "nvmlDeviceGetFieldValues",
+            "nvmlEventSetCreate",
+            "nvmlEventSetFree",
+            "nvmlDeviceRegisterEvents",
+            "nvmlEventSetWait",
         ):
-            monkeypatch.setattr(pynvml, name, getattr(self, name))
+            monkeypatch.setattr(pynvml, name, self._maybe_unsupported(name, getattr(self, name)))
+
+    def _maybe_unsupported(self, name: str, fn: Any) -> Any:
+        def call(*args: Any) -> Any:
+            if name in self.unsupported:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            return fn(*args)
+
+        return call
+
+    def nvmlDeviceGetClockInfo(self, handle: str, clock: int) -> int:
+        assert clock == pynvml.NVML_CLOCK_SM
+        return 1980
+
+    def nvmlDeviceGetPcieThroughput(self, handle: str, counter: int) -> int:
+        self.calls.append("pcie")
+        return {pynvml.NVML_PCIE_UTIL_TX_BYTES: 1000, pynvml.NVML_PCIE_UTIL_RX_BYTES: 2000}[
+            counter
+        ]  # KB/s
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: str, kind: int, counter: int) -> int:
+        assert counter == pynvml.NVML_VOLATILE_ECC
+        return {pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED: 5}.get(kind, 0)
+
+    def nvmlDeviceGetFieldValues(self, handle: str, fields: list[tuple[int, int]]) -> Any:
+        out = []
+        for field_id, link in fields:
+            tx = field_id == pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
+            if link < 2:  # two links report; the others are not present
+                value = self.nvlink_kib[0 if tx else 1]
+                out.append(
+                    SimpleNamespace(
+                        fieldId=field_id,
+                        nvmlReturn=pynvml.NVML_SUCCESS,
+                        value=SimpleNamespace(ullVal=value),
+                    )
+                )
+            else:
+                out.append(
+                    SimpleNamespace(fieldId=field_id, nvmlReturn=pynvml.NVML_ERROR_NOT_SUPPORTED)
+                )
+        return out
+
+    def nvmlEventSetCreate(self) -> str:
+        return "events"
+
+    def nvmlEventSetFree(self, events: str) -> None:
+        self.calls.append("free")
+
+    def nvmlDeviceRegisterEvents(self, handle: str, types: int, events: str) -> None:
+        assert types == pynvml.nvmlEventTypeXidCriticalError
+        self.registered.append(handle)
+
+    def nvmlEventSetWait(self, events: str, timeout_ms: int) -> Any:
+        assert timeout_ms == 0  # never blocks the sampling thread
+        if not self.xid_events:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+        handle, xid = self.xid_events.pop(0)
+        return SimpleNamespace(
+            device=handle, eventType=pynvml.nvmlEventTypeXidCriticalError, eventData=xid
+        )
 
     def nvmlInit(self) -> None:
         self.calls.append("init")
@@ -141,7 +213,81 @@ async def test_nvml_inventory_and_sample(monkeypatch: pytest.MonkeyPatch) -> Non
     assert sample.power_watts == pytest.approx(350.0)
     assert sample.temperature_c == 61.0
     await gpus.close()
-    assert fake.calls == ["init", "shutdown"]
+    assert fake.calls == ["init", "pcie", "pcie", "pcie", "pcie", "free", "shutdown"]
+
+
+async def test_nvml_extras_clock_pcie_nvlink_ecc_xid(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeNvml(count=2)
+    fake.install(monkeypatch)
+    clock = FakeClock(10.0)
+    gpus = await NvmlGpus.open()
+    gpus._clock = clock  # the reading times of the NVLink counters
+    assert fake.registered == ["handle0", "handle1"]
+    fake.nvlink_kib = [100, 50]
+    first = await gpus.sample()
+    sample = first[0]
+    assert sample.sm_clock_mhz == 1980.0
+    assert sample.pcie_tx_bytes_per_s == 1000 * 1024
+    assert sample.pcie_rx_bytes_per_s == 2000 * 1024
+    assert sample.ecc_corrected == 5
+    assert sample.ecc_uncorrected == 0
+    assert sample.nvlink_tx_bytes_per_s is None  # a rate needs two readings
+    assert (sample.xid_errors, sample.last_xid) == (0, None)
+
+    fake.nvlink_kib = [100 + 2048, 50 + 1024]  # per link, two links
+    fake.xid_events = [("handle1", 79), ("handle1", 48)]
+    clock.now = 12.0
+    with capture_logs() as logs:
+        second = await gpus.sample()
+    assert fake.calls.count("pcie") == 4  # slow (20 ms a call): not again within 5 s
+    assert second[0].pcie_tx_bytes_per_s == 1000 * 1024  # the last reading
+    clock.now = 15.0
+    await gpus.sample()
+    assert fake.calls.count("pcie") == 8
+    assert second[0].nvlink_tx_bytes_per_s == 2 * 2048 * 1024 / 2.0
+    assert second[0].nvlink_rx_bytes_per_s == 2 * 1024 * 1024 / 2.0
+    assert (second[0].xid_errors, second[0].last_xid) == (0, None)
+    assert (second[1].xid_errors, second[1].last_xid) == (2, 48)
+    assert [e["xid"] for e in logs if e["event"] == "gpu_xid_error"] == [79, 48]
+    await gpus.close()
+
+
+async def test_nvml_extras_not_supported_are_absent_with_one_warning_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = FakeNvml(count=2)
+    fake.unsupported = {
+        "nvmlDeviceGetClockInfo",
+        "nvmlDeviceGetPcieThroughput",
+        "nvmlDeviceGetTotalEccErrors",
+        "nvmlDeviceGetFieldValues",
+        "nvmlDeviceRegisterEvents",
+    }
+    fake.install(monkeypatch)
+    with capture_logs() as logs:
+        gpus = await NvmlGpus.open()
+        for _ in range(2):
+            samples = await gpus.sample()
+    for s in samples:
+        assert s.sm_clock_mhz is None
+        assert s.pcie_tx_bytes_per_s is None
+        assert s.pcie_rx_bytes_per_s is None
+        assert s.nvlink_tx_bytes_per_s is None
+        assert s.ecc_corrected is None
+        assert s.ecc_uncorrected is None
+        assert s.xid_errors is None
+        assert s.utilization == pytest.approx(0.75)  # the rest still reads
+    warned = sorted(e["metric"] for e in logs if e["event"] == "nvml_metric_unavailable")
+    assert warned == [
+        "ecc_corrected",
+        "ecc_uncorrected",
+        "nvlink",
+        "pcie_rx",
+        "pcie_tx",
+        "sm_clock",
+        "xid",
+    ]
+    await gpus.close()
 
 
 async def test_nvml_metric_not_supported_reads_zero_and_warns_once(

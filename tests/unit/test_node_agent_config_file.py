@@ -1,0 +1,210 @@
+"""The TOML config file of orl-node-agent: precedence, problems, --check-config, reload diff."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from node_agent.config import (
+    KEYS,
+    AgentConfig,
+    ConfigProblems,
+    ConfigSource,
+    diff,
+    load,
+    parse_command_line,
+    to_toml,
+)
+from node_agent.main import main
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "node_agent" / "agent.example.toml"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "agent.toml"
+    path.write_text(text)
+    return path
+
+
+def load_argv(argv: list[str], environ: dict[str, str] | None = None) -> AgentConfig:
+    source = parse_command_line(argv).source
+    return load(ConfigSource(source.flags, source.path, environ or {}))
+
+
+def test_every_key_from_the_file(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+node = "gen1-n1"
+listen = "0.0.0.0:0"
+controller = "ctl.example:50051"
+advertise_host = "gen1-n1.example"
+gpus = 4
+gpu_backend = "sim"
+nics = ["eth0=400", "eth1"]
+tp_layout = [2, 1, 1]
+reshard_backend = "sim"
+telemetry_interval = 0.25
+telemetry_buffer = 50
+metrics_listen = "127.0.0.1:9101"
+ready_file = "/run/orl/agent.ready"
+log_level = "debug"
+log_format = "json"
+seed = 42
+controller_identities = ["ctl-a", "ctl-b"]
+plaintext = true
+""",
+    )
+    assert load_argv(["--config", str(path)]) == AgentConfig(
+        node="gen1-n1",
+        listen="0.0.0.0:0",
+        controller="ctl.example:50051",
+        advertise_host="gen1-n1.example",
+        gpus=4,
+        gpu_backend="sim",
+        nics=(("eth0", 400.0), ("eth1", None)),
+        tp_layout=(2, 1, 1),
+        telemetry_interval_s=0.25,
+        telemetry_buffer=50,
+        metrics_listen="127.0.0.1:9101",
+        ready_file=Path("/run/orl/agent.ready"),
+        log_level="debug",
+        log_format="json",
+        seed=42,
+        controller_identities=("ctl-a", "ctl-b"),
+    )
+
+
+def test_flags_override_the_file_which_overrides_the_environment(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        'node = "n1"\nplaintext = true\ncontroller = "file:1"\ngpus = 4\nnics = ["eth0"]\n',
+    )
+    env = {"ORL_CONTROLLER": "env:1"}
+    config = load_argv(["--config", str(path), "--gpus", "2", "--nic", "eth9"], env)
+    assert (config.controller, config.gpus, config.nics) == ("file:1", 2, (("eth9", None),))
+    assert load_argv(["--config", str(path), "--controller", "flag:1"], env).controller == "flag:1"
+    no_file_key = write(tmp_path, 'node = "n1"\nplaintext = true\n')
+    assert load_argv(["--config", str(no_file_key)], env).controller == "env:1"
+
+
+def test_plaintext_flag_overrides_tls_files_in_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, 'node = "n1"\ntls_cert = "/x.pem"\ntls_key = "/x.key"\ntls_ca = "/c"\n')
+    assert load_argv(["--config", str(path), "--plaintext"]).tls is None
+
+
+def test_unknown_key_names_the_key_and_the_allowed_ones(tmp_path: Path) -> None:
+    path = write(tmp_path, 'node = "n1"\nplaintext = true\ntelemetry_intervall = 2\n')
+    with pytest.raises(ConfigProblems) as info:
+        load_argv(["--config", str(path)])
+    [problem] = info.value.problems
+    assert f"{path}: unknown key 'telemetry_intervall'" in problem
+    assert "allowed keys: " in problem
+    assert all(name in problem for name in KEYS)
+
+
+def test_every_problem_is_reported_at_once_naming_key_value_and_rule(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        'node = "bad name"\ngpus = "8"\ntelemetry_interval = 0.001\nlog_level = "loud"\n'
+        'nics = ["a/b"]\nplaintext = true\n',
+    )
+    with pytest.raises(ConfigProblems) as info:
+        load_argv(["--config", str(path), "--gpu-backend", "cuda"])
+    problems = "\n".join(info.value.problems)
+    assert len(info.value.problems) == 6, problems
+    assert f"{path}: node='bad name' is not valid" in problems
+    assert f"{path}: gpus='8' is not valid: expected an integer" in problems
+    assert f"{path}: telemetry_interval=0.001 is not valid: must be between" in problems
+    assert f"{path}: log_level='loud' is not valid: expected one of debug" in problems
+    assert f"{path}: nics='a/b' is not valid" in problems
+    assert "--gpu-backend='cuda' is not valid: expected one of auto, nvml, sim" in problems
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("node = ", "not valid TOML"),
+        ('plaintext = "yes"\nnode = "n"', "plaintext='yes' is not valid: expected true or false"),
+        ('plaintext = true\nnode = "n"\ntp_layout = [2.0]', "tp_layout=[2.0] is not valid"),
+        ("plaintext = true", "--node is required"),
+        ('node = "n"', "no TLS configured"),
+    ],
+)
+def test_bad_files(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigProblems) as info:
+        load_argv(["--config", str(path)])
+    assert message in str(info.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigProblems, match="cannot read it"):
+        load_argv(["--config", str(tmp_path / "nope.toml")])
+
+
+def test_check_config_prints_the_normalised_config_and_exits_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, 'node = "n1"\nplaintext = true\ngpus = 4\nnics = ["eth0=400.0"]\n')
+    assert main(["--check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    doc = tomllib.loads(out)
+    assert doc["node"] == "n1"
+    assert doc["gpus"] == 4
+    assert doc["nics"] == ["eth0=400"]
+    assert doc["telemetry_interval"] == 1.0
+    assert doc["plaintext"] is True
+    assert set(doc) <= set(KEYS)
+    # the output is itself a valid config file that loads to the same configuration
+    again = write(tmp_path, out)
+    assert load_argv(["--config", str(again)]) == load_argv(["--config", str(path)])
+
+
+def test_check_config_prints_the_problems_and_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, 'node = "n1"\nplaintext = true\ngpus = 0\ncolour = "red"\n')
+    assert main(["--check-config", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "2 configuration problems" in captured.err
+    assert "unknown key 'colour'" in captured.err
+    assert "gpus='0' is not valid: expected an integer in 1..64" in captured.err
+
+
+def test_the_shipped_example_is_valid(capsys: pytest.CaptureFixture[str]) -> None:
+    # its TLS files do not exist here; --plaintext replaces them
+    assert main(["--check-config", str(EXAMPLE), "--plaintext"]) == 0
+    assert 'node = "gen0-n0"' in capsys.readouterr().out
+    assert set(tomllib.loads(EXAMPLE.read_text())) <= set(KEYS)
+
+
+def test_to_toml_round_trips_tls(tmp_path: Path) -> None:
+    for name in ("a.pem", "a.key", "ca.pem"):
+        (tmp_path / name).write_text("x")
+    path = write(
+        tmp_path,
+        f'node = "n1"\ntls_cert = "{tmp_path}/a.pem"\ntls_key = "{tmp_path}/a.key"\n'
+        f'tls_ca = "{tmp_path}/ca.pem"\n',
+    )
+    config = load_argv(["--config", str(path)])
+    assert config.tls is not None
+    again = write(tmp_path, to_toml(config))
+    assert load_argv(["--config", str(again)]) == config
+
+
+def test_diff_splits_runtime_changes_from_restart_ones() -> None:
+    old = AgentConfig(node="n1")
+    new = AgentConfig(
+        node="n1", telemetry_interval_s=0.5, log_level="debug", nics=(("eth0", None),), gpus=4
+    )
+    change = diff(old, new)
+    assert set(change.applied) == {"telemetry_interval_s", "log_level", "nics"}
+    assert change.needs_restart == ("gpus",)
+    assert diff(old, old).applied == diff(old, old).needs_restart == ()
