@@ -344,6 +344,49 @@ def _op_route(
     return lambda seq: rtnl.encode_route(seq, op, route, OWNER_PROTO, ifindexes)
 
 
+class PyrouteThread:
+    """pyroute2's blocking ``IPRoute`` on one dedicated thread, opened inside a namespace.
+
+    ``AsyncIPRoute`` cannot open its socket on uvloop (which the daemons run on), so the
+    blocking API runs here instead: calls never block the event loop, and the socket is
+    only ever used by the thread that created it. Other blocking netlink work of the
+    same owner (raw dumps) may run on this thread too, through :meth:`call`.
+    """
+
+    def __init__(self, netns: str | None, label: str) -> None:
+        self.netns = netns
+        self.ipr: Any = None
+        self._thread: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            1, thread_name_prefix=f"{label}-{netns or 'host'}"
+        )
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if self._thread is None:
+            raise errors.FailedPrecondition(f"netlink thread for {self.netns!r} is closed")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, functools.partial(fn, *args, **kwargs))
+
+    async def open(self) -> Any:
+        """Open ``IPRoute`` on a socket created inside the namespace; returns it."""
+        sock = await asyncio.to_thread(netlink_socket, self.netns)
+        fd = sock.detach()  # pyroute2 takes the descriptor over
+        try:
+            self.ipr = await self.call(IPRoute, fileno=fd, groups=0)
+        except BaseException:
+            os.close(fd)
+            raise
+        return self.ipr
+
+    async def close(self) -> None:
+        if self.ipr is not None:
+            ipr, self.ipr = self.ipr, None
+            with contextlib.suppress(Exception):
+                await self.call(ipr.close)
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)
+            self._thread = None
+
+
 class Netlink:
     """Routes, rules and links of one network namespace (None: the agent's own).
 
@@ -357,30 +400,23 @@ class Netlink:
         self.verify_timeout_s = verify_timeout_s
         self.where = f"netns {netns!r}" if netns else "the host namespace"
         self._ipr: Any = None
-        self._thread: ThreadPoolExecutor | None = None
+        self._py: PyrouteThread | None = None
         self._routes: _RouteSocket | None = None
         self._lock = asyncio.Lock()
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a blocking pyroute2 call on this adapter's own thread."""
-        if self._thread is None:
+        if self._py is None:
             raise errors.FailedPrecondition(f"netlink adapter for {self.where} is not open")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, functools.partial(fn, *args, **kwargs))
+        return await self._py.call(fn, *args, **kwargs)
 
     async def open(self) -> Netlink:
         if self._ipr is not None:
             return self
         try:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"nl-{self.netns or 'host'}")
+            self._py = PyrouteThread(self.netns, "nl")
             self._routes = await asyncio.to_thread(_RouteSocket.open, self.netns)
-            links_socket = await asyncio.to_thread(netlink_socket, self.netns)
-            fd = links_socket.detach()  # pyroute2 takes the descriptor over
-            try:
-                self._ipr = await self._call(IPRoute, fileno=fd, groups=0)
-            except BaseException:
-                os.close(fd)
-                raise
+            self._ipr = await self._py.open()
             await self.links()  # fail now, not at first use
         except FileNotFoundError:
             await self.close()
@@ -402,13 +438,10 @@ class Netlink:
         return self
 
     async def close(self) -> None:
-        if self._ipr is not None:
-            ipr, self._ipr = self._ipr, None
-            with contextlib.suppress(Exception):
-                await self._call(ipr.close)
-        if self._thread is not None:
-            self._thread.shutdown(wait=False)
-            self._thread = None
+        self._ipr = None
+        if self._py is not None:
+            await self._py.close()
+            self._py = None
         if self._routes is not None:
             self._routes.close()
             self._routes = None

@@ -26,20 +26,17 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import functools
-import os
 import socket
 import struct
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
-from pyroute2 import IPRoute, NetlinkError
+from pyroute2 import NetlinkError
 
 from orchestrrl import errors
-from orchestrrl.netlink import check_netns, kernel_error, netlink_socket
+from orchestrrl.netlink import PyrouteThread, check_netns, kernel_error, netlink_socket
 
 INGRESS = 0xFFFF0000  # the ingress qdisc's handle, parent of its filters ("ffff:")
 ETH_P_ALL = 0x0003
@@ -139,7 +136,7 @@ class Tc:
         self.netns = check_netns(netns)
         self.where = f"netns {netns!r}" if netns else "the host namespace"
         self._ipr: Any = None
-        self._thread: ThreadPoolExecutor | None = None
+        self._py: PyrouteThread | None = None
         self._lock = asyncio.Lock()
         self._indexes: dict[str, int] = {}  # name -> ifindex, as last listed
         self._links: socket.socket | None = None  # our own socket for link dumps
@@ -147,24 +144,17 @@ class Tc:
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a blocking pyroute2 call on this instance's own thread."""
-        if self._thread is None:
+        if self._py is None:
             raise errors.FailedPrecondition(f"traffic control of {self.where} is not open")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, functools.partial(fn, *args, **kwargs))
+        return await self._py.call(fn, *args, **kwargs)
 
     async def open(self) -> Tc:
         if self._ipr is not None:
             return self
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"tc-{self.netns or 'host'}")
+        self._py = PyrouteThread(self.netns, "tc")
         try:
             self._links = await asyncio.to_thread(netlink_socket, self.netns)
-            sock = await asyncio.to_thread(netlink_socket, self.netns)
-            fd = sock.detach()
-            try:
-                self._ipr = await self._call(IPRoute, fileno=fd, groups=0)
-            except BaseException:
-                os.close(fd)
-                raise
+            self._ipr = await self._py.open()
             await self.links()
         except FileNotFoundError:
             await self.close()
@@ -183,12 +173,10 @@ class Tc:
         return self
 
     async def close(self) -> None:
-        if self._ipr is not None:
-            await self._call(self._ipr.close)
-            self._ipr = None
-        if self._thread is not None:
-            self._thread.shutdown(wait=False)
-            self._thread = None
+        self._ipr = None
+        if self._py is not None:
+            await self._py.close()
+            self._py = None
         if self._links is not None:
             self._links.close()
             self._links = None
