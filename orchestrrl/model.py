@@ -6,6 +6,7 @@ import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 from orchestrrl import errors
 
@@ -30,21 +31,24 @@ class Role(enum.Enum):
     GEN = "gen"
 
 
-@dataclass(frozen=True, order=True)
-class Circuit:
-    """A bidirectional circuit between two ports of one OCS; ``a < b`` always."""
-
+class _CircuitFields(NamedTuple):
     ocs: str
     a: int
     b: int
 
-    def __post_init__(self) -> None:
-        if self.a == self.b:
-            raise errors.InvalidArgument(f"circuit on {self.ocs} connects port {self.a} to itself")
-        if self.a > self.b:
-            a, b = self.b, self.a
-            object.__setattr__(self, "a", a)
-            object.__setattr__(self, "b", b)
+
+class Circuit(_CircuitFields):
+    """A bidirectional circuit between two ports of one OCS; ``a < b`` always.
+
+    A named tuple: planners sort and hash thousands of these per phase change, and
+    tuple comparison runs in C."""
+
+    __slots__ = ()
+
+    def __new__(cls, ocs: str, a: int, b: int) -> Circuit:
+        if a == b:
+            raise errors.InvalidArgument(f"circuit on {ocs} connects port {a} to itself")
+        return super().__new__(cls, ocs, a, b) if a < b else super().__new__(cls, ocs, b, a)
 
     def ports(self) -> tuple[tuple[str, int], tuple[str, int]]:
         return (self.ocs, self.a), (self.ocs, self.b)
