@@ -54,6 +54,7 @@ bench: $(STAMP)
 		--json bench/results/telemetry_ingest.json
 	$(PY) bench/reshard.py --json bench/results/reshard.json
 	$(PY) bench/agent_overhead.py --json bench/results/agent_overhead.json
+	$(PY) bench/planner.py --json bench/results/planner.json
 	@if [ "$$(id -u)" -eq 0 ]; then $(PY) bench/routes.py --json bench/results/routes.json; \
 	else echo "bench/routes.py skipped: programming routes into namespaces needs root"; fi
 

@@ -68,7 +68,8 @@ def allocate(
 
     Pass 1 decides how many circuits each pod pair gets on each OCS from the demand
     and the budgets alone; pass 2 picks ports, reusing ``keep`` (the circuits that
-    exist now) wherever a pair keeps circuits on that OCS, then the lowest free ports.
+    exist now) wherever a pair keeps circuits on that OCS, then free ports spread over
+    each pod's ToRs (fewest circuits to the other pod first, then the lowest port).
     Because the counts never depend on ``keep``, allocating again from the result
     reuses every circuit: re-planning an applied plan is a no-op.
     ``unavailable_ports`` (failed ports) are never used. Deterministic.
@@ -142,23 +143,28 @@ def allocate(
             taken.update(c.ports())
             for end, other_end in ((c.a, c.b), (c.b, c.a)):
                 load[(tor_of[(ocs, end)], wiring.port_owner(ocs, other_end) or "")] += 1
-    spare = {  # free ports in order, minus those the kept circuits hold
-        key: [x for x in ports if (key[1], x) not in taken] for key, ports in free.items()
-    }
+    # free ports per (pod, OCS) and ToR, each list in port order (lowest last, to pop)
+    spare: dict[tuple[str, str], dict[str, list[int]]] = defaultdict(dict)
+    for key, ports in free.items():
+        for x in ports:
+            if (key[1], x) not in taken:
+                spare[key].setdefault(tor_of[(key[1], x)], []).append(x)
+    for by_tor in spare.values():
+        for ports in by_tor.values():
+            ports.reverse()
 
     def pick(pod: str, other: str, ocs: str) -> int:
-        ports = spare[(pod, ocs)]
-        best = 0
-        best_load = load[(tor_of[(ocs, ports[0])], other)]
-        for i in range(1, len(ports)):
-            if best_load == 0:
-                break  # ports are in order: the first unloaded one wins
-            lo = load[(tor_of[(ocs, ports[i])], other)]
-            if lo < best_load:
-                best, best_load = i, lo
-        port = ports.pop(best)
-        load[(tor_of[(ocs, port)], other)] += 1
-        return port
+        """The lowest free port among the pod's ToRs with the fewest circuits to other."""
+        best: tuple[int, int, str] | None = None
+        for tor, ports in spare[(pod, ocs)].items():
+            if ports:
+                key = (load[(tor, other)], ports[-1], tor)
+                if best is None or key < best:
+                    best = key
+        assert best is not None
+        tor = best[2]
+        load[(tor, other)] += 1
+        return spare[(pod, ocs)][tor].pop()
 
     for (p, ocs), n in sorted(per_ocs.items()):
         for _ in range(n - min(n, len(existing.get((p, ocs), [])))):

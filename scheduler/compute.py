@@ -41,6 +41,7 @@ thousands of requests takes tens of milliseconds (``bench/planner.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 from scheduler.compute_problem import (
     DEFAULT_CONFIG,
@@ -71,6 +72,8 @@ from scheduler.forecast import LengthForecast
 from scheduler.layout import LayoutChoice, choose_layout
 from scheduler.perf_model import PerfModel
 from scheduler.placement import MoveCostFrom, Placement, keep_makespan, place_on_node
+
+_by_id = attrgetter("id")  # instance ids are unique: the same order as sorting instances
 
 
 def plan_compute(
@@ -123,7 +126,7 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
     new_instances: list[Instance] = []
     for n in prob.nodes:
         new_instances.extend(prob.instances_for(n, target[n]))
-    new_instances.sort()
+    new_instances.sort(key=_by_id)
     n_inst = len(new_instances)
     all_cand = n_inst <= config.all_candidates_limit
 
@@ -189,6 +192,7 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
     where = pl.where
     node_of_instance = {i.id: i.node for i in prob.state.instances}
     relaid = 0
+    dispatched: list[str] = []
     for r in range(n_req):
         k = where.get(r, -1)
         if k < 0:
@@ -199,7 +203,10 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
         cur = current[r]
         if cur == dst_id:
             continue
-        if cur is None or not has_kv[r]:
+        if cur is None:
+            dispatched.append(rid)
+            continue
+        if not has_kv[r]:
             migrations.append(Migration(rid, cur, dst_id, MoveMethod.DISPATCH, 0.0))
             continue
         src_node = node_of_instance[cur]
@@ -235,11 +242,14 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
                 pauses[n],
             )
         )
-    reason = _reason(changed, choices, migrations, relaid, keep_s, planned, allow_reshard)
+    reason = _reason(
+        changed, choices, migrations, relaid, len(dispatched), keep_s, planned, allow_reshard
+    )
     return ComputePlan(
         now=now,
         reshards=tuple(reshards),
         migrations=tuple(migrations),
+        dispatched=tuple(dispatched),
         assignment=tuple(assignment),
         unplaced=tuple(sorted(prob.rids[r] for r in unplaceable)),
         instances=tuple(new_instances),
@@ -254,13 +264,14 @@ def _reason(
     choices: Sequence[LayoutChoice],
     migrations: Sequence[Migration],
     relaid: int,
+    queued: int,
     keep: float,
     planned: float,
     allow_reshard: bool,
 ) -> str:
     moving = (MoveMethod.KV_NVLINK, MoveMethod.KV_NETWORK, MoveMethod.RECOMPUTE)
     moved = sum(1 for m in migrations if m.method in moving)
-    dispatched = sum(1 for m in migrations if m.method is MoveMethod.DISPATCH)
+    dispatched = queued + sum(1 for m in migrations if m.method is MoveMethod.DISPATCH)
     parts = []
     if changed:
         best = choices[0]

@@ -272,7 +272,7 @@ def _group_by_node(
     out: dict[str, list[Instance]] = {n: [] for n in nodes}
     for inst in instances:
         out[inst.node].append(inst)
-    return {n: tuple(sorted(v)) for n, v in out.items()}
+    return {n: tuple(sorted(v, key=attrgetter("id"))) for n, v in out.items()}
 
 
 def allowed_tps(perf: PerfModel, gpus: int, config: PlannerConfig) -> tuple[int, ...]:

@@ -212,8 +212,9 @@ class ComputePlan:
     """What to change: reshards per node and a placement for every request.
 
     ``assignment`` gives every placed request its instance after the plan.
-    ``migrations`` lists the requests that change instance by the planner's choice:
-    dispatches of queued requests and moves between instances (KV moved or recomputed).
+    ``dispatched`` names the requests taken from the global queue (their instance is in
+    ``assignment``). ``migrations`` lists the requests that leave an instance for another
+    by the planner's choice (KV moved or recomputed; or re-dispatched before starting).
     Requests of a resharding node that stay on it are re-laid out by the reshard itself
     (their new instance is in ``assignment``).
     """
@@ -221,6 +222,7 @@ class ComputePlan:
     now: float
     reshards: tuple[Reshard, ...]
     migrations: tuple[Migration, ...]
+    dispatched: tuple[str, ...]  # requests taken from the queue
     assignment: tuple[tuple[str, str], ...]  # (request, instance), every placed request
     unplaced: tuple[str, ...]  # requests no instance can hold
     instances: tuple[Instance, ...]  # the instances after the plan
@@ -230,10 +232,8 @@ class ComputePlan:
 
     @property
     def empty(self) -> bool:
-        """Nothing to do: no reshard and no request changes instance."""
-        return not self.reshards and not any(
-            m.method is not MoveMethod.DISPATCH or m.source != m.target for m in self.migrations
-        )
+        """Nothing to do: no reshard, no dispatch, no request changes instance."""
+        return not self.reshards and not self.migrations and not self.dispatched
 
     def explain(self) -> str:
         p = self.prediction
@@ -247,6 +247,8 @@ class ComputePlan:
             before = "+".join(f"TP{t}" for t in r.before)
             after = "+".join(f"TP{t}" for t in r.after)
             lines.append(f"  reshard {r.node}: {before} -> {after} (pause {r.pause_s:.2f} s)")
+        if self.dispatched:
+            lines.append(f"  dispatch {len(self.dispatched)} queued request(s)")
         moved = [m for m in self.migrations if m.source != m.target]
         by_method: dict[MoveMethod, int] = {}
         for m in moved:
@@ -255,7 +257,7 @@ class ComputePlan:
             summary = ", ".join(
                 f"{n} {k.value}" for k, n in sorted(by_method.items(), key=lambda x: x[0].value)
             )
-            lines.append(f"  requests placed or moved: {len(moved)} ({summary})")
+            lines.append(f"  requests moved: {len(moved)} ({summary})")
             for m in moved[:10]:
                 src = m.source or "queue"
                 lines.append(

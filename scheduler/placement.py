@@ -11,6 +11,7 @@ import heapq
 import math
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Mapping, Sequence
+from operator import attrgetter
 
 from scheduler.compute_problem import SCALE, MoveCost, Problem
 from scheduler.compute_state import Instance
@@ -34,6 +35,13 @@ class Placement:
         self.p = [c.prefill_per_token_s for c in costs]
         self.inv_slots = [1.0 / c.slots for c in costs]
         self.node = [inst.node for inst in self.inst]
+        self.ids = [inst.id for inst in self.inst]
+        self.cap = [c.capacity_tokens for c in costs]
+        self.need = [c + q for c, q in zip(prob.ctx, prob.q, strict=True)]
+        # KV tokens a move carries (0 without KV cache), then the request's rank: unique
+        self.move_size = [
+            (c if kv else 0, rk) for c, kv, rk in zip(prob.ctx, prob.has_kv, prob.rank, strict=True)
+        ]
         n = len(self.inst)
         self.members: list[set[int]] = [set() for _ in range(n)]
         self.qs: list[list[float]] = [[] for _ in range(n)]
@@ -137,7 +145,8 @@ class Placement:
         return self._eval(k, qmax, self.sum_m[k] - prob.mi[r], self.sum_pre[k] - prob.pre[r])
 
     def fits(self, r: int, k: int) -> bool:
-        return self.prob.feasible(r, self.tp[k]) or self.prob.current[r] == self.inst[k].id
+        """The instance's KV cache holds the request (or it runs there already)."""
+        return self.need[r] <= self.cap[k] or self.prob.current[r] == self.ids[k]
 
     def lowest(self, t: int, count: int, exclude: int) -> list[int]:
         heap = self.low[t]
@@ -179,19 +188,18 @@ class Placement:
         return sorted(out)
 
     def movable(self, src: int) -> list[int]:
-        """Requests of ``src`` that balancing tries to move (a function of the placement)."""
+        """Requests of ``src`` that balancing tries to move (a function of the placement):
+        all of them on small clusters, else the longest and the cheapest to move."""
         prob = self.prob
         members = self.members[src]
         limit = prob.config.candidate_requests
-        by_q = sorted(members, key=prob.rank.__getitem__)
+        rank = prob.rank.__getitem__
         if self.all_candidates or len(members) <= 2 * limit:
-            return by_q
-        by_size = sorted(
-            members, key=lambda r: (prob.ctx[r] if prob.has_kv[r] else 0, prob.rids[r])
-        )
-        chosen = by_q[:limit]
+            return sorted(members, key=rank)
+        chosen = heapq.nsmallest(limit, members, key=rank)
         seen = set(chosen)
-        chosen.extend(r for r in by_size[:limit] if r not in seen)
+        size = self.move_size.__getitem__
+        chosen.extend(r for r in heapq.nsmallest(limit, members, key=size) if r not in seen)
         return chosen
 
     # -- algorithms --
@@ -288,20 +296,23 @@ class Placement:
                 break
             dsts = self.candidates(src)
             best: tuple[float, float, str, str, int, int] | None = None
+            limit_run = run_src - margin  # a move must bring both ends below this
+            need, cap, ids, current = self.need, self.cap, self.ids, prob.current
             for r in self.movable(src):
                 without = self.run_without(src, r)
-                if without + margin >= run_src:
+                if without >= limit_run:
                     continue
+                need_r, cur_r = need[r], current[r]
                 for k in dsts:
-                    if not self.fits(r, k):
+                    if need_r > cap[k] and cur_r != ids[k]:
                         continue
                     with_r = self.run_with(k, r)
-                    if with_r + margin >= run_src:
+                    if with_r >= limit_run:
                         continue
                     cost = cost_of(r, k)
-                    new = max(without, with_r + cost)
-                    if new + margin < run_src:
-                        key = (new, cost, self.inst[k].id, prob.rids[r], r, k)
+                    new = without if without > with_r + cost else with_r + cost
+                    if new < limit_run:
+                        key = (new, cost, ids[k], prob.rids[r], r, k)
                         if best is None or key < best:
                             best = key
             if best is not None:
@@ -428,7 +439,7 @@ def keep_makespan(prob: Problem, placeable: Sequence[int], all_cand: bool) -> fl
             ),
             default=0.0,
         )
-    keep = Placement(prob, sorted(prob.state.instances), all_cand)
+    keep = Placement(prob, sorted(prob.state.instances, key=attrgetter("id")), all_cand)
     keep.load((r, keep.index[c]) for r in placeable if (c := prob.current[r]) is not None)
     keep.place_lpt(queued)
     return keep.makespan()

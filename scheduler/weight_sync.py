@@ -24,6 +24,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
+from operator import attrgetter
 
 from orchestrrl import errors
 from orchestrrl.model import Circuit, Role, Wiring
@@ -141,7 +142,7 @@ def plan_weight_sync(
         if mode == "tree":
             for nodes in receivers.values():
                 transfers.extend(Transfer(2, a, b, 0.0, model_bytes) for a, b in pairwise(nodes))
-    transfers.sort()
+    transfers.sort(key=attrgetter("stage", "source", "target", "offset", "nbytes"))
     if math.isinf(predicted):
         missing = sorted(
             f"{node_pod[s]}<->{pod}"
