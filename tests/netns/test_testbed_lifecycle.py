@@ -96,6 +96,16 @@ def test_a_wiring_too_large_for_the_machine_is_refused_first(tid: str, tmp_path:
 
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
 def test_without_root_it_says_so_and_creates_nothing(tid: str, tmp_path: Path) -> None:
+    probe = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+         sys.executable, "-c", "import sim_backends"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    if probe.returncode:
+        pytest.skip(
+            "this checkout is not readable by an unprivileged user (uid 65534), so the "
+            f"testbed cannot be started as one: {probe.stderr.strip().splitlines()[-1]}"
+        )
     run_dir = tmp_path / "run"
     result = cli("up", "--wiring", str(EXAMPLE), "--id", tid, "--run-dir", str(run_dir), user=65534)
     assert result.returncode == 1
