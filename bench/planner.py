@@ -32,9 +32,7 @@ from typing import Any, TypeVar
 from orchestrrl import wiring as wiring_mod
 from orchestrrl.model import Circuit, Phase, Role, Wiring
 from scheduler.compute import (
-    PlannerConfig,
     balance,
-    build_problem,
     plan_compute,
     plan_objective,
     solve,
@@ -215,44 +213,14 @@ def network_bench(rounds: int) -> dict[str, Any]:
 
 
 def gap_sweep(cases: int) -> dict[str, Any]:
+    from scheduler.cases import small_problem
     from scheduler.milp import solve_exact
 
     rng = random.Random(2026)
     pm = PerfModel(QWEN25_14B, H800)
-    cfg = PlannerConfig(switch_margin_s=0.0, switch_margin_rel=0.0, move_margin_s=0.0)
     gaps = []
     for _ in range(cases):
-        gpus = rng.choice([2, 4, 8])
-        nodes = tuple(NodeGpus(f"n{i}", tuple(range(gpus))) for i in range(rng.randint(1, 2)))
-        insts: list[Instance] = []
-        for n in nodes:
-            insts.extend(
-                canonical_instances(
-                    n.name, n.gpus, rng.choice([(gpus,), (gpus // 2,) * 2, (1,) * gpus])
-                )
-            )
-        reqs = []
-        for i in range(rng.randint(1, 10)):
-            if rng.random() < 0.3:
-                reqs.append(Request(f"r{i}", rng.randint(100, 1500)))
-            else:
-                reqs.append(
-                    Request(
-                        f"r{i}",
-                        rng.randint(100, 1500),
-                        rng.randint(0, 6000),
-                        rng.choice(insts).id,
-                        True,
-                    )
-                )
-        state = ComputeState(nodes, tuple(insts), tuple(reqs))
-        fc = build_forecast(
-            [[int(rng.lognormvariate(7.5, 0.9)) for _ in range(200)]],
-            [],
-            [r.generated_tokens for r in reqs],
-            max_tokens=16384,
-        )
-        prob = build_problem(state, fc, pm, cfg)
+        prob = small_problem(rng, pm, max_requests=10)
         heuristic = plan_objective(prob, solve(prob, 0.0))
         exact = solve_exact(prob).objective_s
         gaps.append(heuristic / exact - 1.0)

@@ -184,12 +184,12 @@ class Controller:
         self.events.publish(
             Event("node_registered", node=node, message=f"agent at {address}{note}")
         )
-        self._check_liveness()
+        self._check_liveness(node)
         return record
 
     def heartbeat(self, node: str, session_id: str) -> None:
         self.registry.seen(node, session_id, self._mono())
-        self._check_liveness()
+        self._check_liveness(node)
 
     def telemetry(self, sample: node_agent_pb2.TelemetrySample) -> None:
         self.registry.telemetry(sample.node, sample, self._mono())
@@ -205,8 +205,10 @@ class Controller:
             out.append((r, health(r, now, self.registry.deadline_s), age))
         return out
 
-    def _check_liveness(self) -> None:
-        for node, before, after in self.registry.transitions(self._mono()):
+    def _check_liveness(self, only: str | None = None) -> None:
+        """Events for health changes of every node (the liveness loop) or of ``only``
+        the one that just spoke (register, heartbeat: no scan of the whole cluster)."""
+        for node, before, after in self.registry.transitions(self._mono(), only):
             if after is Health.DOWN:
                 log.warning("node missed its heartbeat deadline", node=node)
                 self.events.publish(
@@ -215,10 +217,7 @@ class Controller:
             elif after is Health.UP and before is Health.DOWN:
                 log.info("node is back", node=node)
                 self.events.publish(Event("node_up", node=node, message="heartbeats resumed"))
-        counts = {h: 0 for h in Health}
-        for _, h, _ in self.nodes():
-            counts[h] += 1
-        for h, n in counts.items():
+        for h, n in self.registry.counts().items():
             self.metrics.nodes.labels(h.value).set(n)
 
     def _down_pod_ports(self) -> frozenset[tuple[str, int]]:
@@ -249,9 +248,9 @@ class Controller:
         down = frozenset(p for _, ds in results for p in ds)
         return circuits, down
 
-    async def _program(self, plan: CircuitPlan, tag: str) -> None:
-        """Apply a plan as make-before-break steps of per-OCS batches."""
-        for i, step in enumerate(steps(plan)):
+    async def _program(self, plan_steps: list[list[Batch]], tag: str) -> None:
+        """Apply make-before-break steps (``reconcile.steps``) of per-OCS batches."""
+        for i, step in enumerate(plan_steps):
             for batch in step:
                 driver = self.ocs[batch.ocs]
                 try:
@@ -328,15 +327,18 @@ class Controller:
         if problems:
             raise _StageError("verify", "; ".join(problems))
 
-    async def _converge(self, target: frozenset[Circuit], tag: str) -> CircuitPlan:
-        """Observe, then program the switches to exactly ``target`` on our ports (and the
-        ToRs to the routes over it), verify."""
-        observed, _ = await self._observe()
+    async def _converge(
+        self, target: frozenset[Circuit], tag: str, observed: frozenset[Circuit] | None = None
+    ) -> CircuitPlan:
+        """Program the switches from what they hold (``observed``, read now if not given)
+        to exactly ``target`` on our ports (and the ToRs to the routes over it), verify."""
+        if observed is None:
+            observed, _ = await self._observe()
         plan = converge(self.wiring, observed, target)
         if self.electrical:
             await self._program_routes(ours(self.wiring, observed) & target, "drain_routes")
         if not plan.empty:
-            await self._program(plan, tag)
+            await self._program(steps(plan), tag)
         if self.electrical:
             await self._program_routes(target, "program_routes")
         await self._verify(plan)
@@ -344,13 +346,16 @@ class Controller:
             await self._verify_routes(target)
         return plan
 
-    async def _recover(self) -> str:
-        """Converge to the committed epoch, or roll an interrupted one forward or back."""
+    async def _recover(self, observed: frozenset[Circuit] | None = None) -> str:
+        """Converge to the committed epoch, or roll an interrupted one forward or back
+        (``observed``: the switches' circuits if just read)."""
         pending = await self.store.pending()
         current = self.current
         forward = pending is not None and pending.stage in ROLL_FORWARD_STAGES
         target = pending.circuits if forward and pending else current.circuits
-        plan = await self._converge(target, f"recover-{current.epoch}-{secrets.token_hex(4)}")
+        plan = await self._converge(
+            target, f"recover-{current.epoch}-{secrets.token_hex(4)}", observed
+        )
         self._needs_recovery = False
         if pending is None:
             if not plan.empty:
@@ -405,12 +410,12 @@ class Controller:
             return None
         async with self._locked("drift check"):
             current = self.current
-            _, down = await self._observe()
+            observed, down = await self._observe()
             hit = sorted(
                 c for c in current.circuits if (c.ocs, c.a) in down or (c.ocs, c.b) in down
             )
             if not hit or current.phase is None or self._needs_recovery:
-                return await self._recover()
+                return await self._recover(observed)
             log.warning("ports down under circuits; re-planning", circuits=[str(c) for c in hit])
             result = await self._reconfigure(current.phase, "", None)
             msg = (
@@ -464,10 +469,11 @@ class Controller:
                     ) from None
             return await self._reconfigure(phase, request_id, idle_window_s)
 
-    def _switching_time(self, plan: CircuitPlan) -> float:
-        touched = {c.ocs for c in plan.add | plan.remove}
-        per_step = max((self.wiring.ocs(o).switching_time_s for o in touched), default=0.0)
-        return per_step * len(steps(plan))
+    def _switching_time(self, plan_steps: list[list[Batch]]) -> float:
+        """Optics time of the steps: each waits for its slowest switch."""
+        return sum(
+            max(self.wiring.ocs(b.ocs).switching_time_s for b in step) for step in plan_steps
+        )
 
     async def _reconfigure(
         self, phase: Phase, request_id: str, idle_window_s: float | None
@@ -493,7 +499,8 @@ class Controller:
                     current, False, f"already in phase {phase.value}; nothing to change"
                 )
             return await self._repair(current, plan, bound)
-        gate = slack_gate(idle_window_s, self._switching_time(plan), self.settling_margin_s)
+        plan_steps = steps(plan)
+        gate = slack_gate(idle_window_s, self._switching_time(plan_steps), self.settling_margin_s)
         if not gate.reconfigure:
             self.metrics.gated.inc()
             bound.info("slack gate kept the topology", reason=gate.reason)
@@ -516,7 +523,7 @@ class Controller:
                         ours(self.wiring, observed) & plan.desired, "drain_routes"
                     )
             with st.stage("program_ocs"):
-                await self._program(plan, f"epoch-{epoch}-{secrets.token_hex(4)}")
+                await self._program(plan_steps, f"epoch-{epoch}-{secrets.token_hex(4)}")
             await self.store.advance("ocs_programmed")
             self._fault("ocs_programmed")
             if self.electrical:

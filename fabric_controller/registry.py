@@ -82,14 +82,23 @@ class Registry:
             )
         self._nodes[node] = replace(record, last_seen=now, telemetry=sample)
 
+    def counts(self) -> dict[Health, int]:
+        """Nodes by health as of the last look at each."""
+        out = dict.fromkeys(Health, 0)
+        for h in self._health.values():
+            out[h] += 1
+        return out
+
     def records(self) -> list[NodeRecord]:
         return [self._nodes[n.name] for n in self.wiring.nodes]
 
-    def transitions(self, now: float) -> list[tuple[str, Health, Health]]:
-        """Health changes since the last call: (node, before, after)."""
+    def transitions(self, now: float, only: str | None = None) -> list[tuple[str, Health, Health]]:
+        """Health changes since the last look, of every node or ``only`` one:
+        (node, before, after)."""
         changed = []
-        for name, record in self._nodes.items():
-            h = health(record, now, self.deadline_s)
+        names = self._nodes if only is None else (only,)
+        for name in names:
+            h = health(self._nodes[name], now, self.deadline_s)
             if h is not self._health[name]:
                 changed.append((name, self._health[name], h))
                 self._health[name] = h

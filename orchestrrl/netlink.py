@@ -40,7 +40,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
@@ -344,6 +344,20 @@ def _op_route(
     return lambda seq: rtnl.encode_route(seq, op, route, OWNER_PROTO, ifindexes)
 
 
+@contextlib.contextmanager
+def namespace_errors(netns: str | None, where: str, needs: str) -> Iterator[None]:
+    """Map the OS errors of entering a namespace to ours: a missing namespace is bad
+    input naming it; missing privileges say which (``needs``)."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise errors.field_error(
+            "netns", netns, "no such network namespace (see `ip netns list`)"
+        ) from None
+    except PermissionError as exc:
+        raise errors.FailedPrecondition(f"open {where}: {exc}: {needs}") from None
+
+
 class PyrouteThread:
     """pyroute2's blocking ``IPRoute`` on one dedicated thread, opened inside a namespace.
 
@@ -399,7 +413,6 @@ class Netlink:
         self.netns = check_netns(netns)
         self.verify_timeout_s = verify_timeout_s
         self.where = f"netns {netns!r}" if netns else "the host namespace"
-        self._ipr: Any = None
         self._py: PyrouteThread | None = None
         self._routes: _RouteSocket | None = None
         self._lock = asyncio.Lock()
@@ -411,24 +424,18 @@ class Netlink:
         return await self._py.call(fn, *args, **kwargs)
 
     async def open(self) -> Netlink:
-        if self._ipr is not None:
+        if self._py is not None:
             return self
+        needs = (
+            "entering a named network namespace needs CAP_SYS_ADMIN (and changing it "
+            "CAP_NET_ADMIN); run as root or grant both"
+        )
         try:
-            self._py = PyrouteThread(self.netns, "nl")
-            self._routes = await asyncio.to_thread(_RouteSocket.open, self.netns)
-            self._ipr = await self._py.open()
-            await self.links()  # fail now, not at first use
-        except FileNotFoundError:
-            await self.close()
-            raise errors.field_error(
-                "netns", self.netns, "no such network namespace (see `ip netns list`)"
-            ) from None
-        except PermissionError as exc:
-            await self.close()
-            raise errors.FailedPrecondition(
-                f"open {self.where}: {exc}: entering a named network namespace needs "
-                "CAP_SYS_ADMIN (and changing it CAP_NET_ADMIN); run as root or grant both"
-            ) from None
+            with namespace_errors(self.netns, self.where, needs):
+                self._py = PyrouteThread(self.netns, "nl")
+                self._routes = await asyncio.to_thread(_RouteSocket.open, self.netns)
+                await self._py.open()
+                await self.links()  # fail now, not at first use
         except NetlinkError as exc:
             await self.close()
             raise kernel_error(exc.code, f"open {self.where}") from None
@@ -438,7 +445,6 @@ class Netlink:
         return self
 
     async def close(self) -> None:
-        self._ipr = None
         if self._py is not None:
             await self._py.close()
             self._py = None
@@ -459,12 +465,12 @@ class Netlink:
 
     async def _require(self) -> tuple[Any, _RouteSocket]:
         """The open sockets; a route socket abandoned mid-exchange is replaced first."""
-        if self._ipr is None or self._routes is None:
+        if self._py is None or self._py.ipr is None or self._routes is None:
             raise errors.FailedPrecondition(f"netlink adapter for {self.where} is not open")
         if self._routes.broken:
             self._routes.close()
             self._routes = await asyncio.to_thread(_RouteSocket.open, self.netns)
-        return self._ipr, self._routes
+        return self._py.ipr, self._routes
 
     # -- links ------------------------------------------------------------------------
 

@@ -36,7 +36,13 @@ from typing import Any, TypeVar
 from pyroute2 import NetlinkError
 
 from orchestrrl import errors
-from orchestrrl.netlink import PyrouteThread, check_netns, kernel_error, netlink_socket
+from orchestrrl.netlink import (
+    PyrouteThread,
+    check_netns,
+    kernel_error,
+    namespace_errors,
+    netlink_socket,
+)
 
 INGRESS = 0xFFFF0000  # the ingress qdisc's handle, parent of its filters ("ffff:")
 ETH_P_ALL = 0x0003
@@ -135,7 +141,6 @@ class Tc:
     def __init__(self, netns: str | None = None) -> None:
         self.netns = check_netns(netns)
         self.where = f"netns {netns!r}" if netns else "the host namespace"
-        self._ipr: Any = None
         self._py: PyrouteThread | None = None
         self._lock = asyncio.Lock()
         self._indexes: dict[str, int] = {}  # name -> ifindex, as last listed
@@ -149,31 +154,24 @@ class Tc:
         return await self._py.call(fn, *args, **kwargs)
 
     async def open(self) -> Tc:
-        if self._ipr is not None:
+        if self._py is not None:
             return self
+        needs = (
+            "traffic control needs root (CAP_NET_ADMIN and, to enter a named namespace, "
+            "CAP_SYS_ADMIN)"
+        )
         self._py = PyrouteThread(self.netns, "tc")
         try:
-            self._links = await asyncio.to_thread(netlink_socket, self.netns)
-            self._ipr = await self._py.open()
-            await self.links()
-        except FileNotFoundError:
-            await self.close()
-            raise errors.field_error(
-                "netns", self.netns, "no such network namespace (see `ip netns list`)"
-            ) from None
-        except PermissionError as exc:
-            await self.close()
-            raise errors.FailedPrecondition(
-                f"open {self.where}: {exc}: traffic control needs root (CAP_NET_ADMIN and, "
-                "to enter a named namespace, CAP_SYS_ADMIN)"
-            ) from None
+            with namespace_errors(self.netns, self.where, needs):
+                self._links = await asyncio.to_thread(netlink_socket, self.netns)
+                await self._py.open()
+                await self.links()
         except BaseException:
             await self.close()
             raise
         return self
 
     async def close(self) -> None:
-        self._ipr = None
         if self._py is not None:
             await self._py.close()
             self._py = None
@@ -193,9 +191,9 @@ class Tc:
         await self.close()
 
     def _require(self) -> Any:
-        if self._ipr is None:
+        if self._py is None or self._py.ipr is None:
             raise errors.FailedPrecondition(f"traffic control of {self.where} is not open")
-        return self._ipr
+        return self._py.ipr
 
     async def links(self) -> dict[str, LinkState]:
         self._require()

@@ -9,9 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler.compute import PlannerConfig, Problem, build_problem, plan_objective, solve
-from scheduler.compute_state import ComputeState, Instance, NodeGpus, Request, canonical_instances
-from scheduler.forecast import build_forecast
+from scheduler.cases import small_problem
+from scheduler.compute import Problem, plan_objective, solve
 from scheduler.milp import solve_exact
 from scheduler.perf_model import H800, QWEN25_14B, QWEN25_72B, PerfModel
 
@@ -19,41 +18,11 @@ pytestmark = pytest.mark.unit
 
 pytest.importorskip("highspy")
 
-# margins off: compare pure optimisation quality on the same objective
-EXACT = PlannerConfig(switch_margin_s=0.0, switch_margin_rel=0.0, move_margin_s=0.0)
 GAP_LIMIT = 0.05
 
 
 def small_case(rng: random.Random, pm: PerfModel) -> Problem:
-    sizes = [g for g in (2, 4, 8) if pm.fits(g)]
-    gpus = rng.choice(sizes)
-    nodes = tuple(NodeGpus(f"n{i}", tuple(range(gpus))) for i in range(rng.randint(1, 2)))
-    patterns = [
-        p
-        for p in {(gpus,), (gpus // 2,) * 2, (1,) * gpus, (2,) * (gpus // 2)}
-        if all(pm.fits(t) for t in p)
-    ]
-    insts: list[Instance] = []
-    for n in nodes:
-        insts.extend(canonical_instances(n.name, n.gpus, rng.choice(sorted(patterns))))
-    reqs = []
-    for i in range(rng.randint(1, 8)):
-        if rng.random() < 0.3:
-            reqs.append(Request(f"r{i}", rng.randint(100, 1500)))
-        else:
-            reqs.append(
-                Request(
-                    f"r{i}",
-                    rng.randint(100, 1500),
-                    rng.randint(0, 6000),
-                    rng.choice(insts).id,
-                    True,
-                )
-            )
-    state = ComputeState(nodes, tuple(insts), tuple(reqs))
-    history = [[int(rng.lognormvariate(7.5, 0.9)) for _ in range(200)]]
-    fc = build_forecast(history, [], [r.generated_tokens for r in reqs], max_tokens=16384)
-    return build_problem(state, fc, pm, EXACT)
+    return small_problem(rng, pm)
 
 
 def gap_of(prob: Problem) -> tuple[float, float, float]:
