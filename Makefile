@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(PY) bench/reshard.py --json bench/results/reshard.json
 	$(PY) bench/agent_overhead.py --json bench/results/agent_overhead.json
 	$(PY) bench/planner.py --json bench/results/planner.json
+	$(PY) bench/sim_network.py --json bench/results/sim_network.json
 	@if [ "$$(id -u)" -eq 0 ]; then $(PY) bench/routes.py --json bench/results/routes.json; \
 	else echo "bench/routes.py skipped: programming routes into namespaces needs root"; fi
 
