@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Debian packages the project needs at run or test time (installed when root and missing).
 DEB_PACKAGES := iproute2 iperf3
 
-.PHONY: all demo demo-testbed test lint bench bench-testbed proto deps clean
+.PHONY: all demo demo-testbed test lint bench bench-testbed proto deps clean reproduce
 
 all: test
 
@@ -58,6 +58,11 @@ bench: $(STAMP)
 	$(PY) bench/sim_network.py --json bench/results/sim_network.json
 	@if [ "$$(id -u)" -eq 0 ]; then $(PY) bench/routes.py --json bench/results/routes.json; \
 	else echo "bench/routes.py skipped: programming routes into namespaces needs root"; fi
+
+# The paper's experiments in the cluster simulator: Markdown report, plots and JSON in
+# sim-results/ (a few minutes on 2 cores; `orl-sim reproduce --quick` is a smoke run).
+reproduce: $(STAMP)
+	$(VENV)/bin/orl-sim reproduce --out sim-results
 
 clean:
 	rm -rf $(VENV) build *.egg-info orchestrrl/v1 .pytest_cache .mypy_cache .ruff_cache

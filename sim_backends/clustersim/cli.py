@@ -1,0 +1,116 @@
+"""``orl-sim``: run one scenario, or reproduce the paper's experiments.
+
+orl-sim run SCENARIO.toml [--json PATH]
+orl-sim reproduce [--out DIR] [--quick] [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from orchestrrl import errors
+
+
+def _run(args: argparse.Namespace) -> int:
+    from sim_backends.clustersim.pipeline import run_scenario
+    from sim_backends.clustersim.reproduce import _summary
+    from sim_backends.clustersim.scenario import load_scenario
+
+    scenario = load_scenario(args.scenario)  # every input error surfaces before running
+    result = run_scenario(scenario)
+    print(
+        f"{scenario.name}: {scenario.model.name} on {result.gpus} GPUs "
+        f"({scenario.split.gen_gpus} generate, {scenario.split.train_gpus} train), "
+        f"policy {result.policy} (static layout TP{result.static_tp}), fabric {result.fabric}"
+    )
+    print(
+        f"{'step':>4} {'generation s':>13} {'training s':>11} {'sync s':>8} {'step s':>8}"
+        "  node layouts at the end"
+    )
+    for st, g in zip(result.steps, result.gens, strict=True):
+        patterns = Counter("+".join(str(t) for t in p) for p in g.layout_end.values())
+        layout = ", ".join(f"{n} x TP {p}" for p, n in sorted(patterns.items()))
+        print(
+            f"{st.step:>4} {st.gen_s:>13.2f} {st.train_s:>11.2f} {st.sync_s:>8.3f} "
+            f"{st.step_s:>8.2f}  {layout}"
+        )
+    print(
+        f"mean step {result.mean_step_s:.2f} s (steady state), {result.tokens_per_s:.0f} tokens/s, "
+        f"network cost {result.cost.total / 1e6:.3f} MUSD, "
+        f"perf/cost {result.perf_per_cost:.4f} steps/s per MUSD"
+    )
+    reshards = sum(g.reshards for g in result.gens)
+    moves = sum(g.migrations for g in result.gens)
+    if result.policy != "static":
+        print(
+            f"planner: {sum(g.plans for g in result.gens)} plans, {reshards} reshards, "
+            f"{moves} moves"
+        )
+    if args.json:
+        summary: dict[str, Any] = {"scenario": scenario.name, **_summary(result)}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _reproduce(args: argparse.Namespace) -> int:
+    from sim_backends.clustersim.report import write_json, write_report
+    from sim_backends.clustersim.reproduce import Plan, run_all
+
+    plan = Plan(quick=args.quick, seed=args.seed)
+    start = time.monotonic()
+    bar = 30
+
+    def progress(i: int, n: int, label: str) -> None:
+        done = bar * i // max(1, n)
+        elapsed = time.monotonic() - start
+        sys.stderr.write(f"[{'#' * done}{'.' * (bar - done)}] {i}/{n} {elapsed:6.1f}s  {label}\n")
+        sys.stderr.flush()
+
+    out, runs = run_all(plan, progress)
+    outdir = Path(args.out)
+    write_json(out, outdir / "results.json")
+    report = write_report(out, runs, outdir)
+    print()
+    rows = out["headline"]
+    w0 = max((len(r[0]) for r in rows), default=10)
+    w1 = max((len(r[1]) for r in rows), default=10)
+    print(f"{'experiment':<{w0}}  {'this model':<{w1}}  paper")
+    for exp, got, paper in rows:
+        print(f"{exp:<{w0}}  {got:<{w1}}  {paper}")
+    print(f"\nreport: {report}  (results.json and plots in {outdir})")
+    print(f"took {time.monotonic() - start:.1f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="orl-sim", description="Simulate disaggregated RL on a (re)configurable fabric."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="simulate one scenario file")
+    run.add_argument("scenario", help="scenario TOML (see examples/sim/)")
+    run.add_argument("--json", help="also write the results as JSON to this path")
+    rep = sub.add_parser("reproduce", help="run the paper's experiments; write a report")
+    rep.add_argument("--out", default="sim-results", help="output directory (default sim-results)")
+    rep.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of seconds")
+    rep.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(args)
+        return _reproduce(args)
+    except errors.OrlError as exc:
+        print(f"orl-sim: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""One-step-asynchronous GRPO on a disaggregated cluster: generation, training, weight sync.
+
+Step ``k`` (``S_k`` its start)::
+
+    generation of step k          [S_k, S_k + G_k]           (weights of step k-1)
+    training on step k-1's batch  [S_k, S_k + T_{k-1}]       (overlaps; none at k = 0)
+    weight sync                   [S_k + max(G_k, T_{k-1}), S_{k+1}]
+
+so a step lasts ``max(G_k, T_{k-1}) + W_k`` (verl's one-step-off-policy pipeline;
+generation pauses during the sync). ``G_k`` comes from :mod:`.generation`. Training:
+``mini_batches`` optimizer steps, each its share of the compute (FLOPs as in
+:class:`~.scenario.TrainingConfig`, at the performance model's training MFU) followed by
+the data-parallel ring all-reduce of the gradients between the training nodes as flows
+on the fabric (``Fabric.run_phase("training", ring_allreduce(...))``, not overlapped
+with compute: a conservative assumption). The traffic is idle during a mini-batch's
+compute, and that window is what RFabric may use to rewire for the training phase.
+Weight sync: ``Fabric.run_phase("weight-sync", weight_sync_transfers(...))`` with the
+network's idle window before it: the time the training pool has been done while the
+generation pool still ran (all of the step's generation time at step 0).
+
+Node indexes on the fabric: training nodes first (0..T-1), generation nodes after
+(T..T+G-1); pods are consecutive blocks of nodes, so the training pool fills whole pods
+first. Nodes of neither pool stay idle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from scheduler.compute_problem import PlannerConfig
+from scheduler.perf_model import PerfModel, default_model
+from sim_backends.clustersim.collectives import ring_allreduce, weight_sync_transfers
+from sim_backends.clustersim.cost import CostBreakdown
+from sim_backends.clustersim.fabrics import (
+    ClusterSpec,
+    Fabric,
+    FabricKind,
+    FabricOptions,
+    Transfer,
+    build_fabric,
+)
+from sim_backends.clustersim.generation import (
+    GenStepResult,
+    Pattern,
+    gen_node_names,
+    simulate_step,
+    uniform_layout,
+)
+from sim_backends.clustersim.scenario import Scenario
+from sim_backends.clustersim.workload import workload
+
+# The compute planner's configuration inside the simulator: its defaults, except that
+# reactive balancing looks at the least-loaded instances of each TP degree instead of
+# trying every instance and pairwise swaps on small clusters (the planner's own scale
+# mode; the exhaustive mode took seconds per re-plan at 8,192 requests).
+SIM_PLANNER = PlannerConfig(all_candidates_limit=0)
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    step: int
+    start_s: float
+    gen_s: float
+    train_s: float  # training of the previous step's batch (0 at step 0)
+    train_compute_s: float
+    train_comm_s: float
+    sync_s: float
+    step_s: float
+    sync_window_s: float  # idle window of the network before the weight sync
+    train_reconfig_s: float
+    sync_reconfig_s: float
+    sync_reconfigured: bool
+    sync_reason: str
+
+
+@dataclass(frozen=True)
+class RunResult:
+    name: str
+    policy: str
+    static_tp: int
+    fabric: str
+    gpus: int
+    steps: tuple[StepTiming, ...]
+    gens: tuple[GenStepResult, ...]
+    cost: CostBreakdown
+    link_utilisation: Mapping[str, Mapping[str, float]]  # phase -> link class -> mean
+
+    @property
+    def steady(self) -> tuple[StepTiming, ...]:
+        """Steps with training overlapped (all but the first when there are several)."""
+        return self.steps[1:] if len(self.steps) > 1 else self.steps
+
+    @property
+    def mean_step_s(self) -> float:
+        s = self.steady
+        return sum(x.step_s for x in s) / len(s)
+
+    @property
+    def mean_gen_s(self) -> float:
+        s = self.steady
+        return sum(self.gens[x.step].seconds for x in s) / len(s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        s = self.steady
+        tokens = sum(self.gens[x.step].response_tokens for x in s)
+        return tokens / sum(x.step_s for x in s)
+
+    @property
+    def perf_per_cost(self) -> float:
+        """(1 / step time) / network cost (TopoOpt's cost-efficiency), per MUSD."""
+        return (1.0 / self.mean_step_s) / (self.cost.total / 1e6) if self.cost.total else 0.0
+
+
+def perf_model(s: Scenario) -> PerfModel:
+    return default_model(s.model.name, s.cluster.hardware)
+
+
+def cluster_spec(s: Scenario) -> ClusterSpec:
+    c = s.cluster
+    extra = {"nodes_per_pod": c.nodes_per_pod} if c.nodes_per_pod else {}
+    return ClusterSpec(c.nodes, c.gpus_per_node, c.nics_per_node, c.nic_gbps, **extra)
+
+
+def pools(s: Scenario) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    t, g = s.train_nodes, s.gen_nodes
+    return tuple(range(t)), tuple(range(t, t + g))
+
+
+def candidate_tps(s: Scenario, perf: PerfModel) -> tuple[int, ...]:
+    g = s.cluster.gpus_per_node
+    return tuple(
+        t
+        for t in (1, 2, 4, 8, 16)
+        if t <= g and g % t == 0 and perf.model.heads % t == 0 and perf.fits(t)
+    )
+
+
+def run_generation(s: Scenario, perf: PerfModel, policy: str, tp: int) -> tuple[GenStepResult, ...]:
+    """Every step's generation; the layout and the length history carry across steps."""
+    nodes = gen_node_names(s.gen_nodes)
+    layout: Mapping[str, Pattern] = uniform_layout(nodes, s.cluster.gpus_per_node, tp)
+    history: list[tuple[int, ...]] = []
+    config = replace(SIM_PLANNER, max_num_seqs=s.generation.max_num_seqs)
+    out: list[GenStepResult] = []
+    for wl in workload(s.workload, s.seed, s.steps):
+        res = simulate_step(
+            perf,
+            wl.requests,
+            layout,
+            step=wl.step,
+            gpus_per_node=s.cluster.gpus_per_node,
+            policy=policy,
+            replan_interval_s=s.generation.replan_interval_s,
+            config=config,
+            max_response_tokens=s.workload.max_response_tokens,
+            history=history,
+        )
+        out.append(res)
+        history.append(res.lengths)
+        if policy != "static":
+            layout = res.layout_end
+    return tuple(out)
+
+
+def best_static(
+    s: Scenario, perf: PerfModel
+) -> tuple[int, tuple[GenStepResult, ...], dict[int, float]]:
+    """The uniform TP layout with the shortest total generation time (and every one's)."""
+    totals: dict[int, float] = {}
+    best: tuple[int, tuple[GenStepResult, ...]] | None = None
+    for tp in candidate_tps(s, perf):
+        gens = run_generation(s, perf, "static", tp)
+        totals[tp] = sum(g.seconds for g in gens)
+        if best is None or totals[tp] < totals[best[0]]:
+            best = (tp, gens)
+    assert best is not None, "no TP degree fits the model"  # scenario validation prevents
+    return best[0], best[1], totals
+
+
+def make_fabric(s: Scenario, perf: PerfModel, kind: str | None = None, **opts: object) -> Fabric:
+    cluster = cluster_spec(s)
+    train, gen = pools(s)
+    f = s.fabric
+    options = FabricOptions(
+        oversubscription=f.oversubscription,
+        ocs_switching_s=f.ocs_switching_s,
+        ocs_ports=f.ocs_ports,
+        reconfigure=f.reconfigure,
+    )
+    if opts:
+        options = replace(options, **opts)  # type: ignore[arg-type]
+    k = FabricKind(kind or f.kind)
+    job = [*_allreduce(s, perf, train), *_sync_transfers(s, perf, cluster, None)]
+    return build_fabric(k, cluster, options, train, gen, job)
+
+
+def _allreduce(s: Scenario, perf: PerfModel, train: Sequence[int]) -> list[Transfer]:
+    grad = perf.model.params * s.training.grad_bytes_per_param
+    return ring_allreduce(list(train), float(grad), "dp-grad")
+
+
+def _sync_transfers(
+    s: Scenario, perf: PerfModel, cluster: ClusterSpec, fabric: Fabric | None
+) -> list[Transfer]:
+    train, gen = pools(s)
+    return weight_sync_transfers(train, gen, perf.model.weight_bytes, cluster, fabric)
+
+
+def train_compute_s(s: Scenario, perf: PerfModel, tokens: int) -> float:
+    """Training FLOPs of one RL step's batch over the training pool at the model's MFU."""
+    factor = 6.0 + 2.0 + (2.0 if s.training.reference_model else 0.0)
+    h, e = perf.hardware, perf.efficiency
+    return (
+        factor * perf.model.params * tokens / (s.split.train_gpus * h.peak_flops * e.training_mfu)
+    )
+
+
+def run_pipeline(
+    s: Scenario,
+    perf: PerfModel,
+    gens: Sequence[GenStepResult],
+    fabric: Fabric,
+    *,
+    policy: str,
+    static_tp: int,
+) -> RunResult:
+    """Compose generation results with training and weight sync on ``fabric``."""
+    train, _ = pools(s)
+    grad_transfers = _allreduce(s, perf, train)
+    sync_transfers = _sync_transfers(s, perf, fabric.cluster, fabric)
+    mb = s.training.mini_batches
+    util_sum: dict[str, dict[str, float]] = {}
+    util_n: dict[str, int] = {}
+    steps: list[StepTiming] = []
+    start = 0.0
+    prev: GenStepResult | None = None
+    for g in gens:
+        train_s = compute = comm = train_reconfig = 0.0
+        if prev is not None:
+            compute = train_compute_s(s, perf, prev.response_tokens + prev.prompt_tokens)
+            per_mb = compute / mb
+            first = fabric.run_phase("training", grad_transfers, idle_window_s=per_mb)
+            _acc(util_sum, util_n, "training", first.link_utilisation)
+            rest = 0.0
+            if mb > 1:
+                again = fabric.run_phase("training", grad_transfers, idle_window_s=per_mb)
+                rest = again.seconds * (mb - 1)
+            comm = first.seconds + rest
+            train_reconfig = first.reconfig_s
+            train_s = compute + comm
+        window = max(0.0, g.seconds - train_s if prev is not None else g.seconds)
+        sync = fabric.run_phase("weight-sync", sync_transfers, idle_window_s=window)
+        _acc(util_sum, util_n, "weight-sync", sync.link_utilisation)
+        step_s = max(g.seconds, train_s) + sync.seconds
+        steps.append(
+            StepTiming(
+                step=g.step,
+                start_s=start,
+                gen_s=g.seconds,
+                train_s=train_s,
+                train_compute_s=compute,
+                train_comm_s=comm,
+                sync_s=sync.seconds,
+                step_s=step_s,
+                sync_window_s=window,
+                train_reconfig_s=train_reconfig,
+                sync_reconfig_s=sync.reconfig_s,
+                sync_reconfigured=sync.reconfigured,
+                sync_reason=sync.reason,
+            )
+        )
+        start += step_s
+        prev = g
+    util = {
+        phase: {k: v / util_n[phase] for k, v in classes.items()}
+        for phase, classes in util_sum.items()
+    }
+    return RunResult(
+        name=s.name,
+        policy=policy,
+        static_tp=static_tp,
+        fabric=fabric.kind.value,
+        gpus=s.split.train_gpus + s.split.gen_gpus,
+        steps=tuple(steps),
+        gens=tuple(gens),
+        cost=fabric.cost(),
+        link_utilisation=util,
+    )
+
+
+def _acc(
+    total: dict[str, dict[str, float]], n: dict[str, int], phase: str, util: Mapping[str, float]
+) -> None:
+    d = total.setdefault(phase, {})
+    for k, v in util.items():
+        d[k] = d.get(k, 0.0) + v
+    n[phase] = n.get(phase, 0) + 1
+
+
+def run_scenario(s: Scenario) -> RunResult:
+    """``orl-sim run``: the scenario's policy (``static_tp`` 0: the best uniform layout,
+    which adaptive policies also start from unless ``initial_tp`` says otherwise)."""
+    perf = perf_model(s)
+    gen = s.generation
+    if gen.static_tp:
+        tp = gen.static_tp
+        static_gens = None
+    else:
+        tp, static_gens, _ = best_static(s, perf)
+    if gen.policy == "static":
+        gens = static_gens if static_gens is not None else run_generation(s, perf, "static", tp)
+    else:
+        gens = run_generation(s, perf, gen.policy, gen.initial_tp or tp)
+    fabric = make_fabric(s, perf)
+    return run_pipeline(s, perf, gens, fabric, policy=gen.policy, static_tp=tp)

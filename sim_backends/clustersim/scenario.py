@@ -1,0 +1,399 @@
+"""Scenario files of the cluster simulator: TOML in, frozen values out.
+
+Everything is validated before anything runs: unknown keys (at every level), wrong
+types, negative or zero sizes, and splits that need more GPUs than the cluster has are
+reported together, each naming the field, the value and what is allowed.
+
+A scenario (every key optional except ``cluster.nodes``; defaults below)::
+
+    name = "compute-14b"
+    seed = 1
+    steps = 4                      # RL steps simulated
+
+    [cluster]
+    nodes = 8
+    gpus_per_node = 8
+    nics_per_node = 8
+    nic_gbps = 400.0
+    nodes_per_pod = 16             # optional: the fabric module's default otherwise
+    hardware = "H800-SXM"          # scheduler.perf_model.HARDWARE
+
+    [model]
+    name = "Qwen2.5-14B"           # scheduler.perf_model.MODELS
+
+    [split]                        # disaggregation: whole nodes per pool
+    train_gpus = 16
+    gen_gpus = 48
+
+    [workload]   ...  see WorkloadConfig
+    [generation] ...  see GenerationConfig
+    [training]   ...  see TrainingConfig
+    [fabric]     ...  see FabricConfig
+
+Defaults and their public basis are documented on each dataclass.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from orchestrrl import errors
+from scheduler.perf_model import HARDWARE, MODELS, default_model
+
+POLICIES = ("static", "proactive", "reactive", "adaptive")
+FABRIC_KINDS = ("fat-tree", "fat-tree-oversub", "rail-optimised", "static-optical", "rfabric")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """GPU servers. Defaults: an H800 node of 8 GPUs with 8 x 400 Gb/s RDMA NICs
+    (MISSION.md). ``nodes_per_pod`` 0 means the fabric module's documented default."""
+
+    nodes: int
+    gpus_per_node: int = 8
+    nics_per_node: int = 8
+    nic_gbps: float = 400.0
+    nodes_per_pod: int = 0
+    hardware: str = "H800-SXM"
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "Qwen2.5-14B"
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    """GPUs of the training and the generation pool (whole nodes each). 0 for both means
+    a quarter of the nodes train and the rest generate: generation dominates RL step
+    time, and asynchronous RL systems give it most of the GPUs (an assumption; the
+    sensitivity experiment sweeps the split)."""
+
+    train_gpus: int = 0
+    gen_gpus: int = 0
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """GRPO steps: ``prompts_per_step`` prompts x ``samples_per_prompt`` responses.
+
+    Response length of a sample = ``median_response_tokens`` x prompt difficulty x
+    sample noise (both log-normal, sigmas below), capped at ``max_response_tokens``;
+    the median grows by ``drift_per_step`` (relative) every step.
+
+    Basis: DAPO (arXiv 2503.14476) trains Qwen2.5-32B with 16 samples per prompt and
+    a 20,480-token generation limit, and its mean response length grows steadily during
+    training (its Figure on response length); verl's GRPO examples use
+    ``rollout.n`` = 5-16. The median (1,500 tokens), the sigmas and the drift are this
+    simulator's assumptions, stated here and not tuned to any result.
+    """
+
+    prompts_per_step: int = 64
+    samples_per_prompt: int = 16
+    prompt_tokens: int = 512
+    prompt_sigma: float = 0.3
+    median_response_tokens: float = 1500.0
+    prompt_sigma_response: float = 0.6  # difficulty of a prompt (shared by its samples)
+    sample_sigma: float = 0.8  # spread between samples of one prompt
+    max_response_tokens: int = 20480
+    drift_per_step: float = 0.05
+
+    @property
+    def requests_per_step(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Rollout instances and the compute scheduler.
+
+    ``policy``: ``static`` (a fixed TP layout, the step's requests split evenly over the
+    instances up front as verl does), ``proactive`` (the compute planner re-plans the
+    layout and dispatch at every ``replan_interval_s``, no reactive moves of running
+    requests), ``reactive`` (fixed layout; the planner's balancing moves requests off
+    stragglers), ``adaptive`` (both). ``static_tp`` 0 picks the best uniform layout by
+    simulating each (``orl-sim`` reports which). ``max_num_seqs``: vLLM's default 256.
+    """
+
+    policy: str = "adaptive"
+    static_tp: int = 0
+    initial_tp: int = 0  # adaptive policies start from this layout (0: same as static_tp)
+    replan_interval_s: float = 5.0
+    max_num_seqs: int = 256
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Training pool: ``mini_batches`` optimizer steps per RL step (verl's defaults
+    ``train_batch_size`` 1024 / ``ppo_mini_batch_size`` 256 give 4), each followed by the
+    data-parallel gradient reduce-scatter + all-gather over the network between nodes
+    (model sharded by TP inside a node). FLOPs: 6 x params x tokens for the update plus
+    2 x params x tokens to recompute the old policy's log-probabilities (plus as much
+    again for a reference model when ``reference_model``)."""
+
+    mini_batches: int = 4
+    reference_model: bool = False
+    grad_bytes_per_param: int = 2
+
+
+@dataclass(frozen=True)
+class FabricConfig:
+    """The network (see sim_backends.clustersim.fabrics). Defaults: a 3:1
+    oversubscribed Fat-Tree when that kind is chosen; a 3D MEMS OCS of 320 ports
+    switching in 10 ms (Calient-class, the paper's simulator assumption, MISSION.md)."""
+
+    kind: str = "rfabric"
+    oversubscription: float = 3.0
+    ocs_switching_s: float = 0.010
+    ocs_ports: int = 320
+    reconfigure: bool = True
+
+
+@dataclass(frozen=True)
+class Scenario:
+    cluster: ClusterConfig
+    name: str = "scenario"
+    seed: int = 1
+    steps: int = 4
+    model: ModelConfig = ModelConfig()
+    split: SplitConfig = SplitConfig()
+    workload: WorkloadConfig = WorkloadConfig()
+    generation: GenerationConfig = GenerationConfig()
+    training: TrainingConfig = TrainingConfig()
+    fabric: FabricConfig = FabricConfig()
+    source: str = field(default="", compare=False)
+
+    @property
+    def train_nodes(self) -> int:
+        return self.split.train_gpus // self.cluster.gpus_per_node
+
+    @property
+    def gen_nodes(self) -> int:
+        return self.split.gen_gpus // self.cluster.gpus_per_node
+
+
+_SECTIONS: dict[str, type] = {
+    "cluster": ClusterConfig,
+    "model": ModelConfig,
+    "split": SplitConfig,
+    "workload": WorkloadConfig,
+    "generation": GenerationConfig,
+    "training": TrainingConfig,
+    "fabric": FabricConfig,
+}
+_TOP = {"name": str, "seed": int, "steps": int}
+
+# (section, key) -> (minimum, inclusive) for numbers; everything else positive
+_NON_NEGATIVE = {
+    ("cluster", "nodes_per_pod"),
+    ("split", "train_gpus"),
+    ("split", "gen_gpus"),
+    ("generation", "static_tp"),
+    ("generation", "initial_tp"),
+    ("workload", "prompt_sigma"),
+    ("workload", "prompt_sigma_response"),
+    ("workload", "sample_sigma"),
+    ("workload", "drift_per_step"),
+    ("fabric", "ocs_switching_s"),
+}
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read and validate a scenario file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise errors.InvalidArgument(f"scenario {str(p)!r}: cannot read: {exc}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise errors.InvalidArgument(f"scenario {str(p)!r}: not valid TOML: {exc}") from None
+    return replace(parse_scenario(data, where=str(p)), source=str(p))
+
+
+def parse_scenario(data: Mapping[str, Any], where: str = "scenario") -> Scenario:
+    """Validate a parsed TOML document; every problem is reported at once."""
+    problems: list[str] = []
+    top: dict[str, Any] = {}
+    sections: dict[str, Any] = {}
+    allowed_top = sorted([*_TOP, *_SECTIONS])
+    for key, value in data.items():
+        if key in _TOP:
+            if _typed(key, value, _TOP[key], problems):
+                top[key] = value
+        elif key in _SECTIONS:
+            if not isinstance(value, Mapping):
+                problems.append(f"{key}={value!r} is not valid: a table [{key}]")
+                continue
+            built = _section(key, value, problems)
+            if built is not None:
+                sections[key] = built
+        else:
+            problems.append(
+                f"{key}={value!r} is not valid: unknown key; allowed: {', '.join(allowed_top)}"
+            )
+    if "cluster" not in data:
+        problems.append("cluster is missing: a [cluster] table with at least nodes = N")
+    for key in ("seed",):
+        if key in top and top[key] < 0:
+            problems.append(str(errors.field_error(key, top[key], "an integer >= 0")))
+    if "steps" in top and top["steps"] < 1:
+        problems.append(str(errors.field_error("steps", top["steps"], "an integer >= 1")))
+    if "cluster" not in sections:
+        raise _invalid(where, problems)
+    # the sections that parsed are checked together (others at their defaults), so one
+    # run reports every problem
+    scenario = _default_split(Scenario(**sections, **top))
+    _check_semantics(scenario, problems)
+    if problems:
+        raise _invalid(where, problems)
+    return scenario
+
+
+def _invalid(where: str, problems: list[str]) -> errors.InvalidArgument:
+    return errors.InvalidArgument(
+        f"{where}: invalid scenario:\n" + "\n".join(f"  - {p}" for p in problems)
+    )
+
+
+def _typed(name: str, value: Any, kind: Any, problems: list[str]) -> bool:
+    ok: bool
+    if kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        problems.append(str(errors.field_error(name, value, f"a {kind.__name__}")))
+    return ok
+
+
+def _section(name: str, table: Mapping[str, Any], problems: list[str]) -> Any:
+    cls = _SECTIONS[name]
+    kinds = {f.name: f.type for f in fields(cls)}
+    kwargs: dict[str, Any] = {}
+    before = len(problems)
+    for key, value in table.items():
+        dotted = f"{name}.{key}"
+        if key not in kinds:
+            problems.append(
+                f"{dotted}={value!r} is not valid: unknown key; allowed: "
+                + ", ".join(sorted(kinds))
+            )
+            continue
+        kind = {"int": int, "float": float, "str": str, "bool": bool}[str(kinds[key])]
+        if not _typed(dotted, value, kind, problems):
+            continue
+        if kind in (int, float):
+            if (name, key) in _NON_NEGATIVE:
+                if value < 0:
+                    problems.append(str(errors.field_error(dotted, value, "a number >= 0")))
+                    continue
+            elif value <= 0:
+                problems.append(str(errors.field_error(dotted, value, "a number > 0")))
+                continue
+            if kind is float:
+                value = float(value)
+        kwargs[key] = value
+    if name == "cluster" and "nodes" not in table:
+        problems.append("cluster.nodes is missing: the number of GPU servers (an integer > 0)")
+    if len(problems) > before:
+        return None
+    return cls(**kwargs)
+
+
+def _default_split(s: Scenario) -> Scenario:
+    if s.split.train_gpus == 0 and s.split.gen_gpus == 0:
+        nodes = s.cluster.nodes
+        train = max(1, nodes // 4)
+        gen = nodes - train
+        g = s.cluster.gpus_per_node
+        return replace(s, split=SplitConfig(train * g, gen * g))
+    return s
+
+
+def _check_semantics(s: Scenario, problems: list[str]) -> None:
+    c = s.cluster
+    if c.hardware not in HARDWARE:
+        problems.append(
+            str(errors.field_error("cluster.hardware", c.hardware, "one of " + ", ".join(HARDWARE)))
+        )
+    if s.model.name not in MODELS:
+        problems.append(
+            str(errors.field_error("model.name", s.model.name, "one of " + ", ".join(MODELS)))
+        )
+    g = c.gpus_per_node
+    for key in ("train_gpus", "gen_gpus"):
+        v = getattr(s.split, key)
+        if v <= 0 or v % g:
+            problems.append(
+                str(errors.field_error(f"split.{key}", v, f"a positive multiple of {g} GPUs"))
+            )
+    total = s.split.train_gpus + s.split.gen_gpus
+    if total > c.gpus:
+        problems.append(
+            f"split.train_gpus + split.gen_gpus = {s.split.train_gpus} + {s.split.gen_gpus} = "
+            f"{total} is not valid: the cluster has {c.gpus} GPUs "
+            f"({c.nodes} nodes x {g})"
+        )
+    w = s.workload
+    if w.prompt_tokens + w.max_response_tokens <= 0:
+        problems.append("workload: prompt and response tokens must be > 0")
+    gen = s.generation
+    if gen.policy not in POLICIES:
+        problems.append(
+            str(
+                errors.field_error("generation.policy", gen.policy, "one of " + ", ".join(POLICIES))
+            )
+        )
+    for key in ("static_tp", "initial_tp"):
+        tp = getattr(gen, key)
+        if tp and (tp > g or g % tp or tp & (tp - 1)):
+            problems.append(
+                str(
+                    errors.field_error(
+                        f"generation.{key}", tp, f"0 (best) or a power of two dividing {g}"
+                    )
+                )
+            )
+    if s.model.name in MODELS and c.hardware in HARDWARE:
+        perf = default_model(s.model.name, c.hardware)
+        for key in ("static_tp", "initial_tp"):
+            tp = getattr(gen, key)
+            if tp and (not perf.fits(tp) or perf.model.heads % tp):
+                problems.append(
+                    str(
+                        errors.field_error(
+                            f"generation.{key}",
+                            tp,
+                            f"a TP degree whose shard of {s.model.name} fits one GPU's memory",
+                        )
+                    )
+                )
+    f = s.fabric
+    if f.kind not in FABRIC_KINDS:
+        problems.append(
+            str(errors.field_error("fabric.kind", f.kind, "one of " + ", ".join(FABRIC_KINDS)))
+        )
+    if f.oversubscription < 1.0:
+        problems.append(
+            str(errors.field_error("fabric.oversubscription", f.oversubscription, ">= 1"))
+        )
+    if c.nodes_per_pod and c.nodes_per_pod > c.nodes:
+        problems.append(
+            str(
+                errors.field_error(
+                    "cluster.nodes_per_pod", c.nodes_per_pod, f"at most cluster.nodes ({c.nodes})"
+                )
+            )
+        )

@@ -1,0 +1,66 @@
+"""``orl-sim`` as a user runs it: a scenario, a bad scenario, a quick reproduction."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _orl_sim(*args: str) -> subprocess.CompletedProcess[str]:
+    script = Path(sys.executable).parent / "orl-sim"
+    cmd = (
+        [str(script)] if script.exists() else [sys.executable, "-m", "sim_backends.clustersim.cli"]
+    )
+    return subprocess.run(
+        [*cmd, *args], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_run_example_scenario_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "res.json"
+    proc = _orl_sim("run", "examples/sim/small.toml", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "small-14b: Qwen2.5-14B on 32 GPUs" in proc.stdout
+    assert "mean step" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["scenario"] == "small-14b" and data["policy"] == "adaptive"
+    assert len(data["steps"]) == 3
+    for st in data["steps"]:
+        assert st["step_s"] == pytest.approx(max(st["gen_s"], st["train_s"]) + st["sync_s"])
+    again = tmp_path / "again.json"
+    assert _orl_sim("run", "examples/sim/small.toml", "--json", str(again)).returncode == 0
+    assert again.read_text() == out.read_text()  # deterministic for the scenario's seed
+
+
+def test_bad_scenario_is_rejected_before_running(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(
+        "[cluster]\nnodes = 2\n[split]\ntrain_gpus = 16\ngen_gpus = 8\n[workload]\nprompt = 1\n"
+    )
+    proc = _orl_sim("run", str(bad))
+    assert proc.returncode == 2
+    assert "workload.prompt=1 is not valid: unknown key" in proc.stderr
+    assert "the cluster has 16 GPUs" in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_reproduce_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
+    proc = _orl_sim("reproduce", "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "] 8/8" in proc.stderr  # the progress bar reached the end
+    assert "compute 64 GPUs Qwen2.5-14B" in proc.stdout and "paper" in proc.stdout
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results) >= {"compute", "network", "sensitivity_switching", "sensitivity_split"}
+    report = (tmp_path / "REPORT.md").read_text()
+    assert "## Assumptions" in report
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert "perf-cost.png" in pngs and any(p.startswith("timeline-") for p in pngs)
+    assert all((tmp_path / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)

@@ -1,0 +1,160 @@
+"""Generation: the simulated decode equals the performance model; plans are applied."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from scheduler.compute_problem import PlannerConfig
+from scheduler.perf_model import H800, PerfModel, default_model
+from sim_backends.clustersim.generation import (
+    DecodeTimes,
+    decode_time,
+    gen_node_names,
+    prefill_batch_time,
+    simulate_step,
+    uniform_layout,
+)
+from sim_backends.clustersim.scenario import WorkloadConfig
+from sim_backends.clustersim.workload import RolloutRequest, step_workload
+
+pytestmark = pytest.mark.unit
+
+PERF = default_model("Qwen2.5-14B")
+ONE_NODE = {"gen000": (8,)}
+
+
+def _req(i: int, prompt: int, length: int) -> RolloutRequest:
+    return RolloutRequest(f"r{i}", i, prompt, length)
+
+
+def _token_by_token(perf: PerfModel, tp: int, prompts: list[int], lengths: list[int]) -> float:
+    """Reference: every request admitted at t=0 (one prefill), then one decode iteration
+    per token, the batch shrinking as requests finish."""
+    t = prefill_batch_time(perf, tp, sum(prompts))
+    ctx = list(prompts)
+    left = list(lengths)
+    while any(left):
+        live = [i for i, x in enumerate(left) if x > 0]
+        t += perf.decode_iteration_time(tp, len(live), sum(ctx[i] for i in live) / len(live))
+        for i in live:
+            ctx[i] += 1
+            left[i] -= 1
+    return t
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_single_request_decode_time_equals_the_performance_model(tp: int) -> None:
+    prompt, length = 700, 3000
+    res = simulate_step(PERF, [_req(0, prompt, length)], {"gen000": (tp,) * (8 // tp)})
+    expected = PERF.prefill_time(tp, prompt) + sum(
+        PERF.decode_iteration_time(tp, 1, prompt + i) for i in range(length)
+    )
+    assert res.seconds == pytest.approx(expected, rel=1e-9)
+    assert res.completions == (res.seconds,)
+
+
+def test_a_shrinking_batch_matches_token_by_token_decoding() -> None:
+    prompts, lengths = [300, 500, 800], [400, 1500, 900]
+    reqs = [_req(i, p, n) for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+    res = simulate_step(PERF, reqs, ONE_NODE)
+    assert res.seconds == pytest.approx(_token_by_token(PERF, 8, prompts, lengths), rel=1e-9)
+    assert len(res.completions) == 3
+
+
+def test_decode_time_trapezoid_is_exact_when_memory_bound() -> None:
+    direct = sum(PERF.decode_iteration_time(4, 3, 1000 + i) for i in range(500))
+    assert decode_time(PERF, 4, 3, 3 * 1000, 500) == pytest.approx(direct, rel=1e-9)
+    assert decode_time(PERF, 4, 0, 0, 10) == 0.0
+
+
+def test_static_split_is_round_robin() -> None:
+    reqs = [_req(i, 200, 1000) for i in range(8)]
+    four = simulate_step(PERF, reqs, {"gen000": (2, 2, 2, 2)})
+    # two requests per instance, all instances alike
+    expected = _token_by_token(PERF, 2, [200, 200], [1000, 1000])
+    assert four.seconds == pytest.approx(expected, rel=1e-9)
+    assert len(set(four.completions)) == 1
+    assert {s.tp for s in four.segments} == {2}
+    assert four.layout_end == {"gen000": (2, 2, 2, 2)}
+
+
+def test_kv_overflow_preempts_and_every_request_still_finishes() -> None:
+    # an H800 with just enough memory for ~2,000 tokens of KV per TP8 instance
+    small = PerfModel(PERF.model, replace(H800, hbm_bytes=7.01e9))
+    cap = small.kv_capacity_tokens(8)
+    assert 1000 < cap < 4000
+    reqs = [_req(i, 200, 600) for i in range(6)]
+    res = simulate_step(small, reqs, ONE_NODE)
+    assert res.preemptions > 0
+    assert len(res.completions) == 6
+    # slower than with room for all: preempted requests recompute their KV
+    assert res.seconds > simulate_step(PERF, reqs, ONE_NODE).seconds
+
+
+WL = WorkloadConfig(prompts_per_step=24, samples_per_prompt=8, max_response_tokens=6000)
+
+
+@pytest.mark.parametrize("policy", ["proactive", "reactive", "adaptive"])
+def test_planner_policies_finish_every_request_deterministically(policy: str) -> None:
+    nodes = gen_node_names(3)
+    reqs = step_workload(WL, 5, 1).requests
+    history = [tuple(r.response_tokens for r in step_workload(WL, 5, 0).requests)]
+    kwargs = {
+        "policy": policy,
+        "replan_interval_s": 2.0,
+        "config": PlannerConfig(all_candidates_limit=0),
+        "max_response_tokens": WL.max_response_tokens,
+        "history": history,
+    }
+    a = simulate_step(PERF, reqs, uniform_layout(nodes, 8, 2), **kwargs)  # type: ignore[arg-type]
+    b = simulate_step(PERF, reqs, uniform_layout(nodes, 8, 2), **kwargs)  # type: ignore[arg-type]
+    assert a == b
+    assert a.plans > 1
+    assert sorted(a.lengths) == sorted(r.response_tokens for r in reqs)
+    assert len(a.completions) == len(reqs) and a.completions[-1] == a.seconds
+    assert all(sum(p) == 8 for p in a.layout_end.values())
+    if policy == "reactive":
+        assert a.reshards == 0 and a.layout_end == uniform_layout(nodes, 8, 2)
+    if policy == "proactive":
+        assert a.migrations == 0
+    pauses = [s for s in a.segments if s.kind == "pause"]
+    assert len(pauses) == a.reshards
+    assert a.pause_s == pytest.approx(sum(s.end - s.start for s in pauses))
+
+
+def test_reshard_pause_is_charged() -> None:
+    """A node the planner reshards does no work during the plan's pause."""
+    nodes = gen_node_names(2)
+    reqs = step_workload(WL, 3, 0).requests
+    res = simulate_step(
+        PERF,
+        reqs,
+        uniform_layout(nodes, 8, 1),
+        policy="proactive",
+        replan_interval_s=2.0,
+        config=PlannerConfig(all_candidates_limit=0),
+        max_response_tokens=WL.max_response_tokens,
+    )
+    pauses = [s for s in res.segments if s.kind == "pause"]
+    assert pauses, "the planner should reshard TP1 nodes as the step drains"
+    for pause in pauses:
+        assert pause.end > pause.start
+        born = [
+            s
+            for s in res.segments
+            if s.kind == "run" and s.node == pause.node and s.start == pause.start
+        ]
+        assert born
+        for run in born:  # instances created by the reshard work only after the pause
+            assert run.busy_end == run.start or run.busy_end >= pause.end
+
+
+@pytest.mark.parametrize(("tp", "batch"), [(1, 1), (2, 64), (4, 256), (8, 200)])
+def test_decode_times_equal_the_performance_model(tp: int, batch: int) -> None:
+    fast = DecodeTimes(PERF)
+    for ctx in (0.0, 37.5, 1000.0, 9000.0, 30000.0):
+        assert fast.at(tp, batch, ctx) == pytest.approx(
+            PERF.decode_iteration_time(tp, batch, ctx), rel=1e-12
+        )

@@ -1,0 +1,113 @@
+"""Scenario files: defaults, and every kind of bad input rejected before anything runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrrl import errors
+from sim_backends.clustersim.scenario import load_scenario, parse_scenario
+
+pytestmark = pytest.mark.unit
+
+EXAMPLES = sorted(Path(__file__).resolve().parents[2].joinpath("examples", "sim").glob("*.toml"))
+
+
+def test_minimal_scenario_gets_documented_defaults() -> None:
+    s = parse_scenario({"cluster": {"nodes": 8}})
+    assert s.cluster.gpus == 64
+    assert (s.split.train_gpus, s.split.gen_gpus) == (16, 48)  # a quarter of the nodes train
+    assert s.workload.max_response_tokens == 20480
+    assert s.generation.policy == "adaptive"
+    assert s.fabric.kind == "rfabric" and s.fabric.ocs_switching_s == 0.010
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_scenarios_are_valid(path: Path) -> None:
+    s = load_scenario(path)
+    assert s.source == str(path)
+    assert s.split.train_gpus + s.split.gen_gpus <= s.cluster.gpus
+
+
+def _error(data: dict[str, Any]) -> str:
+    with pytest.raises(errors.InvalidArgument) as info:
+        parse_scenario(data)
+    return str(info.value)
+
+
+def test_unknown_keys_are_named_with_what_is_allowed() -> None:
+    msg = _error({"cluster": {"nodes": 8, "gpu": 8}, "workload": {"prompts": 3}, "extra": 1})
+    assert "cluster.gpu=8 is not valid: unknown key; allowed: gpus_per_node, hardware" in msg
+    assert "workload.prompts=3" in msg and "prompts_per_step" in msg
+    assert "extra=1" in msg and "unknown key" in msg
+
+
+def test_impossible_split_names_both_fields_and_the_cluster_size() -> None:
+    msg = _error({"cluster": {"nodes": 4}, "split": {"train_gpus": 16, "gen_gpus": 24}})
+    assert "split.train_gpus + split.gen_gpus = 16 + 24 = 40" in msg
+    assert "the cluster has 32 GPUs" in msg
+
+
+def test_split_must_be_whole_nodes() -> None:
+    msg = _error({"cluster": {"nodes": 4}, "split": {"train_gpus": 4, "gen_gpus": 8}})
+    assert "split.train_gpus=4" in msg and "multiple of 8" in msg
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"cluster": {"nodes": -2}}, "cluster.nodes=-2"),
+        (
+            {"cluster": {"nodes": 8}, "workload": {"prompts_per_step": 0}},
+            "workload.prompts_per_step=0",
+        ),
+        (
+            {"cluster": {"nodes": 8}, "workload": {"max_response_tokens": -5}},
+            "max_response_tokens=-5",
+        ),
+        (
+            {"cluster": {"nodes": 8}, "fabric": {"ocs_switching_s": -0.1}},
+            "fabric.ocs_switching_s=-0.1",
+        ),
+        ({"cluster": {"nodes": 8}, "steps": 0}, "steps=0"),
+        ({"cluster": {"nodes": 8.5}}, "cluster.nodes=8.5"),
+        ({"cluster": {"nodes": True}}, "cluster.nodes=True"),
+        ({"cluster": {"nodes": 8}, "model": {"name": "GPT-9"}}, "model.name='GPT-9'"),
+        ({"cluster": {"nodes": 8}, "generation": {"policy": "magic"}}, "generation.policy='magic'"),
+        ({"cluster": {"nodes": 8}, "generation": {"static_tp": 3}}, "generation.static_tp=3"),
+        ({"cluster": {"nodes": 8}, "fabric": {"kind": "torus"}}, "fabric.kind='torus'"),
+        ({"cluster": {"nodes": 8}, "fabric": {"oversubscription": 0.5}}, "oversubscription=0.5"),
+        ({"cluster": {"nodes": 8}, "workload": "big"}, "workload='big'"),
+        ({}, "cluster is missing"),
+        ({"cluster": {}}, "cluster.nodes is missing"),
+    ],
+)
+def test_bad_values_name_field_and_value(data: dict[str, Any], needle: str) -> None:
+    assert needle in _error(data)
+
+
+def test_72b_does_not_fit_tp1() -> None:
+    msg = _error(
+        {"cluster": {"nodes": 8}, "model": {"name": "Qwen2.5-72B"}, "generation": {"static_tp": 1}}
+    )
+    assert "generation.static_tp=1" in msg and "fits one GPU" in msg
+
+
+def test_every_problem_reported_at_once() -> None:
+    msg = _error({"cluster": {"nodes": 8, "nic_gbps": -1}, "workload": {"sample_sigma": -1}})
+    assert "cluster.nic_gbps=-1" in msg and "workload.sample_sigma=-1" in msg
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[cluster\nnodes = 1")
+    with pytest.raises(errors.InvalidArgument, match="not valid TOML"):
+        load_scenario(bad)
+    with pytest.raises(errors.InvalidArgument, match="cannot read"):
+        load_scenario(tmp_path / "missing.toml")
+    unknown = tmp_path / "u.toml"
+    unknown.write_text("[cluster]\nnodes = 2\n[workload]\nprompt = 3\n")
+    with pytest.raises(errors.InvalidArgument, match=r"u\.toml: invalid scenario"):
+        load_scenario(unknown)
