@@ -50,10 +50,14 @@ bench: $(STAMP)
 	$(PY) bench/phase_switch.py --json bench/results/phase_switch.json
 	$(PY) bench/phase_switch.py --nodes 64,512,2048 --switching-ms 0 --rounds 10 \
 		--json bench/results/phase_switch_scale.json
+	$(PY) bench/phase_switch.py --nodes 2048 --switching-ms 0 --rounds 10 --plan-cache 0 \
+		--json bench/results/phase_switch_uncached.json
 	$(PY) bench/telemetry_ingest.py --agents 2048 --hz 10 --seconds 10 \
 		--json bench/results/telemetry_ingest.json
+	$(PY) bench/telemetry_ingest.py --agents 2048 --hz 10 --seconds 10 --mode sample \
+		--procs 2 --json bench/results/telemetry_ingest_per_sample.json
 	$(PY) bench/reshard.py --json bench/results/reshard.json
-	$(PY) bench/agent_overhead.py --json bench/results/agent_overhead.json
+	$(PY) bench/agent_overhead.py --also-unbatched --json bench/results/agent_overhead.json
 	$(PY) bench/planner.py --json bench/results/planner.json
 	$(PY) bench/sim_network.py --json bench/results/sim_network.json
 	@if [ "$$(id -u)" -eq 0 ]; then $(PY) bench/routes.py --json bench/results/routes.json; \

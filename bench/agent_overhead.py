@@ -2,20 +2,26 @@
 """CPU and memory overhead of the node agent: the real daemon at 10 Hz with 8 GPUs, 8 NICs.
 
 Runs ``orl-node-agent --plaintext --gpu-backend sim --gpus 8`` as a subprocess with 8
-NICs at R Hz (default 10) against a fake controller in this process
+NICs sampling at R Hz (default 10) against a fake controller in this process
 (``node_agent.fake_controller``, heartbeats every second), waits until it streams, then
 for D seconds measures the agent's CPU time (utime+stime from /proc/PID/stat, as % of
 one core) and its RSS (VmRSS from /proc/PID/status, peak of 10 Hz readings). The
 baseline, measured over the same window, is an idle ``python -c "import time;
 time.sleep(N)"`` process (interpreter start-up excluded, like the agent's).
 
-NICs: as root, the agent runs in a throwaway network namespace holding 8 veth pairs
-(``eth0``..``eth7``; idle, but read through sysfs exactly like real NICs) plus one veth
-link to this process's namespace so it can reach the fake controller; the namespace
-is deleted afterwards. Without root, the agent reports the (up to 8) interfaces this
-host has, and the table says how many that was.
+Every sample is taken at R Hz (GPUs, NICs, RDMA, engine figures); the agent uploads them
+in batches every ``--flush-interval`` seconds (its default 1 s; one gRPC message each,
+the engine's per-request progress on the newest sample). ``--also-unbatched`` measures,
+in the same run, a second agent that sends every sample as it is taken (flush 0).
 
-    python bench/agent_overhead.py [--seconds 20] [--hz 10] [--json out.json]
+NICs: as root, the agent runs in a throwaway network namespace holding 8 veth pairs
+(``eth0``..``eth7``; idle, but read through rtnetlink exactly like real NICs) plus one
+veth link to this process's namespace so it can reach the fake controller; the
+namespace is deleted afterwards. Without root, the agent reports the (up to 8)
+interfaces this host has, and the table says how many that was.
+
+    python bench/agent_overhead.py [--seconds 20] [--hz 10] [--flush-interval 1]
+        [--also-unbatched] [--json out.json]
 
 Targets: < 1 % of one core, < 100 MiB RSS.
 """
@@ -91,7 +97,7 @@ def host_nics() -> Iterator[tuple[list[str], list[str], str]]:
     yield [], names, "127.0.0.1"
 
 
-async def measure(args: argparse.Namespace) -> dict[str, object]:
+async def measure(args: argparse.Namespace, flush_interval: float) -> dict[str, object]:
     as_root = os.geteuid() == 0 and not args.no_netns
     setup = nic_namespace() if as_root else host_nics()
     with setup as (prefix, nics, controller_host), tempfile.TemporaryDirectory() as tmp:
@@ -110,6 +116,7 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
             "--gpu-backend=sim",
             "--gpus=8",
             f"--telemetry-interval={1.0 / args.hz}",
+            f"--telemetry-flush-interval={flush_interval}",
             "--log-format=json",
             *[f"--nic={n}" for n in nics],
         ]
@@ -163,6 +170,7 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
     return {
         "seconds": round(wall, 3),
         "hz": args.hz,
+        "flush_interval_s": flush_interval,
         "gpus": 8,
         "nics": nics_reported,
         "nic_setup": "netns with 8 veth pairs" if as_root else "host interfaces",
@@ -183,10 +191,12 @@ def print_table(result: dict[str, object]) -> None:
     idle = result["idle_python"]
     delta = result["agent_minus_idle"]
     assert isinstance(agent, dict) and isinstance(idle, dict) and isinstance(delta, dict)
+    flush = result["flush_interval_s"]
+    uploads = f"uploads every {flush:g} s" if flush else "every sample uploaded at once"
     print(
         f"agent overhead: {result['gpus']} sim GPUs, {result['nics']} NICs "
-        f"({result['nic_setup']}), {result['hz']} Hz for {result['seconds']} s, "
-        f"{result['samples_per_s']} samples/s reached the controller"
+        f"({result['nic_setup']}), sampling at {result['hz']} Hz, {uploads}, for "
+        f"{result['seconds']} s; {result['samples_per_s']} samples/s reached the controller"
     )
     print(f"{'process':<22}{'CPU % of one core':>20}{'peak RSS MiB':>16}")
     for name, r in (("orl-node-agent", agent), ("idle python (baseline)", idle),
@@ -202,11 +212,24 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--seconds", type=float, default=20.0, help="measured window (default 20)")
     p.add_argument("--hz", type=float, default=10.0, help="telemetry rate (default 10)")
+    p.add_argument(
+        "--flush-interval", type=float, default=1.0, help="agent upload interval (default 1)"
+    )
+    p.add_argument(
+        "--also-unbatched",
+        action="store_true",
+        help="also measure an agent that uploads every sample at once (flush interval 0)",
+    )
     p.add_argument("--no-netns", action="store_true", help="use host NICs even as root")
     p.add_argument("--json", type=Path, help="also write the result here")
     args = p.parse_args()
-    result = asyncio.run(measure(args))
+    result = asyncio.run(measure(args, args.flush_interval))
     print_table(result)
+    if args.also_unbatched:
+        unbatched = asyncio.run(measure(args, 0.0))
+        print()
+        print_table(unbatched)
+        result = {**result, "unbatched": unbatched}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -5,16 +5,22 @@ Starts an in-process fabric (simulated OCS servers + controller over real gRPC o
 loopback) from a wiring file, walks the RL phases N times through the client, and
 for every change also replays the *same* OCS batch directly against a second,
 identical simulated switch: the baseline. The ratio controller/baseline is the
-controller's overhead (observe, plan, verify, commit) over the optics themselves,
-measured in the same run so the machine's noise cancels out.
+controller's overhead (observe, plan, journal, verify, commit) over the optics
+themselves, measured in the same run so the machine's noise cancels out.
 
-    python bench/phase_switch.py [--rounds 20] [--switching-ms 10] [--json out.json]
+The controller memoizes phase plans on their inputs, so from the second round on a
+change reuses the plan of the same transition; ``--plan-cache 0`` plans every change
+from scratch (the first change of a phase, or a fabric whose inputs keep changing).
+
+    python bench/phase_switch.py [--rounds 20] [--switching-ms 10] [--plan-cache 0]
+                                 [--nodes 64,512,2048] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import sys
@@ -38,9 +44,12 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def run(w: Wiring, rounds: int, switching_s: float) -> dict[str, object]:
+async def run(w: Wiring, rounds: int, switching_s: float, plan_cache: int) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
-        fabric = await start_fabric(w, Path(tmp) / "state.db", switching_time_s=switching_s)
+        fabric = await start_fabric(
+            w, Path(tmp) / "state.db", switching_time_s=switching_s, plan_cache_size=plan_cache
+        )
+        gc.freeze()  # as orl-fabric-controller does once started
         baseline_servers = []
         baseline = {}
         for o in w.ocses:
@@ -90,6 +99,7 @@ async def run(w: Wiring, rounds: int, switching_s: float) -> dict[str, object]:
         "phase_changes": len(controller_s),
         "circuit_changes": moved,
         "switching_time_ms": switching_s * 1000,
+        "plan_cache": plan_cache,
         "controller_set_phase_ms": {
             "p50": statistics.median(controller_s) * 1000,
             "p95": pct(controller_s, 0.95) * 1000,
@@ -119,10 +129,19 @@ def main() -> int:
     )
     p.add_argument("--rounds", type=int, default=20, help="phase cycles (3 changes each)")
     p.add_argument("--switching-ms", type=float, default=10.0, help="simulated OCS switching time")
+    p.add_argument(
+        "--plan-cache",
+        type=int,
+        default=16,
+        help="plans the controller memoizes (default %(default)s, as the daemon; 0: plan "
+        "every change from scratch)",
+    )
     p.add_argument("--json", type=Path, help="also write the figures as JSON here")
     args = p.parse_args()
     if args.rounds < 1:
         p.error(f"--rounds={args.rounds}: must be at least 1")
+    if args.plan_cache < 0:
+        p.error(f"--plan-cache={args.plan_cache}: must be >= 0")
     try:
         wirings = (
             [synthetic_wiring(int(n)) for n in args.nodes.split(",")]
@@ -134,8 +153,9 @@ def main() -> int:
     setup_logging("warning")
     results = []
     print(
-        f"phase-switch latency, OCS switching {args.switching_ms} ms, {args.rounds} rounds; "
-        "inside = the controller's stages (observe, plan, program, verify, commit), "
+        f"phase-switch latency, OCS switching {args.switching_ms} ms, {args.rounds} rounds, "
+        f"plan cache {args.plan_cache}; "
+        "inside = the controller's stages (observe, plan, journal, program, verify, commit), "
         "end-to-end = SetPhase seen by a client; ratio = end-to-end / the same batches "
         "sent straight to an identical simulated OCS"
     )
@@ -144,7 +164,7 @@ def main() -> int:
         f"{'OCS direct p50':>15} {'ratio':>6}  stages p50 (ms)"
     )
     for w in wirings:
-        res = asyncio.run(run(w, args.rounds, args.switching_ms / 1000))
+        res = asyncio.run(run(w, args.rounds, args.switching_ms / 1000, args.plan_cache))
         results.append(res)
         c, d, st = res["controller_set_phase_ms"], res["direct_ocs_apply_ms"], res["stages_p50_ms"]
         inside = res["controller_side_ms"]

@@ -249,9 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         out["compute"].append(res)
         for key in ("step_start", "replan", "balance"):
             s = res[key]
+            s["meets_target"] = s["p50_ms"] < out["target_p50_ms"]
+            verdict = "ok" if s["meets_target"] else f"over the {out['target_p50_ms']:g} ms target"
             print(
                 f"  {key:<11} p50 {s['p50_ms']:6.1f} ms  p90 {s['p90_ms']:6.1f} ms  "
-                f"min {s['min_ms']:6.1f} ms  cpu p50 {s['cpu_p50_ms']:6.1f} ms"
+                f"min {s['min_ms']:6.1f} ms  cpu p50 {s['cpu_p50_ms']:6.1f} ms  {verdict}"
             )
             print(f"  {'':<11} {s['decision'][:110]}")
         print(f"  forecast build (once per re-plan): {res['forecast_ms']:.1f} ms")

@@ -24,10 +24,12 @@ from orchestrrl.client import (
     Client,
     NodeView,
     PhaseChange,
+    ScheduleView,
     controller_address,
     to_json,
 )
 from orchestrrl.model import Phase
+from orchestrrl.tls import TlsConfig
 from orchestrrl.tls import from_args as tls_from_args
 
 PHASES = [p.value for p in Phase]
@@ -117,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan_phase = add(plsub, "phase", "the circuits a phase change would add and remove")
     plan_phase.add_argument("phase", choices=PHASES)
 
+    sched = add(sub, "schedule", "the compute-scheduling loop: its plan, why, and its actions")
+    ssub = sched.add_subparsers(dest="action", required=True, metavar="ACTION")
+    add(ssub, "show", "the current compute plan with its explanation and the last actions")
+
     config = add(sub, "config", "validate wiring files")
     csub = config.add_subparsers(dest="action", required=True, metavar="ACTION")
     check = add(csub, "check", "validate a wiring file and print it normalised")
@@ -197,6 +203,7 @@ def describe_change(r: PhaseChange) -> str:
         f"epoch {r.epoch}: phase {r.phase}  (+{len(r.added)} -{len(r.removed)} circuits, "
         f"{len(r.circuits)} in place)",
         f"  stages: {_stages(r.stages)}",
+        *(f"  {line}" for line in r.explanation.splitlines()),
     ]
     return "\n".join(lines + _by_pair(r.circuits))
 
@@ -208,20 +215,44 @@ def _print(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None
         print(text())
 
 
-def _client(args: argparse.Namespace) -> Client:
-    """A client of the controller; mutual TLS when a --tls-* flag or $ORL_TLS_* is set."""
+def _target(args: argparse.Namespace) -> tuple[str, float, TlsConfig | None]:
+    """Controller address, timeout, and mutual TLS when a --tls-* flag or $ORL_TLS_* is set."""
     files = {
         key: getattr(args, key, None) or (Path(os.environ[env]) if os.environ.get(env) else None)
         for key, env in (("tls_cert", "ORL_TLS_CERT"), ("tls_key", "ORL_TLS_KEY"),
                          ("tls_ca", "ORL_TLS_CA"))
     }  # fmt: skip
     tls = tls_from_args(argparse.Namespace(**files), required=False)
-    return Client(
-        controller_address(getattr(args, "controller", None)), getattr(args, "timeout", 30.0), tls
+    return (
+        controller_address(getattr(args, "controller", None)),
+        getattr(args, "timeout", 30.0),
+        tls,
     )
 
 
+def _client(args: argparse.Namespace) -> Client:
+    """A client of the controller; mutual TLS when a --tls-* flag or $ORL_TLS_* is set."""
+    return Client(*_target(args))
+
+
 def cmd_phase(args: argparse.Namespace) -> int:
+    if args.action == "plan":
+        with _client(args) as c:
+            plan = c.plan_phase(args.phase)
+        _print(
+            args,
+            plan,
+            lambda: "\n".join(
+                [
+                    f"phase {plan.phase} would add {len(plan.added)} and remove "
+                    f"{len(plan.removed)} circuit(s)",
+                    *(f"  {line}" for line in plan.explanation.splitlines()),
+                    "resulting circuits:",
+                    *_by_pair(plan.circuits),
+                ]
+            ),
+        )
+        return 0
     with _client(args) as c:
         if args.action == "get":
             s = c.get_phase()
@@ -232,24 +263,11 @@ def cmd_phase(args: argparse.Namespace) -> int:
                 else "epoch 0: no phase set yet"
             )
             _print(args, s, lambda: "\n".join([header, *_by_pair(s.circuits)]))
-        elif args.action == "set":
+        else:
             if not args.idle_window_ms >= 0:
                 raise errors.field_error("--idle-window-ms", args.idle_window_ms, "a number >= 0")
             r = c.set_phase(args.phase, args.request_id, args.idle_window_ms / 1000.0)
             _print(args, r, lambda: describe_change(r))
-        else:
-            plan = c.plan_phase(args.phase)
-            _print(
-                args,
-                plan,
-                lambda: "\n".join(
-                    [
-                        f"phase {plan.phase} would add {len(plan.added)} and remove "
-                        f"{len(plan.removed)} circuit(s); resulting circuits:",
-                        *_by_pair(plan.circuits),
-                    ]
-                ),
-            )
     return 0
 
 
@@ -319,6 +337,42 @@ def cmd_events(args: argparse.Namespace) -> int:
             seen += 1
             if args.count and seen >= args.count:
                 break
+    return 0
+
+
+def describe_schedule(s: ScheduleView) -> str:
+    lines = [s.explanation]
+    changes = [x for x in s.layouts if x["before"] != x["after"]]
+    if s.layouts:
+        lines.append(
+            f"layouts ({len(s.layouts)} generation nodes, {s.requests} requests"
+            f"{', ' + str(len(changes)) + ' changing' if changes else ''}):"
+        )
+        for x in s.layouts:
+            before = "+".join(f"TP{t}" for t in x["before"])
+            after = "+".join(f"TP{t}" for t in x["after"])
+            lines.append(
+                f"  {x['node']:<14} {before}" + (f" -> {after}" if after != before else "")
+            )
+    if s.planned_at:
+        when = time.strftime("%H:%M:%S", time.localtime(s.planned_at))
+        state = "carried out" if s.acted else "not carried out (nothing to do, or waiting)"
+        lines.append(f"planned at {when} ({s.mode}); {state}")
+    if s.actions:
+        lines.append(f"last actions ({len(s.actions)}):")
+        for a in s.actions[-10:]:
+            when = time.strftime("%H:%M:%S", time.localtime(a["timestamp"]))
+            mark = "ok    " if a["ok"] else "FAILED"
+            lines.append(
+                f"  {when} {mark} {a['kind']:<8} {a['node']}: {a['message']} ({a['seconds']:.2f} s)"
+            )
+    return "\n".join(lines)
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        s = c.schedule()
+    _print(args, s, lambda: describe_schedule(s))
     return 0
 
 
@@ -437,6 +491,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "plan": cmd_plan,
     "nodes": cmd_nodes,
     "topology": cmd_topology,
+    "schedule": cmd_schedule,
     "events": cmd_events,
     "config": cmd_config,
     "local": cmd_local,

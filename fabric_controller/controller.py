@@ -5,6 +5,12 @@ Every decision lives in ``scheduler`` and ``fabric_controller.reconcile``; this
 module sequences I/O, journals each stage in the store before moving on (so a
 restart after ``kill -9`` knows where it stopped), measures stages, and reports.
 
+Latency (a phase change on a 2048-node fabric is budgeted at 100 ms, see
+bench/phase_switch.py): one ListCrossConnects per OCS observes it (table and failed
+ports), batches of one step go to all OCSes at once, verification reads the table each
+switch returned for its last batch (the switch's own read-back, taken atomically with
+the batch) instead of listing it again, and phase plans are memoized on their inputs.
+
 Recovery rule after a crash: a reconfiguration whose OCS batches were all
 acknowledged (stage ``ocs_programmed`` or later) is rolled forward and committed;
 anything earlier is rolled back to the last committed epoch. Either way the
@@ -17,16 +23,17 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import structlog
 
 from fabric_controller.drivers.electrical import ElectricalDriver
-from fabric_controller.drivers.ocs import OcsDriver
+from fabric_controller.drivers.ocs import OcsDriver, PortPair
 from fabric_controller.events import Event, EventHub
 from fabric_controller.metrics import ControllerMetrics
-from fabric_controller.reconcile import Batch, check_applied, converge, ours, steps
+from fabric_controller.reconcile import Batch, check_tables, converge, ours, steps
 from fabric_controller.registry import Health, NodeRecord, Registry, health
 from fabric_controller.store import EpochRecord, PendingRecord, Store
 from fabric_controller.tor_routes import routed_tors, tor_routes
@@ -34,8 +41,9 @@ from orchestrrl import errors
 from orchestrrl.logs import get_logger
 from orchestrrl.model import Circuit, Phase, Wiring
 from orchestrrl.v1 import node_agent_pb2
-from scheduler.circuits import CircuitPlan, plan_phase
+from scheduler.circuits import CircuitPlan
 from scheduler.gate import DEFAULT_SETTLING_MARGIN_S, slack_gate
+from scheduler.network import PhaseCircuits, PhaseDemand, plan_phase_circuits
 
 log = get_logger("fabric_controller")
 
@@ -49,10 +57,21 @@ class PhaseResult:
     changed: bool
     message: str
     gated: bool = False
+    explanation: str = ""  # how the circuits were chosen (planner or template, and why)
+
+
+@dataclass(frozen=True)
+class PhasePreview:
+    """What a phase change would do now: the switch program and how it was chosen."""
+
+    circuits: CircuitPlan
+    planner: str
+    explanation: str
 
 
 class _Stages:
-    """Wall time per stage, in the order the stages ran."""
+    """Wall time per stage, in the order the stages first ran (a stage entered twice,
+    like the journal, adds up)."""
 
     def __init__(self, clock: Callable[[], float], metrics: ControllerMetrics) -> None:
         self._clock = clock
@@ -65,8 +84,9 @@ class _Stages:
         try:
             yield
         finally:
-            self.times[name] = self._clock() - start
-            self._metrics.stage_seconds.labels(name).observe(self.times[name])
+            took = self._clock() - start
+            self.times[name] = self.times.get(name, 0.0) + took
+            self._metrics.stage_seconds.labels(name).observe(took)
 
 
 def _pairs(circuits: frozenset[Circuit]) -> str:
@@ -89,8 +109,18 @@ class Controller:
         fault_hook: Callable[[str], None] = lambda _stage: None,
         metrics: ControllerMetrics | None = None,
         electrical: Mapping[str, ElectricalDriver] | None = None,
+        demand: PhaseDemand | None = None,
+        plan_cache_size: int = 16,
     ) -> None:
+        if plan_cache_size < 0:
+            raise errors.field_error("plan_cache_size", plan_cache_size, "an integer >= 0")
         self.store = store
+        self.demand = demand or PhaseDemand()
+        self.plan_cache_size = plan_cache_size
+        # phase plans by their inputs (pure, so equal inputs give the equal plan): an RL
+        # loop walks the same phases over the same circuits step after step
+        self._plans: OrderedDict[tuple[object, ...], PhaseCircuits] = OrderedDict()
+        self._interned: dict[str, dict[PortPair, Circuit]] = {}
         self.ocs = dict(ocs)
         self.electrical = dict(electrical or {})
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -150,6 +180,7 @@ class Controller:
         """Adopt a new (already validated) wiring; known nodes keep their state."""
         self._check_drivers(wiring)
         self.wiring = wiring
+        self._plans.clear()
         self.registry = self.registry.with_wiring(wiring)
         self.events.publish(Event("wiring_reloaded", message=f"{len(wiring.nodes)} nodes"))
 
@@ -197,6 +228,20 @@ class Controller:
         if sample.timestamp > 0:
             self.metrics.telemetry_lag.observe(max(0.0, self._wall() - sample.timestamp))
 
+    def telemetry_batch(
+        self, newest: Sequence[node_agent_pb2.TelemetrySample], samples: int
+    ) -> None:
+        """One upload of ``samples`` samples; ``newest`` holds the newest sample of each node
+        in it (an agent's upload: one). Each node keeps its newest sample; every sample is
+        counted; the lag observed is the upload's: the age of its newest sample (older
+        samples of a batch waited in the agent by design). An unknown or unregistered
+        node rejects the whole upload, storing nothing."""
+        self.registry.telemetry_batch(newest, self._mono())
+        self.metrics.telemetry_samples.inc(samples)
+        taken = max((s.timestamp for s in newest), default=0.0)
+        if taken > 0:
+            self.metrics.telemetry_lag.observe(max(0.0, self._wall() - taken))
+
     def nodes(self) -> list[tuple[NodeRecord, Health, float | None]]:
         now = self._mono()
         out = []
@@ -220,15 +265,44 @@ class Controller:
         for h, n in self.registry.counts().items():
             self.metrics.nodes.labels(h.value).set(n)
 
-    def _down_pod_ports(self) -> frozenset[tuple[str, int]]:
-        """Uplink ports of pods whose every node is down: planners leave them out."""
-        state = {r.name: h for r, h, _ in self.nodes()}
-        down_pods = {
-            p.name for p in self.wiring.pods if all(state[n] is Health.DOWN for n in p.nodes)
-        }
+    def _down_pods(self) -> frozenset[str]:
+        """Pods whose every node is down: planners leave them (and their ports) out."""
+        now, deadline = self._mono(), self.registry.deadline_s
+        records = {r.name: r for r in self.registry.records()}
         return frozenset(
-            (o, port) for pod, o, port in self.wiring.uplink_ports() if pod in down_pods
+            p.name
+            for p in self.wiring.pods
+            if p.nodes and all(health(records[n], now, deadline) is Health.DOWN for n in p.nodes)
         )
+
+    def _plan_phase(
+        self, phase: Phase, committed: frozenset[Circuit], failed: frozenset[tuple[str, int]]
+    ) -> PhaseCircuits:
+        """The phase's circuits relative to ``committed`` (memoized: the planner is pure)."""
+        down_pods = self._down_pods()
+        unavailable = failed
+        if down_pods:
+            unavailable |= {
+                (o, port) for pod, o, port in self.wiring.uplink_ports() if pod in down_pods
+            }
+        key = (phase, committed, unavailable, down_pods, self.demand)
+        cached = self._plans.get(key)
+        if cached is not None:
+            self._plans.move_to_end(key)
+            return cached
+        planned = plan_phase_circuits(
+            self.wiring,
+            phase,
+            committed,
+            unavailable,
+            without_pods=down_pods,
+            demand=self.demand,
+        )
+        if self.plan_cache_size:
+            self._plans[key] = planned
+            while len(self._plans) > self.plan_cache_size:
+                self._plans.popitem(last=False)
+        return planned
 
     async def run_liveness(self) -> None:
         """Mark nodes down when they miss their deadline (runs until cancelled)."""
@@ -239,58 +313,94 @@ class Controller:
     # -- switches --
 
     async def _observe(self) -> tuple[frozenset[Circuit], frozenset[tuple[str, int]]]:
-        async def one(name: str, drv: OcsDriver) -> tuple[set[Circuit], set[tuple[str, int]]]:
+        async def one(name: str, drv: OcsDriver) -> tuple[list[Circuit], set[tuple[str, int]]]:
             pairs, down = await drv.snapshot()
-            return {Circuit(name, a, b) for a, b in pairs}, {(name, p) for p in down}
+            return self._circuits_of(name, pairs), {(name, p) for p in down}
 
         results = await asyncio.gather(*(one(n, d) for n, d in sorted(self.ocs.items())))
         circuits = frozenset(c for cs, _ in results for c in cs)
         down = frozenset(p for _, ds in results for p in ds)
         return circuits, down
 
-    async def _program(self, plan_steps: list[list[Batch]], tag: str) -> None:
-        """Apply make-before-break steps (``reconcile.steps``) of per-OCS batches."""
+    def _circuits_of(self, ocs: str, pairs: frozenset[PortPair]) -> list[Circuit]:
+        """The circuits of a switch's table. Circuits are interned per switch: building
+        (and validating) a Circuit costs microseconds, and a large fabric's tables hold
+        thousands, mostly the same from one observation to the next."""
+        known = self._interned.setdefault(ocs, {})
+        if len(known) > 1 << 16:
+            known.clear()
+        out = []
+        for p in pairs:
+            c = known.get(p)
+            if c is None:
+                c = known[p] = Circuit(ocs, *p)
+            out.append(c)
+        return out
+
+    async def _program(
+        self, plan_steps: list[list[Batch]], tag: str
+    ) -> dict[str, frozenset[PortPair]]:
+        """Apply make-before-break steps (``reconcile.steps``) of per-OCS batches: the
+        batches of a step go to their switches at once, the next step waits for all.
+        Returns each programmed switch's table as it answered its last batch."""
+        tables: dict[str, frozenset[PortPair]] = {}
         for i, step in enumerate(plan_steps):
-            for batch in step:
-                driver = self.ocs[batch.ocs]
-                try:
-                    await driver.apply(
-                        batch.disconnect, batch.connect, request_id=f"{tag}-{i}-{batch.ocs}"
-                    )
-                except errors.Unavailable as exc:
-                    # a timeout leaves the outcome unknown: the switch's own table decides
-                    if not await self._batch_landed(driver, batch):
-                        raise _StageError(
-                            "program_ocs",
-                            f"OCS {batch.ocs!r} did not confirm the batch (disconnect "
-                            f"{list(batch.disconnect) or 'none'}, connect "
-                            f"{list(batch.connect) or 'none'}) and its table does not show "
-                            f"it: {exc}",
-                        ) from exc
-                    log.warning("OCS answer lost; its table shows the batch", ocs=batch.ocs)
-                except errors.OrlError as exc:
-                    raise _StageError(
-                        "program_ocs",
-                        f"OCS {batch.ocs!r} refused the batch (disconnect "
-                        f"{list(batch.disconnect) or 'none'}, connect "
-                        f"{list(batch.connect) or 'none'}): {exc}",
-                    ) from exc
+            results = await asyncio.gather(
+                *(self._apply(b, f"{tag}-{i}-{b.ocs}") for b in step), return_exceptions=True
+            )
+            for batch, result in zip(step, results, strict=True):
+                if isinstance(result, BaseException):
+                    raise result  # the first failure in switch order; rollback sees all
+                tables[batch.ocs] = result
             self._fault("program_ocs")
+        return tables
+
+    async def _apply(self, batch: Batch, request_id: str) -> frozenset[PortPair]:
+        driver = self.ocs[batch.ocs]
+        try:
+            return await driver.apply(batch.disconnect, batch.connect, request_id=request_id)
+        except errors.Unavailable as exc:
+            # a timeout leaves the outcome unknown: the switch's own table decides
+            table = await self._landed(driver, batch)
+            if table is None:
+                raise _StageError(
+                    "program_ocs",
+                    f"OCS {batch.ocs!r} did not confirm the batch (disconnect "
+                    f"{list(batch.disconnect) or 'none'}, connect "
+                    f"{list(batch.connect) or 'none'}) and its table does not show "
+                    f"it: {exc}",
+                ) from exc
+            log.warning("OCS answer lost; its table shows the batch", ocs=batch.ocs)
+            return table
+        except errors.OrlError as exc:
+            raise _StageError(
+                "program_ocs",
+                f"OCS {batch.ocs!r} refused the batch (disconnect "
+                f"{list(batch.disconnect) or 'none'}, connect "
+                f"{list(batch.connect) or 'none'}): {exc}",
+            ) from exc
 
     @staticmethod
-    async def _batch_landed(driver: OcsDriver, batch: Batch) -> bool:
+    async def _landed(driver: OcsDriver, batch: Batch) -> frozenset[PortPair] | None:
+        """The switch's table if it shows the batch applied, else None."""
         try:
             table, _ = await driver.snapshot()
         except errors.OrlError:
-            return False
-        return set(batch.connect) <= table and not set(batch.disconnect) & table
+            return None
+        if set(batch.connect) <= table and not set(batch.disconnect) & table:
+            return table
+        return None
 
-    async def _verify(self, plan: CircuitPlan) -> None:
-        try:
-            observed, _ = await self._observe()
-        except errors.OrlError as exc:
-            raise _StageError("verify", f"reading the switches back failed: {exc}") from exc
-        problems = check_applied(plan, ours(self.wiring, observed))
+    def _verify(
+        self,
+        plan: CircuitPlan,
+        observed: frozenset[Circuit],
+        tables: Mapping[str, frozenset[PortPair]],
+    ) -> None:
+        """Check the switches against the plan: a programmed switch by the table it
+        returned with its last batch (read by the switch in the same atomic step, so a
+        switch that acknowledged without applying shows it), any other by ``observed``."""
+        problems = check_tables(plan, tables, observed)
         if problems:
             raise _StageError(
                 "verify", "switch state differs from the plan: " + "; ".join(problems)
@@ -337,11 +447,10 @@ class Controller:
         plan = converge(self.wiring, observed, target)
         if self.electrical:
             await self._program_routes(ours(self.wiring, observed) & target, "drain_routes")
-        if not plan.empty:
-            await self._program(steps(plan), tag)
+        tables = await self._program(steps(plan), tag) if not plan.empty else {}
         if self.electrical:
             await self._program_routes(target, "program_routes")
-        await self._verify(plan)
+        self._verify(plan, observed, tables)
         if self.electrical:
             await self._verify_routes(target)
         return plan
@@ -439,13 +548,15 @@ class Controller:
 
     # -- phases --
 
-    async def plan(self, phase: Phase) -> CircuitPlan:
+    async def plan(self, phase: Phase) -> PhasePreview:
         """What a phase change would do to the switches now (nothing is changed)."""
         observed, down = await self._observe()
-        desired = plan_phase(
-            self.wiring, phase, self.current.circuits, down | self._down_pod_ports()
-        ).desired
-        return converge(self.wiring, observed, desired)
+        planned = self._plan_phase(phase, self.current.circuits, down)
+        return PhasePreview(
+            converge(self.wiring, observed, planned.circuits.desired),
+            planned.planner,
+            planned.explanation,
+        )
 
     async def set_phase(
         self, phase: Phase, request_id: str = "", idle_window_s: float | None = None
@@ -454,8 +565,9 @@ class Controller:
             previous = await self.store.by_request(request_id)
             if previous is not None:
                 return PhaseResult(previous, False, f"request {request_id!r} already applied")
+        waited = self._reconfig.locked()
         async with self._locked(f"epoch {self.current.epoch + 1} ({phase.value})"):
-            if request_id:  # the first caller with this id may have finished while we waited
+            if request_id and waited:  # the first caller with this id may have finished
                 previous = await self.store.by_request(request_id)
                 if previous is not None:
                     return PhaseResult(previous, False, f"request {request_id!r} already applied")
@@ -488,18 +600,21 @@ class Controller:
         with st.stage("plan"):
             # the new epoch relative to the committed one; the switch program from what
             # the switches really hold (so drift is repaired on the way)
-            epoch_plan = plan_phase(
-                self.wiring, phase, current.circuits, down | self._down_pod_ports()
-            )
+            planned = self._plan_phase(phase, current.circuits, down)
+            epoch_plan = planned.circuits
             plan = converge(self.wiring, observed, epoch_plan.desired)
+            plan_steps = steps(plan)
+        explanation = planned.explanation
         if phase is current.phase and epoch_plan.desired == current.circuits:
             if plan.empty:
                 bound.info("phase already in place", circuits=len(plan.desired))
                 return PhaseResult(
-                    current, False, f"already in phase {phase.value}; nothing to change"
+                    current,
+                    False,
+                    f"already in phase {phase.value}; nothing to change",
+                    explanation=explanation,
                 )
             return await self._repair(current, plan, bound)
-        plan_steps = steps(plan)
         gate = slack_gate(idle_window_s, self._switching_time(plan_steps), self.settling_margin_s)
         if not gate.reconfigure:
             self.metrics.gated.inc()
@@ -507,14 +622,17 @@ class Controller:
             self.events.publish(
                 Event("phase_gated", epoch=current.epoch, phase=phase, message=gate.reason)
             )
-            return PhaseResult(current, False, gate.reason, gated=True)
-        bound.info("reconfiguring", add=len(plan.add), remove=len(plan.remove))
-        await self.store.begin(
-            PendingRecord(
-                epoch, phase, plan.desired, epoch_plan.add, epoch_plan.remove, "planned",
-                request_id or None, self._wall(),
-            )
-        )  # fmt: skip
+            return PhaseResult(current, False, gate.reason, gated=True, explanation=explanation)
+        bound.info(
+            "reconfiguring", add=len(plan.add), remove=len(plan.remove), planner=planned.planner
+        )
+        with st.stage("journal"):
+            await self.store.begin(
+                PendingRecord(
+                    epoch, phase, plan.desired, epoch_plan.add, epoch_plan.remove, "planned",
+                    request_id or None, self._wall(),
+                )
+            )  # fmt: skip
         self._fault("planned")
         try:
             if self.electrical:  # traffic leaves the circuits about to move first
@@ -523,14 +641,15 @@ class Controller:
                         ours(self.wiring, observed) & plan.desired, "drain_routes"
                     )
             with st.stage("program_ocs"):
-                await self._program(plan_steps, f"epoch-{epoch}-{secrets.token_hex(4)}")
-            await self.store.advance("ocs_programmed")
+                tables = await self._program(plan_steps, f"epoch-{epoch}-{secrets.token_hex(4)}")
+            with st.stage("journal"):
+                await self.store.advance("ocs_programmed")
             self._fault("ocs_programmed")
             if self.electrical:
                 with st.stage("program_routes"):
                     await self._program_routes(plan.desired, "program_routes")
             with st.stage("verify"):
-                await self._verify(plan)
+                self._verify(plan, observed, tables)
                 if self.electrical:
                     await self._verify_routes(plan.desired)
             self._fault("verified")
@@ -565,11 +684,14 @@ class Controller:
                 "epoch_committed",
                 epoch=epoch,
                 phase=phase,
-                message=f"+{len(plan.add)} -{len(plan.remove)} circuits; {gate.reason}",
+                message=f"+{len(plan.add)} -{len(plan.remove)} circuits "
+                f"({planned.planner} planner); {gate.reason}",
                 stages=dict(st.times),
             )
         )
-        return PhaseResult(record, True, f"epoch {epoch}: phase {phase.value}")
+        return PhaseResult(
+            record, True, f"epoch {epoch}: phase {phase.value}", explanation=explanation
+        )
 
     async def _repair(
         self, current: EpochRecord, plan: CircuitPlan, bound: structlog.typing.FilteringBoundLogger

@@ -161,6 +161,8 @@ def up(
                 _listen(w.controller, ephemeral_ports),
                 "--heartbeat-interval",
                 str(heartbeat_interval_s),
+                "--compute-scheduling",
+                "on",  # the local cluster shows the compute-scheduling loop at work
                 "--plaintext",  # loopback only
                 *overrides,
             ],

@@ -5,15 +5,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
+import math
 import os
 import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from fabric_controller import scheduling
 from fabric_controller.controller import Controller
+from fabric_controller.drivers.agents import AgentClients
 from fabric_controller.drivers.electrical import ElectricalDriver, LinuxSwitchDriver
 from fabric_controller.drivers.ocs import GrpcOcsDriver, OcsDriver
+from fabric_controller.scheduler_loop import ComputeScheduler
 from fabric_controller.servicer import FabricControllerServicer
 from fabric_controller.store import Store
 from orchestrrl import errors, grpcutil
@@ -22,6 +27,7 @@ from orchestrrl import wiring as wiring_mod
 from orchestrrl.logs import get_logger, setup_logging
 from orchestrrl.tls import add_tls_arguments
 from orchestrrl.v1 import fabric_controller_pb2, fabric_controller_pb2_grpc
+from scheduler.network import DEFAULT_MODEL_BYTES, DEFAULT_TRAINING_BYTES, PhaseDemand
 
 log = get_logger("fabric_controller")
 
@@ -34,6 +40,35 @@ def _positive(name: str, lo: float, hi: float) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(f"{name}={text!r}: expected a number") from None
         if not lo < value <= hi:
             raise argparse.ArgumentTypeError(f"{name}={text!r}: must be > {lo} and <= {hi}")
+        return value
+
+    return parse
+
+
+def _interval(text: str) -> float:
+    try:
+        return scheduling.check_interval(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--compute-interval={text!r}: expected seconds") from None
+    except errors.InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _bytes(name: str) -> Callable[[str], float]:
+    """Bytes as a number with an optional SI suffix (29.5e9, 29.5G, 145G, 1T); 0: unknown."""
+
+    def parse(text: str) -> float:
+        units = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+        t = text.strip().upper().removesuffix("B")
+        scale = units.get(t[-1:], 1.0)
+        try:
+            value = float(t[:-1] if t[-1:] in units else t) * scale
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{name}={text!r}: expected bytes, e.g. 29.5G or 29.5e9 (0: unknown)"
+            ) from None
+        if not (math.isfinite(value) and value >= 0):
+            raise argparse.ArgumentTypeError(f"{name}={text!r}: must be a finite number >= 0")
         return value
 
     return parse
@@ -111,6 +146,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="certificate identity (CN or DNS SAN) allowed to change phases and read state; "
         "repeatable (with mutual TLS)",
     )
+    p.add_argument(
+        "--compute-scheduling",
+        choices=["on", "off"],
+        default="off",
+        help="the compute-scheduling loop: re-plan TP layouts and migrate requests of the "
+        "generation nodes from their telemetry, sending Reshard and migration commands to "
+        "their agents (default off; `orlctl local up` turns it on)",
+    )
+    p.add_argument(
+        "--compute-interval",
+        type=_interval,
+        default=1.0,
+        metavar="S",
+        help="seconds between rounds of the compute-scheduling loop (reactive balancing; "
+        "proactive re-plans at step start and at points of the step); default 1",
+    )
+    p.add_argument(
+        "--model-bytes",
+        type=_bytes("--model-bytes"),
+        default=DEFAULT_MODEL_BYTES,
+        metavar="BYTES",
+        help="weight-sync demand: the model's weight bytes sent to every generation pod "
+        f"(default {DEFAULT_MODEL_BYTES / 1e9:.1f}G, Qwen2.5-14B in BF16; 0: unknown, the "
+        "weight-sync phase template is used)",
+    )
+    p.add_argument(
+        "--training-bytes",
+        type=_bytes("--training-bytes"),
+        default=DEFAULT_TRAINING_BYTES,
+        metavar="BYTES",
+        help="training demand: bytes all-reduced across the training pods per step "
+        f"(default {DEFAULT_TRAINING_BYTES / 1e9:.1f}G, BF16 gradients of Qwen2.5-14B; 0: "
+        "unknown, the training phase template is used)",
+    )
     p.add_argument("--ready-file", type=Path, help="write the bound address here when serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
@@ -149,8 +218,13 @@ async def serve(args: argparse.Namespace) -> int:
         lock_timeout_s=args.lock_timeout,
         fault_hook=_crash_hook(),
         electrical=switches,
+        demand=PhaseDemand(args.model_bytes, args.training_bytes),
     )
     await controller.start()
+    # The wiring, the registry and the committed epoch live as long as the daemon: keep
+    # them out of the cyclic collector, whose full passes over a 2048-node wiring would
+    # otherwise land inside phase changes (tens of ms each; see bench/phase_switch.py).
+    gc.freeze()
     stop_metrics = (
         grpcutil.start_metrics_server(args.metrics_listen, controller.metrics.registry)
         if args.metrics_listen
@@ -158,10 +232,19 @@ async def serve(args: argparse.Namespace) -> int:
     )
     for d in drivers.values():
         await _probe(d, w.ocs(d.name).ports)
+    agents = AgentClients(tls)
+    compute = ComputeScheduler(
+        controller,
+        agents.get,
+        config=scheduling.SchedulingConfig(interval_s=args.compute_interval),
+        enabled=args.compute_scheduling == "on",
+    )
     server = await grpcutil.start_server(
         args.listen or w.controller,
         lambda s: fabric_controller_pb2_grpc.add_FabricControllerServicer_to_server(
-            FabricControllerServicer(controller, tls_mod.Authorizer(tls, frozenset(args.operator))),
+            FabricControllerServicer(
+                controller, tls_mod.Authorizer(tls, frozenset(args.operator)), compute
+            ),
             s,
         ),
         [fabric_controller_pb2.DESCRIPTOR.services_by_name["FabricController"].full_name],
@@ -187,6 +270,9 @@ async def serve(args: argparse.Namespace) -> int:
                 tg.create_task(controller.run_reconcile(args.reconcile_interval)),
                 tg.create_task(grpcutil.watchdog()),
             ]
+            if compute.enabled:
+                log.info("compute scheduling on", interval_s=args.compute_interval)
+                loops.append(tg.create_task(compute.run()))
             await stop.wait()
             log.info("shutting down")
             grpcutil.sd_notify("STOPPING=1")
@@ -198,6 +284,7 @@ async def serve(args: argparse.Namespace) -> int:
             stop_metrics()
         for d in drivers.values():
             await d.close()
+        await agents.close()
         for e in switches.values():
             await e.close()
         store.close()

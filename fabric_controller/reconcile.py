@@ -4,7 +4,7 @@ steps, per-switch batches, verification."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from orchestrrl.model import Circuit, Wiring
@@ -24,10 +24,9 @@ class Batch:
 
 def ours(wiring: Wiring, circuits: Iterable[Circuit]) -> frozenset[Circuit]:
     """Circuits touching a port the wiring cables to a pod (the rest are not ours)."""
+    owner = wiring.port_owner
     return frozenset(
-        c
-        for c in circuits
-        if wiring.port_owner(c.ocs, c.a) is not None or wiring.port_owner(c.ocs, c.b) is not None
+        c for c in circuits if owner(c.ocs, c.a) is not None or owner(c.ocs, c.b) is not None
     )
 
 
@@ -39,27 +38,35 @@ def converge(wiring: Wiring, observed: Iterable[Circuit], target: Iterable[Circu
 def batches_by_ocs(plan: CircuitPlan) -> dict[str, tuple[list[PortPair], list[PortPair]]]:
     """(disconnect, connect) port pairs per OCS, sorted, only for switches that change."""
     out: dict[str, tuple[list[PortPair], list[PortPair]]] = defaultdict(lambda: ([], []))
-    for c in sorted(plan.remove):
-        out[c.ocs][0].append((c.a, c.b))
-    for c in sorted(plan.add):
-        out[c.ocs][1].append((c.a, c.b))
+    for ocs, a, b in sorted(plan.remove):
+        out[ocs][0].append((a, b))
+    for ocs, a, b in sorted(plan.add):
+        out[ocs][1].append((a, b))
     return dict(sorted(out.items()))
 
 
 def steps(plan: CircuitPlan) -> list[list[Batch]]:
     """Make-before-break: first every new circuit whose ports are free now ("make"),
     then the removals with the remaining additions ("break"). Each step is a list of
-    per-OCS batches; an empty step is omitted."""
-    busy = {p for c in plan.remove for p in c.ports()}
-    make = frozenset(c for c in plan.add if not any(p in busy for p in c.ports()))
-    first = CircuitPlan(plan.desired, make, frozenset())
-    second = CircuitPlan(plan.desired, plan.add - make, plan.remove)
-    out = []
-    for part in (first, second):
-        batches = [Batch(ocs, tuple(d), tuple(c)) for ocs, (d, c) in batches_by_ocs(part).items()]
-        if batches:
-            out.append(batches)
-    return out
+    per-OCS batches (switches and pairs sorted); an empty step is omitted."""
+    busy: set[tuple[str, int]] = set()
+    removals: dict[str, list[PortPair]] = defaultdict(list)
+    for ocs, a, b in plan.remove:
+        busy.add((ocs, a))
+        busy.add((ocs, b))
+        removals[ocs].append((a, b))
+    make: dict[str, list[PortPair]] = defaultdict(list)
+    later: dict[str, list[PortPair]] = defaultdict(list)
+    for ocs, a, b in plan.add:
+        ((later if (ocs, a) in busy or (ocs, b) in busy else make)[ocs]).append((a, b))
+    for pairs in (*removals.values(), *make.values(), *later.values()):
+        pairs.sort()  # pairs of ints: cheaper than sorting the circuits
+    first = [Batch(ocs, (), tuple(make[ocs])) for ocs in sorted(make)]
+    second = [
+        Batch(ocs, tuple(removals.get(ocs, ())), tuple(later.get(ocs, ())))
+        for ocs in sorted(removals.keys() | later.keys())
+    ]
+    return [s for s in (first, second) if s]
 
 
 def check_applied(plan: CircuitPlan, observed: Iterable[Circuit]) -> list[str]:
@@ -68,3 +75,26 @@ def check_applied(plan: CircuitPlan, observed: Iterable[Circuit]) -> list[str]:
     problems = [f"circuit {c} is missing" for c in sorted(plan.desired - seen)]
     problems += [f"circuit {c} is still connected" for c in sorted(plan.remove & seen)]
     return problems
+
+
+def check_tables(
+    plan: CircuitPlan,
+    tables: Mapping[str, frozenset[PortPair]],
+    others: frozenset[Circuit],
+) -> list[str]:
+    """``check_applied`` against per-OCS tables as the switches returned them, and
+    ``others`` (the circuits of the switches not in ``tables``), without building a
+    circuit for every entry of every table."""
+    missing = []
+    for c in plan.desired:
+        table = tables.get(c.ocs)
+        if not ((c.a, c.b) in table if table is not None else c in others):
+            missing.append(c)
+    still = []
+    for c in plan.remove:
+        table = tables.get(c.ocs)
+        if (c.a, c.b) in table if table is not None else c in others:
+            still.append(c)
+    return [f"circuit {c} is missing" for c in sorted(missing)] + [
+        f"circuit {c} is still connected" for c in sorted(still)
+    ]

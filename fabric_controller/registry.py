@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from orchestrrl import errors
@@ -42,6 +43,8 @@ class Registry:
         self.deadline_s = deadline_s
         self._nodes = {n.name: NodeRecord(n.name) for n in wiring.nodes}
         self._health = {n.name: Health.UNKNOWN for n in wiring.nodes}
+        self._counts = dict.fromkeys(Health, 0)  # of _health, kept as it changes
+        self._counts[Health.UNKNOWN] = len(self._health)
 
     def with_wiring(self, wiring: Wiring) -> Registry:
         """A registry for a reloaded wiring: nodes still wired keep their state."""
@@ -50,6 +53,9 @@ class Registry:
             if name in self._nodes:
                 fresh._nodes[name] = self._nodes[name]
                 fresh._health[name] = self._health[name]
+        fresh._counts = dict.fromkeys(Health, 0)
+        for h in fresh._health.values():
+            fresh._counts[h] += 1
         return fresh
 
     def register(self, node: str, address: str, gpu_backend: str, now: float) -> NodeRecord:
@@ -74,20 +80,47 @@ class Registry:
         return record
 
     def telemetry(self, node: str, sample: node_agent_pb2.TelemetrySample, now: float) -> None:
-        self.wiring.node(node)
-        record = self._nodes[node]
+        self._store(self._registered(node), sample, now)
+
+    def telemetry_batch(
+        self, samples: Sequence[node_agent_pb2.TelemetrySample], now: float
+    ) -> None:
+        """Samples of one upload, oldest first: each node keeps its newest. Every sample's
+        node is checked before anything is stored, so a bad one changes nothing."""
+        newest: dict[str, node_agent_pb2.TelemetrySample] = {}
+        for sample in samples:
+            newest[sample.node] = sample
+        records = [(self._registered(node), sample) for node, sample in newest.items()]
+        for record, sample in records:
+            self._store(record, sample, now)
+
+    def _registered(self, node: str) -> NodeRecord:
+        record = self._nodes.get(node)
+        if record is None:
+            self.wiring.node(node)  # NotFound with the known names
+            raise errors.NotFound(f"node {node!r} is not in the wiring")  # pragma: no cover
         if record.session_id == "":
             raise errors.FailedPrecondition(
                 f"node {node!r}: telemetry before registration; register first"
             )
-        self._nodes[node] = replace(record, last_seen=now, telemetry=sample)
+        return record
+
+    def _store(
+        self, record: NodeRecord, sample: node_agent_pb2.TelemetrySample, now: float
+    ) -> None:
+        # the constructor, not dataclasses.replace: this runs for every upload of every node
+        self._nodes[record.name] = NodeRecord(
+            name=record.name,
+            agent_address=record.agent_address,
+            session_id=record.session_id,
+            gpu_backend=record.gpu_backend,
+            last_seen=now,
+            telemetry=sample,
+        )
 
     def counts(self) -> dict[Health, int]:
         """Nodes by health as of the last look at each."""
-        out = dict.fromkeys(Health, 0)
-        for h in self._health.values():
-            out[h] += 1
-        return out
+        return dict(self._counts)
 
     def records(self) -> list[NodeRecord]:
         return [self._nodes[n.name] for n in self.wiring.nodes]
@@ -99,7 +132,10 @@ class Registry:
         names = self._nodes if only is None else (only,)
         for name in names:
             h = health(self._nodes[name], now, self.deadline_s)
-            if h is not self._health[name]:
-                changed.append((name, self._health[name], h))
+            before = self._health[name]
+            if h is not before:
+                changed.append((name, before, h))
                 self._health[name] = h
+                self._counts[before] -= 1
+                self._counts[h] += 1
         return changed

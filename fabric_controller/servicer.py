@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import grpc
 
 from fabric_controller.controller import Controller
 from fabric_controller.events import Event
 from fabric_controller.registry import Health
+from fabric_controller.scheduler_loop import ComputeScheduler, ScheduleView
+from fabric_controller.scheduling import after_index, layouts_after
 from fabric_controller.store import EpochRecord
 from orchestrrl import errors
 from orchestrrl.convert import (
@@ -39,9 +41,22 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
     """Agents may act only for their own node; everything else is for operators
     (with mutual TLS; plaintext allows all, for local development)."""
 
-    def __init__(self, controller: Controller, auth: Authorizer | None = None) -> None:
+    def __init__(
+        self,
+        controller: Controller,
+        auth: Authorizer | None = None,
+        scheduler: ComputeScheduler | None = None,
+    ) -> None:
+        """``scheduler`` None: GetSchedule reports compute scheduling as off."""
         self.c = controller
         self.auth = auth or Authorizer(None)
+        # Phase replies carry thousands of circuits on a large fabric, mostly the same
+        # ones epoch after epoch. Each circuit is encoded once, as a one-circuit reply,
+        # and a reply is the concatenation of those (protobuf parses concatenated
+        # messages as one, appending repeated fields): a few ms instead of tens.
+        self._encoded: dict[tuple[str, str], dict[Circuit, bytes]] = {}
+        self._encoded_for: object = None
+        self.scheduler = scheduler
 
     def _circuits(self, circuits: frozenset[Circuit]) -> list[common_pb2.Circuit]:
         return [circuit_to_pb(x, self.c.wiring.circuit_pods(x)) for x in sorted(circuits)]
@@ -86,20 +101,77 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
             accepted += 1
         return pb.ReportTelemetryResponse(accepted=accepted)
 
+    @domain_errors_to_status
+    async def ReportTelemetryBatch(
+        self,
+        request_iterator: AsyncIterator[node_agent_pb2.TelemetryBatch],
+        context: Ctx,
+    ) -> pb.ReportTelemetryResponse:
+        # Each sample is parsed only as far as its node and time; the newest of each node
+        # in full (the registry keeps no other).
+        head = node_agent_pb2.TelemetrySampleHead.FromString
+        full = node_agent_pb2.TelemetrySample.FromString
+        accepted = 0
+        async for batch in request_iterator:
+            raw = batch.samples
+            if not raw:
+                continue
+            last: dict[str, int] = {}
+            for k, data in enumerate(raw):
+                last[head(data).node] = k
+            for node in last:
+                self.auth.node(context, node)
+            self.c.telemetry_batch([full(raw[k]) for k in last.values()], len(raw))
+            accepted += len(raw)
+        return pb.ReportTelemetryResponse(accepted=accepted)
+
+    def _circuit_fields(self, reply: Any, **fields: frozenset[Circuit]) -> None:
+        """Fill repeated Circuit fields of ``reply`` (sorted, with their pods)."""
+        if self._encoded_for is not self.c.wiring:  # pods are the wiring's
+            self._encoded_for = self.c.wiring
+            self._encoded.clear()
+        owner = self.c.wiring.port_owner
+        parts = []
+        for name, circuits in fields.items():
+            cache = self._encoded.setdefault((type(reply).__name__, name), {})
+            if len(cache) > 1 << 16:
+                cache.clear()
+            for c in sorted(circuits):
+                one = cache.get(c)
+                if one is None:
+                    ocs, a, b = c
+                    one = cache[c] = type(reply)(
+                        **{name: [common_pb2.Circuit(ocs=ocs, port_a=a, port_b=b,
+                                                     pod_a=owner(ocs, a) or "",
+                                                     pod_b=owner(ocs, b) or "")]}
+                    ).SerializeToString()  # fmt: skip
+                parts.append(one)
+        reply.MergeFromString(b"".join(parts))
+
     def _epoch_reply(
-        self, record: EpochRecord, changed: bool, message: str, gated: bool = False
+        self,
+        record: EpochRecord,
+        changed: bool,
+        message: str,
+        gated: bool = False,
+        explanation: str = "",
     ) -> pb.SetPhaseResponse:
-        return pb.SetPhaseResponse(
+        r = pb.SetPhaseResponse(
             epoch=record.epoch,
             phase=phase_to_pb(record.phase),
             changed=changed,
-            circuits=self._circuits(record.circuits),
-            added=self._circuits(record.added) if changed else [],
-            removed=self._circuits(record.removed) if changed else [],
             stages=stages_to_pb(record.stages),
             message=message,
             gated=gated,
+            explanation=explanation,
         )
+        if changed:
+            self._circuit_fields(
+                r, circuits=record.circuits, added=record.added, removed=record.removed
+            )
+        else:
+            self._circuit_fields(r, circuits=record.circuits)
+        return r
 
     @domain_errors_to_status
     async def SetPhase(self, request: pb.SetPhaseRequest, context: Ctx) -> pb.SetPhaseResponse:
@@ -111,7 +183,9 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
                 "idle_window_s", window, "seconds >= 0 (0 means unknown: no slack gate)"
             )
         result = await self.c.set_phase(phase, request.request_id, window or None)
-        return self._epoch_reply(result.record, result.changed, result.message, result.gated)
+        return self._epoch_reply(
+            result.record, result.changed, result.message, result.gated, result.explanation
+        )
 
     @domain_errors_to_status
     async def GetPhase(self, request: pb.GetPhaseRequest, context: Ctx) -> pb.GetPhaseResponse:
@@ -128,13 +202,11 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
     async def PlanPhase(self, request: pb.PlanPhaseRequest, context: Ctx) -> pb.PlanPhaseResponse:
         self.auth.operator(context)
         phase = phase_from_pb(request.phase)
-        plan = await self.c.plan(phase)
-        return pb.PlanPhaseResponse(
-            phase=request.phase,
-            circuits=self._circuits(plan.desired),
-            added=self._circuits(plan.add),
-            removed=self._circuits(plan.remove),
-        )
+        preview = await self.c.plan(phase)
+        plan = preview.circuits
+        r = pb.PlanPhaseResponse(phase=request.phase, explanation=preview.explanation)
+        self._circuit_fields(r, circuits=plan.desired, added=plan.add, removed=plan.remove)
+        return r
 
     @domain_errors_to_status
     async def GetTopology(self, request: pb.GetTopologyRequest, context: Ctx) -> pb.Topology:
@@ -208,6 +280,15 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
         return pb.ListNodesResponse(nodes=out)
 
     @domain_errors_to_status
+    async def GetSchedule(
+        self, request: pb.GetScheduleRequest, context: Ctx
+    ) -> pb.GetScheduleResponse:
+        self.auth.operator(context)
+        if self.scheduler is None:
+            return schedule_to_pb(ScheduleView(False, 0.0))
+        return schedule_to_pb(self.scheduler.view())
+
+    @domain_errors_to_status
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, context: Ctx
     ) -> AsyncIterator[pb.Event]:
@@ -231,3 +312,69 @@ def event_to_pb(e: Event) -> pb.Event:
         message=e.message,
         stages=stages_to_pb(e.stages),
     )
+
+
+def schedule_to_pb(v: ScheduleView) -> pb.GetScheduleResponse:
+    out = pb.GetScheduleResponse(
+        enabled=v.enabled,
+        interval_s=v.interval_s,
+        planned_at=v.planned_at,
+        mode=v.mode,
+        reason=v.reason,
+        explanation=v.explanation(),
+        acted=v.acted,
+        step=v.step,
+        skipped_nodes=v.skipped,
+        actions=[
+            pb.SchedulerAction(
+                timestamp=a.timestamp,
+                kind=a.kind,
+                node=a.node,
+                command_id=a.command_id,
+                ok=a.ok,
+                message=a.message,
+                seconds=a.seconds,
+                requests=a.requests,
+            )
+            for a in v.actions
+        ],
+    )
+    plan, snap = v.plan, v.snapshot
+    if plan is None or snap is None:
+        return out
+    after = layouts_after(plan, snap)
+    out.layouts.extend(
+        pb.NodeLayout(node=n, before=layout, after=after[n]) for n, layout in snap.layouts.items()
+    )
+    out.reshards.extend(
+        pb.ScheduledReshard(node=r.node, before=r.before, after=r.after, pause_s=r.pause_s)
+        for r in plan.reshards
+    )
+    where = after_index(plan, snap)
+    for m in plan.migrations:
+        src = snap.index.get(m.source or "", ("", -1))
+        dst = where.get(m.target, ("", -1))
+        out.migrations.append(
+            pb.ScheduledMigration(
+                request_id=m.request,
+                source_node=src[0],
+                source_instance=src[1],
+                target_node=dst[0],
+                target_instance=dst[1],
+                method=m.method.value,
+                cost_s=m.cost_s,
+            )
+        )
+    p = plan.prediction
+    out.prediction.CopyFrom(
+        pb.SchedulePrediction(
+            keep_makespan_s=p.keep_makespan_s,
+            planned_makespan_s=p.planned_makespan_s,
+            steady_makespan_s=p.steady_makespan_s,
+            switching_s=p.switching_s,
+            migration_s=p.migration_s,
+            gain_s=p.gain_s,
+        )
+    )
+    out.requests = len(snap.state.requests)
+    return out

@@ -26,7 +26,12 @@ from node_agent.gpus import BACKEND_KINDS, BackendKind
 from node_agent.nics import parse_nic
 from node_agent.reshard.engine import RESHARD_BACKENDS, ReshardBackend
 from node_agent.telemetry import MAX_INTERVAL_S, MIN_INTERVAL_S, check_interval
-from node_agent.uplink import DEFAULT_BUFFER_SAMPLES
+from node_agent.uplink import (
+    DEFAULT_BUFFER_SAMPLES,
+    DEFAULT_FLUSH_INTERVAL_S,
+    MAX_FLUSH_INTERVAL_S,
+    check_flush_interval,
+)
 from orchestrrl import errors
 from orchestrrl.grpcutil import parse_address
 from orchestrrl.logs import LogFormat
@@ -67,10 +72,13 @@ class AgentConfig:
     controller_identities: tuple[str, ...] = ("orl-fabric-controller",)
     metrics_listen: str | None = None  # HOST:PORT of Prometheus /metrics; None: off
     telemetry_buffer: int = DEFAULT_BUFFER_SAMPLES  # samples kept while the controller is away
+    telemetry_flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S  # 0: send each sample
 
 
 # Settings a running agent applies on SIGHUP; a change to any other needs a restart.
-RUNTIME_FIELDS = frozenset({"telemetry_interval_s", "log_level", "nics"})
+RUNTIME_FIELDS = frozenset(
+    {"telemetry_interval_s", "telemetry_flush_interval_s", "log_level", "nics"}
+)
 
 Kind = Literal["str", "int", "number", "bool", "strs", "layout"]
 
@@ -102,6 +110,7 @@ KEYS: dict[str, Key] = {
         Key("reshard_backend", "str"),
         Key("telemetry_interval", "number"),
         Key("telemetry_buffer", "int"),
+        Key("telemetry_flush_interval", "number"),
         Key("metrics_listen", "str"),
         Key("ready_file", "str"),
         Key("log_level", "str"),
@@ -124,6 +133,7 @@ DEFAULTS: dict[str, Any] = {
     "reshard_backend": "sim",
     "telemetry_interval": "1.0",
     "telemetry_buffer": str(DEFAULT_BUFFER_SAMPLES),
+    "telemetry_flush_interval": str(DEFAULT_FLUSH_INTERVAL_S),
     "log_level": "info",
     "log_format": "auto",
     "controller_identities": [],
@@ -220,6 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="telemetry samples kept while the controller is away; when full the oldest is "
         f"dropped (and counted) (default {DEFAULT_BUFFER_SAMPLES})",
+    )
+    p.add_argument(
+        "--telemetry-flush-interval",
+        metavar="S",
+        help="seconds between uploads of the buffered samples to the controller (one "
+        f"message each), 0..{MAX_FLUSH_INTERVAL_S:g}; 0 sends every sample as it is taken "
+        f"(default {DEFAULT_FLUSH_INTERVAL_S})",
     )
     p.add_argument(
         "--metrics-listen",
@@ -399,6 +416,10 @@ def _validate(
         lambda f: check_interval(_float(values["telemetry_interval"], f), f),
     )
     check("telemetry_buffer", lambda f: _int(values["telemetry_buffer"], f, 1, MAX_BUFFER_SAMPLES))
+    check(
+        "telemetry_flush_interval",
+        lambda f: check_flush_interval(_float(values["telemetry_flush_interval"], f), f),
+    )
     if values.get("metrics_listen") is not None:
         check(
             "metrics_listen",
@@ -447,6 +468,7 @@ def _validate(
         controller_identities=tuple(values["controller_identities"] or ["orl-fabric-controller"]),
         metrics_listen=ok.get("metrics_listen"),
         telemetry_buffer=ok["telemetry_buffer"],
+        telemetry_flush_interval_s=ok["telemetry_flush_interval"],
     )
 
 
@@ -502,6 +524,7 @@ def to_toml(config: AgentConfig) -> str:
         "reshard_backend": config.reshard_backend,
         "telemetry_interval": config.telemetry_interval_s,
         "telemetry_buffer": config.telemetry_buffer,
+        "telemetry_flush_interval": config.telemetry_flush_interval_s,
         "metrics_listen": config.metrics_listen,
         "ready_file": str(config.ready_file) if config.ready_file else None,
         "log_level": config.log_level,

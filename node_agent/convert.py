@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from node_agent.engine import EngineState, EngineStats, ReshardResult
+from collections.abc import Sequence
+
+from node_agent.engine import EngineProgress, EngineState, EngineStats, ReshardResult
+from node_agent.gpus import GpuSample
+from node_agent.rdma import RdmaSample
 from node_agent.telemetry import NodeStatus, Telemetry
 from orchestrrl.v1 import common_pb2, node_agent_pb2
 
@@ -34,17 +38,7 @@ def telemetry_to_pb(sample: Telemetry) -> node_agent_pb2.TelemetrySample:
     return node_agent_pb2.TelemetrySample(
         node=sample.node,
         timestamp=sample.timestamp,
-        gpus=[
-            node_agent_pb2.GpuSample(
-                index=g.index,
-                utilization=g.utilization,
-                memory_used_bytes=g.memory_used_bytes,
-                memory_total_bytes=g.memory_total_bytes,
-                power_watts=g.power_watts,
-                temperature_c=g.temperature_c,
-            )
-            for g in sample.gpus
-        ],
+        gpus=[gpu_sample_to_pb(g) for g in sample.gpus],
         nics=[
             node_agent_pb2.NicSample(
                 name=n.name,
@@ -56,19 +50,92 @@ def telemetry_to_pb(sample: Telemetry) -> node_agent_pb2.TelemetrySample:
             )
             for n in sample.nics
         ],
-        engine=engine_stats_to_pb(sample.engine),
+        engine=engine_stats_to_pb(sample.engine, sample.progress),
         engine_state=ENGINE_STATE_PB[sample.engine_state],
         tp_layout=sample.tp_layout,
+        rdma=[rdma_sample_to_pb(r) for r in sample.rdma],
     )
 
 
-def engine_stats_to_pb(stats: EngineStats) -> node_agent_pb2.EngineSample:
-    return node_agent_pb2.EngineSample(
+def telemetry_batch_to_pb(samples: Sequence[Telemetry]) -> node_agent_pb2.TelemetryBatch:
+    """Oldest first, each sample serialized (see TelemetryBatch in node_agent.proto)."""
+    return node_agent_pb2.TelemetryBatch(
+        samples=[telemetry_to_pb(s).SerializeToString() for s in samples]
+    )
+
+
+def gpu_sample_to_pb(g: GpuSample) -> node_agent_pb2.GpuSample:
+    """A metric the GPU does not report (None) stays unset in the message."""
+    return node_agent_pb2.GpuSample(
+        index=g.index,
+        utilization=g.utilization,
+        memory_used_bytes=g.memory_used_bytes,
+        memory_total_bytes=g.memory_total_bytes,
+        power_watts=g.power_watts,
+        temperature_c=g.temperature_c,
+        sm_clock_mhz=g.sm_clock_mhz,
+        pcie_tx_bytes_per_s=g.pcie_tx_bytes_per_s,
+        pcie_rx_bytes_per_s=g.pcie_rx_bytes_per_s,
+        nvlink_tx_bytes_per_s=g.nvlink_tx_bytes_per_s,
+        nvlink_rx_bytes_per_s=g.nvlink_rx_bytes_per_s,
+        ecc_corrected=g.ecc_corrected,
+        ecc_uncorrected=g.ecc_uncorrected,
+        xid_errors=g.xid_errors,
+        last_xid=g.last_xid,
+    )
+
+
+def rdma_sample_to_pb(r: RdmaSample) -> node_agent_pb2.RdmaPortSample:
+    """Counters the driver does not expose (absent from the reading) stay unset."""
+    c, rates = r.counters, r.rates
+    return node_agent_pb2.RdmaPortSample(
+        device=r.device,
+        port=r.port,
+        tx_bytes=c.get("port_xmit_data", 0),
+        rx_bytes=c.get("port_rcv_data", 0),
+        tx_bytes_per_s=r.tx_bytes_per_s,
+        rx_bytes_per_s=r.rx_bytes_per_s,
+        cnp_sent=c.get("np_cnp_sent"),
+        cnp_handled=c.get("rp_cnp_handled"),
+        ecn_marked_packets=c.get("np_ecn_marked_roce_packets"),
+        out_of_sequence=c.get("out_of_sequence"),
+        cnp_sent_per_s=rates.get("np_cnp_sent"),
+        cnp_handled_per_s=rates.get("rp_cnp_handled"),
+        ecn_marked_per_s=rates.get("np_ecn_marked_roce_packets"),
+        out_of_sequence_per_s=rates.get("out_of_sequence"),
+        pause_counters={k: v for k, v in c.items() if "pause" in k},
+    )
+
+
+def engine_stats_to_pb(
+    stats: EngineStats, progress: EngineProgress | None = None
+) -> node_agent_pb2.EngineSample:
+    """The aggregates, and with ``progress`` every request of the step (has_progress)."""
+    sample = node_agent_pb2.EngineSample(
         queued_requests=stats.queued_requests,
         running_requests=stats.running_requests,
         tokens_per_s=stats.tokens_per_s,
         kv_cache_usage=stats.kv_cache_usage,
+        step=stats.step,
     )
+    if progress is not None:
+        sample.has_progress = True
+        sample.step = progress.step
+        new = node_agent_pb2.RequestProgress
+        sample.requests.extend(
+            [
+                new(
+                    request_id=r.request_id,
+                    instance=r.instance,
+                    prompt_tokens=r.prompt_tokens,
+                    generated_tokens=r.generated_tokens,
+                    max_tokens=r.max_tokens,
+                )
+                for r in progress.requests
+            ]
+        )
+        sample.completed_lengths.extend(progress.completed_lengths)
+    return sample
 
 
 def engine_state_to_pb(

@@ -16,7 +16,7 @@ from node_agent.config import AgentConfig, ConfigChange, layout_for
 from node_agent.engine import busy_fraction
 from node_agent.gpus import GpuBackend, NvmlUnavailable, SimulatedGpus, select_backend
 from node_agent.metrics import AgentMetrics
-from node_agent.nics import SysfsNics
+from node_agent.nics import NetlinkNics
 from node_agent.rdma import SYSFS_INFINIBAND, SysfsRdma
 from node_agent.reload import Reloader
 from node_agent.reshard.engine import close_engine, open_engine
@@ -38,7 +38,7 @@ from orchestrrl.grpcutil import (
 from orchestrrl.logs import get_logger
 from orchestrrl.tls import Authorizer
 from orchestrrl.v1 import node_agent_pb2_grpc
-from sim_backends.engine import SimulatedEngine
+from sim_backends.engine import SimEngineConfig, SimulatedEngine
 
 log = get_logger("node_agent")
 
@@ -139,13 +139,20 @@ async def _serve(
     gpu_count = len(await gpus.inventory())
     engine = await open_engine(
         config.reshard_backend,
-        SimulatedEngine(gpu_count, layout_for(config, gpu_count), config.seed),
+        SimulatedEngine(
+            gpu_count,
+            layout_for(config, gpu_count),
+            config.seed,
+            # 100 ms simulation steps (decode iterations are ~10-20 ms, integrated within a
+            # step): half the CPU of the 50 ms default, which the agent pays at every sample
+            config=SimEngineConfig(step_s=0.1),
+        ),
         seed=config.seed,
     )
     if isinstance(gpus, SimulatedGpus):
         gpus.follow(lambda: busy_fraction(engine.stats()))
     collector = Collector(
-        config.node, gpus, SysfsNics(config.nics), engine, rdma=SysfsRdma(root=shell.rdma_root)
+        config.node, gpus, NetlinkNics(config.nics), engine, rdma=SysfsRdma(root=shell.rdma_root)
     )
     await collector.open()
     commands = CommandLog(
@@ -178,6 +185,7 @@ async def _serve(
             await asyncio.to_thread(stop_metrics)
         await commands.close()
         await close_engine(engine)
+        collector.close()
         raise
     try:
         # signal handlers go in before readiness is announced, so no SIGTERM is missed
@@ -207,16 +215,19 @@ async def _serve(
             tls=config.tls,
             buffer_samples=config.telemetry_buffer,
             metrics=metrics,
+            flush_interval_s=config.telemetry_flush_interval_s,
         )
 
         async def apply(new: AgentConfig, change: ConfigChange) -> None:
+            if "telemetry_flush_interval_s" in change.applied:
+                uplink.flush_interval_s = new.telemetry_flush_interval_s
             if "telemetry_interval_s" in change.applied:
                 uplink.telemetry_interval_s = new.telemetry_interval_s
                 servicer.set_default_interval(new.telemetry_interval_s)
             if "log_level" in change.applied and shell.set_log_level is not None:
                 shell.set_log_level(new.log_level)
             if "nics" in change.applied:
-                await collector.replace_nics(SysfsNics(new.nics))
+                await collector.replace_nics(NetlinkNics(new.nics))
 
         reloader = Reloader(config, shell.reload, apply)
         async with asyncio.TaskGroup() as tg:
@@ -232,8 +243,10 @@ async def _serve(
                 task.cancel()
     finally:
         await server.stop(SHUTDOWN_GRACE_S)
+        await servicer.close()
         await commands.close()
         await close_engine(engine)
+        collector.close()
         if stop_metrics is not None:
             await asyncio.to_thread(stop_metrics)
     log.info("stopped")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from orchestrrl import errors
 
@@ -29,6 +29,29 @@ class EngineStats:
     running_requests: int
     tokens_per_s: float
     kv_cache_usage: float  # 0..1, over all instances of the node
+    step: int = 0  # the engine's generation-step counter (EngineProgress.step)
+
+
+class RequestProgress(NamedTuple):
+    """One request of the current generation step (a named tuple: an engine builds one
+    per request at every telemetry sample, so it must be cheap)."""
+
+    request_id: str
+    instance: int  # index into tp_layout; -1 while queued
+    prompt_tokens: int
+    generated_tokens: int
+    max_tokens: int  # the request's output cap; 0 = the engine's default
+
+
+@dataclass(frozen=True)
+class EngineProgress:
+    """Where the current generation step stands (EngineSample.requests, .completed_lengths,
+    .step): every running and queued request, and the output lengths of the requests this
+    engine completed in the step, in completion order."""
+
+    step: int
+    requests: tuple[RequestProgress, ...] = ()
+    completed_lengths: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -46,6 +69,31 @@ class ReshardResult:
     message: str
 
 
+@dataclass(frozen=True)
+class MigratingRequest:
+    """One request's state while it moves between nodes (see ExportRequests)."""
+
+    request_id: str
+    prompt_tokens: int
+    generated_tokens: int
+    max_tokens: int  # 0: the engine's default
+    source_instance: int  # index into the source's layout; -1: it was queued
+    kv_bytes: int  # KV cache held for it on the source (0: none)
+    prompt_token_ids: tuple[int, ...] = ()
+    output_token_ids: tuple[int, ...] = ()
+    engine_state: bytes = b""  # engine-specific (sampling state; the simulator's length)
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    admitted: tuple[str, ...]
+    instance: int
+    bytes_moved: int  # KV bytes received
+    recomputed_tokens: int  # tokens prefilled to rebuild KV caches
+    stages: tuple[StageTiming, ...]
+    message: str
+
+
 class RolloutEngine(Protocol):
     """The node's rollout instances, seen as one engine with a tensor-parallel layout."""
 
@@ -60,6 +108,16 @@ class RolloutEngine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def progress(self) -> EngineProgress:
+        """Per-request progress of the current step (read once per telemetry sample)."""
+
+    async def pause(self) -> None:
+        """Stop generating: no admissions, no decoding; in-flight requests keep their state
+        (the reshard's pause stage). Idempotent."""
+
+    async def unpause(self) -> None:
+        """Generate again after :meth:`pause` (in the drained or running state as before)."""
+
     async def drain(self) -> None:
         """Stop admitting requests; running requests continue to completion."""
 
@@ -68,6 +126,23 @@ class RolloutEngine(Protocol):
 
     async def reshard(self, new_layout: Sequence[int]) -> ReshardResult:
         """Pause, change the layout, resume to the prior state; report stage timings."""
+
+    async def export_requests(
+        self, request_ids: Sequence[str]
+    ) -> tuple[tuple[MigratingRequest, ...], tuple[str, ...]]:
+        """Take these requests off the engine (they stop decoding) and return their state,
+        and the ids the engine does not have (finished meanwhile, or unknown)."""
+
+    async def import_requests(
+        self, requests: Sequence[MigratingRequest], instance: int, recompute: bool
+    ) -> ImportResult:
+        """Admit every request on ``instance`` (KV moved, or recomputed when ``recompute``),
+        or none: FailedPrecondition when the engine is not admitting or the instance lacks
+        room, InvalidArgument for a bad instance or a request the engine already has."""
+
+    async def restore_requests(self, requests: Sequence[MigratingRequest]) -> tuple[str, ...]:
+        """Put exported requests back (their instance if it still has room, else any, else
+        the queue): never refuses, so nothing is lost. Returns the ids restored."""
 
 
 def busy_fraction(stats: EngineStats) -> float:

@@ -23,7 +23,8 @@ class FakeController(pb_grpc.FabricControllerServicer):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.registrations: list[pb.RegisterRequest] = []
         self.heartbeats: list[pb.HeartbeatRequest] = []
-        self.samples: list[node_agent_pb2.TelemetrySample] = []
+        self.samples: list[node_agent_pb2.TelemetrySample] = []  # from both telemetry RPCs
+        self.batches: list[node_agent_pb2.TelemetryBatch] = []
         self.sessions: set[str] = set()
 
     async def Register(self, request: pb.RegisterRequest, context: Context) -> pb.RegisterResponse:
@@ -57,6 +58,16 @@ class FakeController(pb_grpc.FabricControllerServicer):
         async for sample in request_iterator:
             self.samples.append(sample)
             accepted += 1
+        return pb.ReportTelemetryResponse(accepted=accepted)
+
+    async def ReportTelemetryBatch(
+        self, request_iterator: AsyncIterator[node_agent_pb2.TelemetryBatch], context: Context
+    ) -> pb.ReportTelemetryResponse:
+        accepted = 0
+        async for batch in request_iterator:
+            self.batches.append(batch)
+            self.samples.extend(node_agent_pb2.TelemetrySample.FromString(s) for s in batch.samples)
+            accepted += len(batch.samples)
         return pb.ReportTelemetryResponse(accepted=accepted)
 
 

@@ -53,7 +53,7 @@ class GpuInfo:
     memory_total_bytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class GpuSample:
     index: int
     utilization: float  # 0..1
@@ -61,7 +61,7 @@ class GpuSample:
     memory_total_bytes: int
     power_watts: float
     temperature_c: float
-    # NVML extras, not in the protobuf TelemetrySample yet (served on /metrics);
+    # NVML extras (GpuSample fields 7..15 and /metrics);
     # None: this GPU or driver does not report it (never 0 for 'unknown').
     sm_clock_mhz: float | None = None
     pcie_tx_bytes_per_s: float | None = None
@@ -338,7 +338,10 @@ def _handle_key(handle: Any) -> Any:
 
 @dataclass(frozen=True)
 class SimGpuModel:
-    """An H800 SXM: 80 GiB HBM3, 700 W board power."""
+    """An H800 SXM: 80 GiB HBM3, 700 W board power, SM boost clock 1980 MHz (as H100 SXM5),
+    NVLink 400 GB/s. Decode traffic: PCIe carries prompts in and tokens out (small);
+    NVLink carries the tensor-parallel all-reduces, about 2 per layer per iteration of
+    batch x hidden x 2 bytes (for a 14B model at batch 256 some 12 GB/s per GPU)."""
 
     name: str = "NVIDIA H800 (simulated)"
     memory_total_bytes: int = 80 * GIB
@@ -348,6 +351,12 @@ class SimGpuModel:
     hot_c: float = 72.0
     thermal_time_constant_s: float = 20.0
     reserved_memory_fraction: float = 0.9  # a serving engine reserves its KV pool up front
+    idle_sm_mhz: float = 345.0
+    max_sm_mhz: float = 1980.0
+    power_throttle: float = 0.08  # clock lost at full load to the power limit
+    pcie_rx_bytes_per_s: float = 0.5e9  # at full load (host to device)
+    pcie_tx_bytes_per_s: float = 0.2e9
+    nvlink_bytes_per_s: float = 12e9  # each direction, at full load
 
 
 class SimulatedGpus:
@@ -394,22 +403,51 @@ class SimulatedGpus:
         # First-order thermal lag towards the temperature the current load sustains.
         settle = 1.0 - math.exp(-max(0.0, now - self._last) / m.thermal_time_constant_s)
         self._last = now
+        # Locals and positional GpuSample fields: this runs for every GPU at 10 Hz.
+        # noise: uniform with the standard deviation named (random() is a C call;
+        # random.gauss is Python code, and this runs for every GPU at every sample)
+        uniform = self._rng.random
+        temperatures = self._temperature
+        reserved = m.reserved_memory_fraction if load > 0.0 else 0.01
+        heat = m.hot_c - m.idle_c
+        power_span = 0.8 * m.max_watts - m.idle_watts
+        power_floor = m.idle_watts * 0.9
         samples = []
         for info, bias in zip(self._inventory, self._bias, strict=True):
-            util = 0.0 if load == 0.0 else _clip(bias * (0.35 + 0.6 * load) + self._noise(0.02))
-            target_c = m.idle_c + (m.hot_c - m.idle_c) * util * bias
-            temp = self._temperature[info.index]
-            self._temperature[info.index] = temp + (target_c - temp) * settle
-            reserved = m.reserved_memory_fraction if load > 0.0 else 0.01
-            power = m.idle_watts + (0.8 * m.max_watts - m.idle_watts) * util * bias
+            util = (
+                0.0
+                if load == 0.0
+                else min(1.0, max(0.0, bias * (0.35 + 0.6 * load) + (uniform() - 0.5) * _SD2))
+            )
+            busy = util * bias
+            i = info.index
+            temp = temperatures[i]
+            temp += (m.idle_c + heat * busy - temp) * settle
+            temperatures[i] = temp
+            power = max(power_floor, m.idle_watts + power_span * busy + (uniform() - 0.5) * _SD5)
+            # NVML reports clocks in steps of 15 MHz; the power limit costs some at full load
+            clock = (
+                m.idle_sm_mhz
+                if util == 0.0
+                else round(m.max_sm_mhz * (1.0 - m.power_throttle * busy) / 15) * 15
+            )
+            nvlink = m.nvlink_bytes_per_s * busy
             samples.append(
                 GpuSample(
-                    index=info.index,
-                    utilization=util,
-                    memory_used_bytes=int(info.memory_total_bytes * reserved),
-                    memory_total_bytes=info.memory_total_bytes,
-                    power_watts=max(m.idle_watts * 0.9, power + self._noise(5.0)),
-                    temperature_c=self._temperature[info.index],
+                    i,
+                    util,
+                    int(info.memory_total_bytes * reserved),
+                    info.memory_total_bytes,
+                    power,
+                    temp,
+                    clock,  # sm_clock_mhz
+                    m.pcie_tx_bytes_per_s * busy,
+                    m.pcie_rx_bytes_per_s * busy,
+                    nvlink,  # tx
+                    nvlink,  # rx
+                    0,  # ecc_corrected: a healthy simulated GPU reports, and has none
+                    0,  # ecc_uncorrected
+                    0,  # xid_errors
                 )
             )
         return samples
@@ -421,12 +459,9 @@ class SimulatedGpus:
         """Make the simulated load follow ``load`` (for example the engine's busy fraction)."""
         self._load = load
 
-    def _noise(self, scale: float) -> float:
-        return self._rng.gauss(0.0, scale)
 
-
-def _clip(value: float) -> float:
-    return min(1.0, max(0.0, value))
+_SD2 = 0.02 * math.sqrt(12)  # uniform(-1/2, 1/2) x this has a standard deviation of 0.02
+_SD5 = 5.0 * math.sqrt(12)  # ... of 5 W
 
 
 async def select_backend(

@@ -1,8 +1,9 @@
 """Prometheus metrics of one agent (a registry per agent, served by ``--metrics-listen``).
 
 The uplink, the command log and the servicer update these as things happen; GPU and
-RDMA gauges are set from each telemetry sample. A reading a GPU cannot report is
-absent (its gauge is never set), not 0.
+RDMA gauges are set from the sample that closes each telemetry upload (every flush
+interval; scrapes are rarer still). A reading a GPU cannot report is absent (its gauge
+is never set), not 0.
 """
 
 from __future__ import annotations
@@ -98,41 +99,40 @@ class AgentMetrics:
             registry=r,
         )
 
+        # labelled children by (metric, labels): labels() builds and looks them up each call
+        self._children: dict[tuple[Gauge, tuple[str, ...]], Gauge] = {}
+
+    def _set(self, gauge: Gauge, labels: tuple[str, ...], value: float | None) -> None:
+        """Set a labelled gauge; None (not reported) leaves it absent (or as it was)."""
+        if value is None:
+            return
+        child = self._children.get((gauge, labels))
+        if child is None:
+            child = self._children[(gauge, labels)] = gauge.labels(*labels)
+        child.set(value)
+
     def observe_gpus(self, samples: tuple[GpuSample, ...] | list[GpuSample]) -> None:
+        set_ = self._set
         for s in samples:
             gpu = str(s.index)
-            self.gpu_utilization.labels(gpu).set(s.utilization)
-            if s.sm_clock_mhz is not None:
-                self.gpu_sm_clock.labels(gpu).set(s.sm_clock_mhz)
-            for direction, value in (
-                ("tx", s.pcie_tx_bytes_per_s),
-                ("rx", s.pcie_rx_bytes_per_s),
-            ):
-                if value is not None:
-                    self.gpu_pcie.labels(gpu, direction).set(value)
-            for direction, value in (
-                ("tx", s.nvlink_tx_bytes_per_s),
-                ("rx", s.nvlink_rx_bytes_per_s),
-            ):
-                if value is not None:
-                    self.gpu_nvlink.labels(gpu, direction).set(value)
-            for kind, count in (
-                ("corrected", s.ecc_corrected),
-                ("uncorrected", s.ecc_uncorrected),
-            ):
-                if count is not None:
-                    self.gpu_ecc.labels(gpu, kind).set(count)
-            if s.xid_errors is not None:
-                self.gpu_xid.labels(gpu).set(s.xid_errors)
-            if s.last_xid is not None:
-                self.gpu_last_xid.labels(gpu).set(s.last_xid)
+            set_(self.gpu_utilization, (gpu,), s.utilization)
+            set_(self.gpu_sm_clock, (gpu,), s.sm_clock_mhz)
+            set_(self.gpu_pcie, (gpu, "tx"), s.pcie_tx_bytes_per_s)
+            set_(self.gpu_pcie, (gpu, "rx"), s.pcie_rx_bytes_per_s)
+            set_(self.gpu_nvlink, (gpu, "tx"), s.nvlink_tx_bytes_per_s)
+            set_(self.gpu_nvlink, (gpu, "rx"), s.nvlink_rx_bytes_per_s)
+            set_(self.gpu_ecc, (gpu, "corrected"), s.ecc_corrected)
+            set_(self.gpu_ecc, (gpu, "uncorrected"), s.ecc_uncorrected)
+            set_(self.gpu_xid, (gpu,), s.xid_errors)
+            set_(self.gpu_last_xid, (gpu,), s.last_xid)
 
     def observe_rdma(self, samples: tuple[RdmaSample, ...] | list[RdmaSample]) -> None:
+        set_ = self._set
         for s in samples:
             port = str(s.port)
-            self.rdma_bytes.labels(s.device, port, "tx").set(s.tx_bytes_per_s)
-            self.rdma_bytes.labels(s.device, port, "rx").set(s.rx_bytes_per_s)
+            set_(self.rdma_bytes, (s.device, port, "tx"), s.tx_bytes_per_s)
+            set_(self.rdma_bytes, (s.device, port, "rx"), s.rx_bytes_per_s)
             for name, value in s.counters.items():
-                self.rdma_counter.labels(s.device, port, name).set(value)
+                set_(self.rdma_counter, (s.device, port, name), value)
             for name, rate in s.rates.items():
-                self.rdma_rate.labels(s.device, port, name).set(rate)
+                set_(self.rdma_rate, (s.device, port, name), rate)

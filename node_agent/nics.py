@@ -1,19 +1,38 @@
-"""NIC telemetry from sysfs: byte counters, rates from deltas, and link state.
+"""NIC telemetry: byte counters, rates from deltas, and link state.
 
-Reads ``<root>/<nic>/statistics/{rx,tx}_bytes`` and ``<root>/<nic>/operstate`` in a
-worker thread. A missing interface reads as down with zero counters (one warning), so
-a renamed or unplugged NIC never stops the agent.
+Two readers with the same interface (:class:`NicReader`):
+
+* :class:`NetlinkNics` (what the agent uses): per sample ONE rtnetlink dump of
+  ``RTM_GETSTATS`` filtered to ``IFLA_STATS_LINK_64`` answers the 64-bit counters of every
+  interface in the namespace (about 230 bytes per interface; ~35 us for 17 interfaces
+  measured here, against ~400 us for the 24 sysfs files of 8 NICs and ~12 ms for
+  pyroute2's ``get_links``). Names and oper state come from one ``RTM_GETLINK`` dump at
+  open and then from the kernel's link notifications (``RTMGRP_LINK``), read by the event
+  loop when they arrive (no system call per sample); a notification overrun (ENOBUFS)
+  re-reads the links at the next sample. The kernel answers rtnetlink dumps
+  synchronously (one send, one receive), so they run on the event loop (a worker-thread
+  hop would cost more than the read).
+* :class:`SysfsNics`: ``<root>/<nic>/statistics/{rx,tx}_bytes`` and ``operstate`` read in a
+  worker thread; for tests with a fake tree, and the fallback when netlink is refused.
+
+A missing interface reads as down with zero counters (one warning), so a renamed or
+unplugged NIC never stops the agent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import os
 import re
+import socket
+import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple, Protocol
 
 from orchestrrl import errors
 from orchestrrl.logs import get_logger
@@ -31,8 +50,9 @@ class NicSpec:
     speed_gbps: float  # 0 when unknown
 
 
-@dataclass(frozen=True)
-class NicSample:
+class NicSample(NamedTuple):
+    """One NIC at one instant (a named tuple: built for every NIC at every sample)."""
+
     name: str
     rx_bytes: int
     tx_bytes: int
@@ -41,11 +61,21 @@ class NicSample:
     oper_up: bool
 
 
-@dataclass(frozen=True)
-class _Counters:
+class _Counters(NamedTuple):
     rx_bytes: int
     tx_bytes: int
     oper_up: bool
+
+
+class NicReader(Protocol):
+    async def open(self) -> list[NicSpec]:
+        """Resolve link speeds; return the inventory."""
+
+    def inventory(self) -> list[NicSpec]: ...
+
+    async def sample(self) -> list[NicSample]: ...
+
+    def close(self) -> None: ...
 
 
 def parse_nic(text: str, field: str = "--nic") -> tuple[str, float | None]:
@@ -66,8 +96,8 @@ def parse_nic(text: str, field: str = "--nic") -> tuple[str, float | None]:
     return name, gbps
 
 
-class SysfsNics:
-    """Telemetry of the NICs named on the command line."""
+class _NicRates:
+    """The NICs named on the command line: inventory, and samples with rates from deltas."""
 
     def __init__(
         self,
@@ -77,31 +107,18 @@ class SysfsNics:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._nics = list(nics)
-        self._root = root
+        self._root = root  # sysfs: link speeds (and counters, for SysfsNics)
         self._clock = clock
         self._specs: list[NicSpec] = []
         self._previous: dict[str, tuple[float, _Counters]] = {}
         self._rates: dict[str, tuple[float, float]] = {}
         self._missing: set[str] = set()
-        self._lock = asyncio.Lock()  # one reading at a time keeps the deltas ordered
-
-    async def open(self) -> list[NicSpec]:
-        """Resolve link speeds not given on the command line; return the inventory."""
-        self._specs = await asyncio.to_thread(self._resolve_specs)
-        return list(self._specs)
 
     def inventory(self) -> list[NicSpec]:
         return list(self._specs) if self._specs else [NicSpec(n, g or 0.0) for n, g in self._nics]
 
-    async def sample(self) -> list[NicSample]:
-        if not self._nics:  # nothing to read: no worker-thread hop
-            return []
-        async with self._lock:
-            readings = await asyncio.to_thread(self._read_all)
-            now = self._clock()
-            return [self._to_sample(name, counters, now) for name, counters in readings]
-
-    # -- blocking helpers (run in a worker thread) --------------------------------------
+    def close(self) -> None:
+        return None
 
     def _resolve_specs(self) -> list[NicSpec]:
         return [
@@ -116,22 +133,6 @@ class SysfsNics:
         except (OSError, ValueError):
             return 0.0
         return mbps / 1000.0 if mbps > 0 else 0.0
-
-    def _read_all(self) -> list[tuple[str, _Counters | None]]:
-        return [(name, self._read(name)) for name, _ in self._nics]
-
-    def _read(self, name: str) -> _Counters | None:
-        # os.open/os.read on prebuilt paths: a tenth of pathlib's cost, which matters at 10 Hz
-        base = f"{self._root}/{name}"
-        try:
-            rx = int(_read_small(f"{base}/statistics/rx_bytes"))
-            tx = int(_read_small(f"{base}/statistics/tx_bytes"))
-            state = _read_small(f"{base}/operstate").strip()
-        except (OSError, ValueError):
-            return None
-        return _Counters(rx, tx, state == b"up")
-
-    # -- rates --------------------------------------------------------------------------
 
     def _to_sample(self, name: str, counters: _Counters | None, now: float) -> NicSample:
         if counters is None:
@@ -162,6 +163,49 @@ class SysfsNics:
         )
 
 
+class SysfsNics(_NicRates):
+    """Counters and oper state of the named NICs from sysfs files, in a worker thread."""
+
+    def __init__(
+        self,
+        nics: Sequence[tuple[str, float | None]],
+        *,
+        root: Path = SYSFS_NET,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(nics, root=root, clock=clock)
+        self._lock = asyncio.Lock()  # one reading at a time keeps the deltas ordered
+
+    async def open(self) -> list[NicSpec]:
+        """Resolve link speeds not given on the command line; return the inventory."""
+        self._specs = await asyncio.to_thread(self._resolve_specs)
+        return list(self._specs)
+
+    async def sample(self) -> list[NicSample]:
+        if not self._nics:  # nothing to read: no worker-thread hop
+            return []
+        async with self._lock:
+            readings = await asyncio.to_thread(self._read_all)
+            now = self._clock()
+            return [self._to_sample(name, counters, now) for name, counters in readings]
+
+    # -- blocking helpers (run in a worker thread) --------------------------------------
+
+    def _read_all(self) -> list[tuple[str, _Counters | None]]:
+        return [(name, self._read(name)) for name, _ in self._nics]
+
+    def _read(self, name: str) -> _Counters | None:
+        # os.open/os.read on prebuilt paths: a tenth of pathlib's cost, which matters at 10 Hz
+        base = f"{self._root}/{name}"
+        try:
+            rx = int(_read_small(f"{base}/statistics/rx_bytes"))
+            tx = int(_read_small(f"{base}/statistics/tx_bytes"))
+            state = _read_small(f"{base}/operstate").strip()
+        except (OSError, ValueError):
+            return None
+        return _Counters(rx, tx, state == b"up")
+
+
 def _read_small(path: str) -> bytes:
     """The content of a small sysfs file (a counter or a word)."""
     fd = os.open(path, os.O_RDONLY)
@@ -174,3 +218,315 @@ def _read_small(path: str) -> bytes:
 def _gbps(delta_bytes: int, elapsed_s: float) -> float:
     """A negative delta means the counters were reset (driver reload): no rate this time."""
     return max(0, delta_bytes) * 8 / elapsed_s / 1e9
+
+
+# -- rtnetlink ----------------------------------------------------------------------------
+# Constants from linux/netlink.h, linux/rtnetlink.h, linux/if_link.h (all host byte order).
+
+RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK = 16, 17, 18
+RTM_NEWSTATS, RTM_GETSTATS = 92, 94
+NLMSG_ERROR, NLMSG_DONE = 2, 3
+NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
+RTMGRP_LINK = 0x1
+IFLA_IFNAME, IFLA_OPERSTATE = 3, 16
+IFLA_STATS_LINK_64 = 1
+IF_OPER_UP = 6
+NLA_TYPE_MASK = 0x3FFF  # without NLA_F_NESTED / NLA_F_NET_BYTEORDER
+RECV_BYTES = 1 << 16  # a dump's datagrams are at most 32 KiB
+
+NLMSGHDR = struct.Struct("=IHHII")  # length, type, flags, seq, pid
+IFINFOMSG = struct.Struct("=BxHiII")  # family, type, index, flags, change
+IF_STATS_MSG = struct.Struct("=BBHiI")  # family, pad, pad, ifindex, filter_mask
+RTATTR = struct.Struct("=HH")  # length, type
+STATS64_HEAD = struct.Struct("=QQQQ")  # rx_packets, tx_packets, rx_bytes, tx_bytes
+ERROR_CODE = struct.Struct("=i")
+
+
+class LinkInfo(NamedTuple):
+    ifindex: int
+    name: str
+    oper_up: bool  # IFLA_OPERSTATE is IF_OPER_UP (sysfs operstate "up")
+
+
+def link_dump_request(seq: int) -> bytes:
+    body = IFINFOMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0)
+    return (
+        NLMSGHDR.pack(NLMSGHDR.size + len(body), RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
+        + body
+    )
+
+
+def stats_dump_request(seq: int) -> bytes:
+    """Every interface's ``rtnl_link_stats64`` and nothing else."""
+    body = IF_STATS_MSG.pack(socket.AF_UNSPEC, 0, 0, 0, 1 << (IFLA_STATS_LINK_64 - 1))
+    return (
+        NLMSGHDR.pack(NLMSGHDR.size + len(body), RTM_GETSTATS, NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
+        + body
+    )
+
+
+def messages(buf: bytes | bytearray, size: int) -> Iterator[tuple[int, int, int, int]]:
+    """(type, seq, payload start, payload end) of each netlink message in ``buf[:size]``."""
+    offset = 0
+    while offset + NLMSGHDR.size <= size:
+        length, kind, _flags, seq, _pid = NLMSGHDR.unpack_from(buf, offset)
+        if length < NLMSGHDR.size or offset + length > size:
+            return  # truncated: nothing more to trust in this datagram
+        yield kind, seq, offset + NLMSGHDR.size, offset + length
+        offset += (length + 3) & ~3
+
+
+def parse_link(buf: bytes | bytearray, start: int, end: int) -> LinkInfo | None:
+    """The index, name and oper state of an RTM_NEWLINK/RTM_DELLINK payload."""
+    if end - start < IFINFOMSG.size:
+        return None
+    index = IFINFOMSG.unpack_from(buf, start)[2]
+    name: str | None = None
+    oper = 0
+    at = start + IFINFOMSG.size
+    while at + RTATTR.size <= end:
+        length, kind = RTATTR.unpack_from(buf, at)
+        if length < RTATTR.size or at + length > end:
+            break
+        kind &= NLA_TYPE_MASK
+        if kind == IFLA_IFNAME:
+            name = bytes(buf[at + 4 : at + length]).split(b"\0", 1)[0].decode(errors="replace")
+        elif kind == IFLA_OPERSTATE and length > RTATTR.size:
+            oper = buf[at + 4]
+        at += (length + 3) & ~3
+    return LinkInfo(index, name, oper == IF_OPER_UP) if name else None
+
+
+def parse_stats(buf: bytes | bytearray, start: int, end: int) -> tuple[int, int, int] | None:
+    """(ifindex, rx_bytes, tx_bytes) of an RTM_NEWSTATS payload with IFLA_STATS_LINK_64."""
+    if end - start < IF_STATS_MSG.size:
+        return None
+    index = IF_STATS_MSG.unpack_from(buf, start)[3]
+    at = start + IF_STATS_MSG.size
+    while at + RTATTR.size <= end:
+        length, kind = RTATTR.unpack_from(buf, at)
+        if length < RTATTR.size or at + length > end:
+            break
+        if kind & NLA_TYPE_MASK == IFLA_STATS_LINK_64 and length >= RTATTR.size + STATS64_HEAD.size:
+            _rx_packets, _tx_packets, rx, tx = STATS64_HEAD.unpack_from(buf, at + RTATTR.size)
+            return index, rx, tx
+        at += (length + 3) & ~3
+    return None
+
+
+# One unpack for a whole RTM_NEWSTATS message whose first attribute is IFLA_STATS_LINK_64
+# (the only one requested): header, if_stats_msg, rtattr, the first four u64 of the stats.
+STATS_MESSAGE = struct.Struct("=IHHIIBBHiIHHQQQQ")
+
+
+def read_stats_datagram(
+    buf: bytes | bytearray, size: int, seq: int, out: dict[int, tuple[int, int]]
+) -> bool:
+    """Put ``ifindex -> (rx_bytes, tx_bytes)`` of one datagram of a stats dump into ``out``;
+    True when it ended the dump (NLMSG_DONE). OSError for an NLMSG_ERROR answer."""
+    offset = 0
+    while offset + NLMSGHDR.size <= size:
+        length, kind, _flags, mseq, _pid = NLMSGHDR.unpack_from(buf, offset)
+        if length < NLMSGHDR.size or offset + length > size:
+            return False
+        if mseq == seq:
+            if kind == RTM_NEWSTATS:
+                fields = (
+                    STATS_MESSAGE.unpack_from(buf, offset) if length >= STATS_MESSAGE.size else None
+                )
+                if fields is not None and fields[11] & NLA_TYPE_MASK == IFLA_STATS_LINK_64:
+                    out[fields[8]] = (fields[14], fields[15])
+                elif (
+                    parsed := parse_stats(buf, offset + NLMSGHDR.size, offset + length)
+                ) is not None:
+                    out[parsed[0]] = (parsed[1], parsed[2])
+            elif kind == NLMSG_DONE:
+                return True
+            elif kind == NLMSG_ERROR:
+                _raise_if_error(buf, offset + NLMSGHDR.size)
+        offset += (length + 3) & ~3
+    return False
+
+
+def _raise_if_error(buf: bytes | bytearray, start: int) -> None:
+    code = ERROR_CODE.unpack_from(buf, start)[0]
+    if code:
+        raise OSError(-code, f"rtnetlink: {os.strerror(-code)}")
+
+
+def _netlink_socket(groups: int = 0) -> socket.socket:
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
+    try:
+        sock.bind((0, groups))
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class NetlinkNics(SysfsNics):
+    """Counters from one rtnetlink stats dump per sample, link state from notifications
+    (see the module docstring). When the kernel refuses netlink sockets it says so once
+    and reads sysfs instead."""
+
+    def __init__(
+        self,
+        nics: Sequence[tuple[str, float | None]],
+        *,
+        root: Path = SYSFS_NET,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(nics, root=root, clock=clock)
+        self._sock: socket.socket | None = None
+        self._events: socket.socket | None = None
+        self._buf = bytearray(RECV_BYTES)
+        self._event_buf = bytearray(RECV_BYTES)
+        self._links_stale = False
+        self._seq = 0
+        self._links: dict[str, tuple[int, bool]] = {}  # name -> (ifindex, oper up)
+        self._names: dict[int, str] = {}
+        self._counters: dict[int, tuple[int, int]] = {}  # ifindex -> rx, tx bytes (reused)
+
+    async def open(self) -> list[NicSpec]:
+        specs = await super().open()
+        if self._nics and self._sock is None:
+            try:
+                self._events = _netlink_socket(RTMGRP_LINK)  # before the dump: miss nothing
+                self._sock = _netlink_socket()
+                await self._read_links()
+                asyncio.get_running_loop().add_reader(self._events, self._drain_events)
+            except OSError as exc:
+                self.close()
+                log.warning(
+                    "netlink_unavailable",
+                    reason=str(exc),
+                    effect="NIC counters are read from sysfs files instead",
+                )
+        return specs
+
+    def close(self) -> None:
+        if self._events is not None:
+            with contextlib.suppress(RuntimeError, ValueError):  # loop closed, or never added
+                asyncio.get_running_loop().remove_reader(self._events)
+        for sock in (self._sock, self._events):
+            if sock is not None:
+                sock.close()
+        self._sock = self._events = None
+
+    async def sample(self) -> list[NicSample]:
+        if self._sock is None:
+            return await super().sample()
+        async with self._lock:
+            if self._links_stale:
+                await self._read_links()
+            self._counters.clear()
+            await self._dump(stats_dump_request, self._on_stats)
+            now = self._clock()
+            out = []
+            links, readings, previous = self._links, self._counters, self._previous
+            for name, _ in self._nics:
+                link = links.get(name)
+                counters = readings.get(link[0]) if link is not None else None
+                before = previous.get(name)
+                if (
+                    counters is None
+                    or link is None
+                    or before is None
+                    or name in self._missing
+                    or now <= before[0]
+                ):
+                    out.append(
+                        self._to_sample(
+                            name,
+                            None
+                            if counters is None or link is None
+                            else _Counters(counters[0], counters[1], link[1]),
+                            now,
+                        )
+                    )
+                    continue
+                # the common case inline (same figures as _to_sample): at 10 Hz per NIC
+                rx, tx = counters
+                elapsed = now - before[0]
+                rx_gbps = max(0, rx - before[1].rx_bytes) * 8 / elapsed / 1e9
+                tx_gbps = max(0, tx - before[1].tx_bytes) * 8 / elapsed / 1e9
+                previous[name] = (now, _Counters(rx, tx, link[1]))
+                self._rates[name] = (rx_gbps, tx_gbps)
+                out.append(NicSample(name, rx, tx, rx_gbps, tx_gbps, link[1]))
+            return out
+
+    def _on_stats(self, size: int, seq: int) -> bool:
+        return read_stats_datagram(self._buf, size, seq, self._counters)
+
+    def _on_links(self, size: int, seq: int) -> bool:
+        for kind, mseq, start, end in messages(self._buf, size):
+            if mseq != seq:
+                continue  # the rest of an earlier, interrupted dump
+            if kind == NLMSG_DONE:
+                return True
+            if kind == NLMSG_ERROR:
+                _raise_if_error(self._buf, start)
+            else:
+                self._on_link(kind, start, end)
+        return False
+
+    def _on_link(self, kind: int, start: int, end: int) -> None:
+        if kind in (RTM_NEWLINK, RTM_DELLINK) and (link := parse_link(self._buf, start, end)):
+            self._apply_link(kind, link)
+
+    def _apply_link(self, kind: int, link: LinkInfo) -> None:
+        old = self._names.pop(link.ifindex, None)
+        if old is not None:
+            self._links.pop(old, None)
+        if kind == RTM_NEWLINK:
+            self._names[link.ifindex] = link.name
+            self._links[link.name] = (link.ifindex, link.oper_up)
+
+    async def _read_links(self) -> None:
+        self._links_stale = False
+        self._links.clear()
+        self._names.clear()
+        await self._dump(link_dump_request, self._on_links)
+
+    def _drain_events(self) -> None:
+        """Apply the link notifications that arrived (the event loop calls this when the
+        socket is readable); when some were lost (overrun), read the links again at the
+        next sample."""
+        if self._events is None:
+            return
+        buf = self._event_buf
+        while True:
+            try:
+                size = self._events.recv_into(buf)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno != errno.ENOBUFS:
+                    log.warning("netlink_notifications_failed", reason=str(exc))
+                    return
+                self._links_stale = True
+                continue
+            for kind, _seq, start, end in messages(buf, size):
+                if kind in (RTM_NEWLINK, RTM_DELLINK) and (link := parse_link(buf, start, end)):
+                    self._apply_link(kind, link)
+
+    async def _dump(
+        self, request: Callable[[int], bytes], handle: Callable[[int, int], bool]
+    ) -> None:
+        """Send a dump request and feed each datagram of the answer (in ``self._buf``) to
+        ``handle(size, seq)`` until it says the dump is done. The kernel has the answer
+        ready when send returns, so recv does not wait; should it, the event loop waits
+        for the socket instead of blocking."""
+        assert self._sock is not None
+        sock = self._sock
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        seq = self._seq
+        sock.send(request(seq))
+        while True:
+            try:
+                size = sock.recv_into(self._buf)
+            except BlockingIOError:
+                size = await asyncio.get_running_loop().sock_recv_into(sock, self._buf)
+            if handle(size, seq):
+                return

@@ -8,7 +8,7 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from node_agent import convert, roce, routes
+from node_agent import convert, migration, roce, routes
 from node_agent.commands import CommandLog
 from node_agent.engine import RolloutEngine
 from node_agent.metrics import AgentMetrics
@@ -19,7 +19,7 @@ from orchestrrl import errors
 from orchestrrl.grpcutil import domain_errors_to_status
 from orchestrrl.logs import get_logger
 from orchestrrl.tls import Authorizer
-from orchestrrl.v1 import node_agent_pb2, node_agent_pb2_grpc
+from orchestrrl.v1 import common_pb2, node_agent_pb2, node_agent_pb2_grpc
 
 log = get_logger("node_agent.servicer")
 
@@ -54,6 +54,11 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         self._routes = routes
         self._roce = roce
         self._metrics = metrics
+        self._exports = migration.Exports(engine)
+
+    async def close(self) -> None:
+        """Restore requests still held by unresolved exports (at shutdown)."""
+        await self._exports.close()
 
     def set_default_interval(self, interval_s: float) -> None:
         """The StreamTelemetry interval when a request names none (config reload)."""
@@ -123,6 +128,82 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             return convert.engine_state_to_pb(self._engine.state, self._engine.stats())
 
         return await self._commands.run("Resume", request.command_id, _key(request), resume)
+
+    @domain_errors_to_status
+    async def ExportRequests(
+        self, request: node_agent_pb2.ExportRequestsRequest, context: Context
+    ) -> node_agent_pb2.ExportRequestsResponse:
+        self._auth.peer(context, self._controllers)
+
+        async def export() -> node_agent_pb2.ExportRequestsResponse:
+            exported, missing = await self._exports.export(
+                request.command_id, request.request_ids, request.hold_s
+            )
+            return node_agent_pb2.ExportRequestsResponse(
+                command_id=request.command_id,
+                requests=[migration.state_to_pb(m) for m in exported],
+                missing=missing,
+                message=f"{len(exported)} request(s) exported and held; "
+                f"{len(missing)} not on this node",
+            )
+
+        return await self._commands.run("ExportRequests", request.command_id, _key(request), export)
+
+    @domain_errors_to_status
+    async def ImportRequests(
+        self, request: node_agent_pb2.ImportRequestsRequest, context: Context
+    ) -> node_agent_pb2.ImportRequestsResponse:
+        self._auth.peer(context, self._controllers)
+        recompute = migration.recompute_from_pb(request.method)
+        states = [migration.state_from_pb(r) for r in request.requests]
+        if not states:
+            raise errors.field_error("requests", [], "at least one request to import")
+
+        async def admit() -> node_agent_pb2.ImportRequestsResponse:
+            result = await self._engine.import_requests(states, request.instance, recompute)
+            log.info(
+                "requests_imported",
+                command_id=request.command_id,
+                source=request.source_node,
+                instance=result.instance,
+                requests=list(result.admitted),
+                bytes_moved=result.bytes_moved,
+                recomputed_tokens=result.recomputed_tokens,
+            )
+            return node_agent_pb2.ImportRequestsResponse(
+                command_id=request.command_id,
+                admitted=result.admitted,
+                instance=result.instance,
+                bytes_moved=result.bytes_moved,
+                recomputed_tokens=result.recomputed_tokens,
+                stages=[
+                    common_pb2.StageTiming(stage=x.stage, seconds=x.seconds) for x in result.stages
+                ],
+                message=result.message,
+            )
+
+        return await self._commands.run("ImportRequests", request.command_id, _key(request), admit)
+
+    @domain_errors_to_status
+    async def ResolveExport(
+        self, request: node_agent_pb2.ResolveExportRequest, context: Context
+    ) -> node_agent_pb2.ResolveExportResponse:
+        self._auth.peer(context, self._controllers)
+        if not request.export_command_id:
+            raise errors.field_error(
+                "export_command_id", "", "the command_id of the ExportRequests to resolve"
+            )
+
+        async def resolve() -> node_agent_pb2.ResolveExportResponse:
+            result = await self._exports.resolve(request.export_command_id, request.restore)
+            return node_agent_pb2.ResolveExportResponse(
+                command_id=request.command_id,
+                restored=result.restored,
+                released=result.released,
+                message=result.message,
+            )
+
+        return await self._commands.run("ResolveExport", request.command_id, _key(request), resolve)
 
     @domain_errors_to_status
     async def ApplyRoutes(

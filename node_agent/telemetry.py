@@ -7,9 +7,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from node_agent.engine import EngineState, EngineStats, RolloutEngine
+from node_agent.engine import EngineProgress, EngineState, EngineStats, RolloutEngine
 from node_agent.gpus import GpuBackend, GpuInfo, GpuSample
-from node_agent.nics import NicSample, NicSpec, SysfsNics
+from node_agent.nics import NicReader, NicSample, NicSpec
 from node_agent.rdma import RdmaSample, SysfsRdma
 from orchestrrl import __version__, errors
 
@@ -46,7 +46,10 @@ class Telemetry:
     engine: EngineStats
     engine_state: EngineState
     tp_layout: tuple[int, ...]
-    rdma: tuple[RdmaSample, ...] = ()  # not in the protobuf sample; served on /metrics
+    rdma: tuple[RdmaSample, ...] = ()
+    # Per-request progress of the step; None when this sample was taken without it (the
+    # uplink reads it once per upload, see Uplink).
+    progress: EngineProgress | None = None
 
 
 class Collector:
@@ -56,7 +59,7 @@ class Collector:
         self,
         node: str,
         gpus: GpuBackend,
-        nics: SysfsNics,
+        nics: NicReader,
         engine: RolloutEngine,
         *,
         rdma: SysfsRdma | None = None,
@@ -75,10 +78,14 @@ class Collector:
         self._gpu_inventory = tuple(await self._gpus.inventory())
         self._nic_inventory = tuple(await self._nics.open())
 
-    async def replace_nics(self, nics: SysfsNics) -> None:
+    async def replace_nics(self, nics: NicReader) -> None:
         """Report ``nics`` from now on (config reload); rates restart from their next reading."""
         inventory = tuple(await nics.open())
-        self._nics, self._nic_inventory = nics, inventory
+        old, self._nics, self._nic_inventory = self._nics, nics, inventory
+        old.close()
+
+    def close(self) -> None:
+        self._nics.close()
 
     def status(self) -> NodeStatus:
         return NodeStatus(
@@ -91,21 +98,25 @@ class Collector:
             version=__version__,
         )
 
-    async def sample(self) -> Telemetry:
-        async with asyncio.TaskGroup() as tg:
-            gpus = tg.create_task(self._gpus.sample())
-            nics = tg.create_task(self._nics.sample())
-            rdma = tg.create_task(self._rdma.sample()) if self._rdma is not None else None
-        engine = self._engine.stats()
+    async def sample(self, progress: bool = True) -> Telemetry:
+        """Every source once; ``progress``: with the engine's per-request progress (its
+        cost grows with the requests in flight, so the uplink reads it once per upload)."""
+        # One after the other: tasks to overlap the worker-thread reads (NVML, RDMA sysfs)
+        # would cost more CPU than they save in latency at these sizes.
+        gpus = await self._gpus.sample()
+        nics = await self._nics.sample()
+        rdma = await self._rdma.sample() if self._rdma is not None else ()
+        engine = self._engine
         return Telemetry(
             node=self.node,
             timestamp=self._wall_clock(),
-            gpus=tuple(gpus.result()),
-            nics=tuple(nics.result()),
-            engine=engine,
-            engine_state=self._engine.state,
-            tp_layout=self._engine.tp_layout,
-            rdma=tuple(rdma.result()) if rdma is not None else (),
+            gpus=tuple(gpus),
+            nics=tuple(nics),
+            engine=engine.stats(),
+            engine_state=engine.state,
+            tp_layout=engine.tp_layout,
+            rdma=tuple(rdma),
+            progress=engine.progress() if progress else None,
         )
 
     async def every(self, interval_s: float | Callable[[], float]) -> AsyncIterator[Telemetry]:

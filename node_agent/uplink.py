@@ -5,6 +5,23 @@ into a bounded buffer (:class:`TelemetryBuffer`) and the session sends from its 
 so after an outage the samples taken while away arrive first, oldest first. A full
 buffer drops its oldest sample and counts it (logged, and on /metrics).
 
+Samples are uploaded in batches (``ReportTelemetryBatch``): every ``flush_interval_s``
+(rounded to a whole number of sampling intervals) the buffered samples go up as one
+message, so the per-message cost of gRPC is paid once per flush instead of once per
+sample (at 10 Hz and the default 1 s: a tenth). The sample that closes a flush also
+carries the engine's per-request progress (``has_progress``; its cost grows with the
+requests in flight) and updates the GPU and RDMA gauges of /metrics. A flush interval
+of 0 sends every sample as it is taken, each with progress. A backlog goes up in
+batches of at most ``UplinkSettings.max_batch_samples``, each ending on a sample with
+progress where it has one.
+
+The telemetry stream counts as liveness at the controller (each upload refreshes the
+node's last-seen time), so a heartbeat period in which an upload went out skips the
+Heartbeat RPC: a unary call costs about as much CPU here as the whole second of
+sampling. Session loss is still noticed: a controller that lost the session rejects
+the upload (the stream ends and the agent registers again), and a wedged one stops
+taking uploads, so the heartbeats resume and time out.
+
 Any failure (controller unreachable, stream broken, session unknown after a controller
 restart) ends the session; the uplink logs why, backs off with jitter and registers
 again. A controller that rejects the registration (node not in its wiring) is retried at
@@ -36,6 +53,24 @@ from orchestrrl.v1 import fabric_controller_pb2, fabric_controller_pb2_grpc
 log = get_logger("node_agent.uplink")
 
 DEFAULT_BUFFER_SAMPLES = 600  # 10 minutes at the default 1 s interval
+DEFAULT_FLUSH_INTERVAL_S = 1.0
+MAX_FLUSH_INTERVAL_S = 60.0
+
+
+def check_flush_interval(value: float, field: str) -> float:
+    """Seconds between uploads: 0 (every sample) .. MAX_FLUSH_INTERVAL_S."""
+    if not 0.0 <= value <= MAX_FLUSH_INTERVAL_S:
+        raise errors.field_error(
+            field,
+            value,
+            f"must be between 0 (send every sample) and {MAX_FLUSH_INTERVAL_S:g} seconds",
+        )
+    return value
+
+
+def samples_per_flush(telemetry_interval_s: float, flush_interval_s: float) -> int:
+    """Samples per upload: the flush interval in whole sampling intervals, at least 1."""
+    return max(1, round(flush_interval_s / telemetry_interval_s))
 
 
 @dataclass(frozen=True)
@@ -44,6 +79,7 @@ class UplinkSettings:
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 10.0
     min_heartbeat_interval_s: float = 0.05
+    max_batch_samples: int = 100  # per TelemetryBatch message when sending a backlog
 
 
 class Backoff:
@@ -71,7 +107,10 @@ class Backoff:
 
 
 class TelemetryBuffer:
-    """Samples waiting for the controller, oldest first; full, it drops the oldest."""
+    """Samples waiting for the controller, oldest first; full, it drops the oldest.
+
+    A sample put with ``flush=True`` closes an upload: :meth:`batch` hands out the
+    samples up to the newest such one."""
 
     def __init__(self, capacity: int, metrics: AgentMetrics | None = None) -> None:
         if capacity < 1:
@@ -80,15 +119,17 @@ class TelemetryBuffer:
         self.dropped = 0  # since the agent started
         self.dropped_unreported = 0  # since the last report (see take_drop_report)
         self._items: collections.deque[Telemetry] = collections.deque()
+        self._flush_marks: collections.deque[bool] = collections.deque()  # parallel to _items
+        self._flushable = 0  # items up to and including the newest flush mark
         self._ready = asyncio.Event()
         self._metrics = metrics
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, sample: Telemetry) -> None:
+    def put(self, sample: Telemetry, flush: bool = True) -> None:
         if len(self._items) >= self.capacity:
-            self._items.popleft()
+            self._pop()
             self.dropped += 1
             self.dropped_unreported += 1
             if self.dropped_unreported == 1:
@@ -100,21 +141,43 @@ class TelemetryBuffer:
             if self._metrics is not None:
                 self._metrics.samples_dropped.inc()
         self._items.append(sample)
-        self._ready.set()
+        self._flush_marks.append(flush)
+        if flush:
+            self._flushable = len(self._items)
+            self._ready.set()
         self._gauge()
 
     async def head(self) -> Telemetry:
-        """The oldest sample, waiting for one; it stays buffered until :meth:`sent`."""
-        while not self._items:
+        """The oldest sample, waiting for one to be flushable; it stays buffered until
+        :meth:`sent`."""
+        return (await self.batch(1))[0]
+
+    async def batch(self, max_samples: int) -> list[Telemetry]:
+        """The oldest samples up to the newest flush mark (waiting for one), at most
+        ``max_samples``, cut after the last flush mark among them when there is one; they
+        stay buffered until :meth:`sent`."""
+        while not self._flushable:
             self._ready.clear()
             await self._ready.wait()
-        return self._items[0]
+        count = min(max_samples, self._flushable)
+        if count < self._flushable:
+            marks = self._flush_marks
+            last = max((i for i in range(count) if marks[i]), default=-1)
+            count = last + 1 if last >= 0 else count
+        return [self._items[i] for i in range(count)]
 
-    def sent(self, sample: Telemetry) -> None:
-        """``sample`` (a head) reached the stream; drop it unless it was dropped already."""
-        if self._items and self._items[0] is sample:
-            self._items.popleft()
+    def sent(self, samples: Telemetry | list[Telemetry]) -> None:
+        """``samples`` (from the head) reached the stream; drop those still buffered (the
+        oldest may have been dropped meanwhile)."""
+        for sample in [samples] if isinstance(samples, Telemetry) else samples:
+            if self._items and self._items[0] is sample:
+                self._pop()
         self._gauge()
+
+    def _pop(self) -> None:
+        self._items.popleft()
+        self._flush_marks.popleft()
+        self._flushable = max(0, self._flushable - 1)
 
     def take_drop_report(self) -> int:
         dropped, self.dropped_unreported = self.dropped_unreported, 0
@@ -151,6 +214,7 @@ class Uplink:
         tls: TlsConfig | None = None,
         buffer_samples: int = DEFAULT_BUFFER_SAMPLES,
         metrics: AgentMetrics | None = None,
+        flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
     ) -> None:
         self._tls = tls
         self.metrics = metrics or AgentMetrics()
@@ -159,6 +223,9 @@ class Uplink:
         self._agent_address = agent_address
         self._controller = controller if callable(controller) else (lambda: controller)
         self._telemetry_interval_s = telemetry_interval_s
+        self.flush_interval_s = flush_interval_s  # a new value applies from the next sample
+        self._since_flush = 0
+        self._uploaded = False  # an upload went out since the last heartbeat period
         self._settings = settings or UplinkSettings()
         self._backoff = Backoff(self._settings.backoff_initial_s, self._settings.backoff_max_s, rng)
         self.session: Session | None = None
@@ -180,14 +247,23 @@ class Uplink:
 
     async def _sample_forever(self) -> None:
         async for _ in ticks(lambda: self._telemetry_interval_s):
+            # the first sample closes an upload, then every samples_per_flush-th
+            flush = self._since_flush == 0
+            self._since_flush += 1
+            if self._since_flush >= samples_per_flush(
+                self._telemetry_interval_s, self.flush_interval_s
+            ):
+                self._since_flush = 0
             try:
-                sample = await self._collector.sample()
+                sample = await self._collector.sample(progress=flush)
             except Exception as exc:  # a broken reading must not stop the agent
                 log.warning("telemetry_sample_failed", reason=_reason(exc))
+                self._since_flush = 0  # the next sample closes the upload instead
                 continue
-            self.buffer.put(sample)
-            self.metrics.observe_gpus(sample.gpus)
-            self.metrics.observe_rdma(sample.rdma)
+            self.buffer.put(sample, flush=flush)
+            if flush:
+                self.metrics.observe_gpus(sample.gpus)
+                self.metrics.observe_rdma(sample.rdma)
 
     async def _sessions(self) -> None:
         failures = 0
@@ -279,8 +355,13 @@ class Uplink:
         request = fabric_controller_pb2.HeartbeatRequest(
             node=self._collector.node, session_id=session.session_id
         )
+        self._uploaded = False
         while True:
             await asyncio.sleep(session.heartbeat_interval_s)
+            if self._uploaded:  # the telemetry stream proved liveness in this period
+                self._uploaded = False
+                self._backoff.reset()
+                continue
             await call("Heartbeat", stub.Heartbeat(request, timeout=self._settings.rpc_timeout_s))
             self._backoff.reset()  # a session that has heartbeated once counts as healthy
 
@@ -288,9 +369,10 @@ class Uplink:
         self, stub: fabric_controller_pb2_grpc.FabricControllerAsyncStub
     ) -> None:
         # A long-lived client stream: no deadline; channel keepalives and heartbeats watch it.
-        stream = stub.ReportTelemetry(None)
+        stream = stub.ReportTelemetryBatch(None)
         dropped = self.buffer.take_drop_report()
-        if dropped or len(self.buffer) > 1:
+        usual = samples_per_flush(self._telemetry_interval_s, self.flush_interval_s)
+        if dropped or len(self.buffer) > usual:  # more than one upload's worth waited
             log.info(
                 "telemetry_backlog_sending",
                 buffered=len(self.buffer),
@@ -299,15 +381,17 @@ class Uplink:
             )
         try:
             while True:
-                sample = await self.buffer.head()
+                batch = await self.buffer.batch(self._settings.max_batch_samples)
+                message = convert.telemetry_batch_to_pb(batch)
                 try:
-                    await call("ReportTelemetry", stream.write(convert.telemetry_to_pb(sample)))
+                    await call("ReportTelemetryBatch", stream.write(message))
                 except asyncio.InvalidStateError:
                     raise errors.Unavailable(
-                        "ReportTelemetry: the controller closed the telemetry stream"
+                        "ReportTelemetryBatch: the controller closed the telemetry stream"
                     ) from None
-                self.buffer.sent(sample)
-                self.metrics.samples_sent.inc()
+                self.buffer.sent(batch)
+                self._uploaded = True
+                self.metrics.samples_sent.inc(len(batch))
         finally:
             stream.cancel()
 

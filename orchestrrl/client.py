@@ -75,6 +75,7 @@ class PhaseChange:
     stages: dict[str, float]
     message: str
     gated: bool = False
+    explanation: str = ""  # which planner chose the circuits, and why
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class PhasePlan:
     circuits: list[CircuitView]
     added: list[CircuitView]
     removed: list[CircuitView]
+    explanation: str = ""
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,83 @@ class EventView:
     phase: str | None
     message: str
     stages: dict[str, float]
+
+
+@dataclass(frozen=True)
+class ScheduleView:
+    """The compute-scheduling loop's current plan and its last actions (GetSchedule)."""
+
+    enabled: bool
+    interval_s: float
+    planned_at: float
+    mode: str
+    reason: str
+    explanation: str
+    acted: bool
+    step: int
+    requests: int
+    layouts: list[dict[str, Any]]  # node, before, after (TP degrees)
+    reshards: list[dict[str, Any]]  # node, before, after, pause_s
+    migrations: list[dict[str, Any]]  # request_id, source/target node+instance, method, cost_s
+    prediction: dict[str, float]
+    actions: list[dict[str, Any]]  # timestamp, kind, node, command_id, ok, message, ...
+    skipped_nodes: list[str]
+
+
+def _schedule(r: pb.GetScheduleResponse) -> ScheduleView:
+    p = r.prediction
+    return ScheduleView(
+        enabled=r.enabled,
+        interval_s=r.interval_s,
+        planned_at=r.planned_at,
+        mode=r.mode,
+        reason=r.reason,
+        explanation=r.explanation,
+        acted=r.acted,
+        step=r.step,
+        requests=r.requests,
+        layouts=[
+            {"node": x.node, "before": list(x.before), "after": list(x.after)} for x in r.layouts
+        ],
+        reshards=[
+            {"node": x.node, "before": list(x.before), "after": list(x.after), "pause_s": x.pause_s}
+            for x in r.reshards
+        ],
+        migrations=[
+            {
+                "request_id": m.request_id,
+                "source_node": m.source_node,
+                "source_instance": m.source_instance,
+                "target_node": m.target_node,
+                "target_instance": m.target_instance,
+                "method": m.method,
+                "cost_s": m.cost_s,
+            }
+            for m in r.migrations
+        ],
+        prediction={
+            "keep_makespan_s": p.keep_makespan_s,
+            "planned_makespan_s": p.planned_makespan_s,
+            "steady_makespan_s": p.steady_makespan_s,
+            "switching_s": p.switching_s,
+            "migration_s": p.migration_s,
+            "gain_s": p.gain_s,
+        },
+        actions=[
+            {
+                "timestamp": a.timestamp,
+                "kind": a.kind,
+                "node": a.node,
+                "command_id": a.command_id,
+                "ok": a.ok,
+                "message": a.message,
+                "seconds": a.seconds,
+                "requests": list(a.requests),
+            }
+            for a in r.actions
+        ],
+        skipped_nodes=list(r.skipped_nodes),
+    )
 
 
 def to_json(value: Any) -> Any:
@@ -190,6 +269,7 @@ class AsyncClient:
             stages=stages_from_pb(r.stages),
             message=r.message,
             gated=r.gated,
+            explanation=r.explanation,
         )
 
     @contextlib.asynccontextmanager
@@ -234,7 +314,11 @@ class AsyncClient:
             self._stub.PlanPhase(pb.PlanPhaseRequest(phase=phase_to_pb(p)), timeout=self.timeout_s),
         )
         return PhasePlan(
-            _phase_name(r.phase), _circuits(r.circuits), _circuits(r.added), _circuits(r.removed)
+            _phase_name(r.phase),
+            _circuits(r.circuits),
+            _circuits(r.added),
+            _circuits(r.removed),
+            r.explanation,
         )
 
     async def topology(self) -> pb.Topology:
@@ -261,6 +345,14 @@ class AsyncClient:
             )
             for n in r.nodes
         ]
+
+    async def schedule(self) -> ScheduleView:
+        """The compute-scheduling loop's current plan, why, and its last actions."""
+        r = await grpcutil.call(
+            self._what("GetSchedule"),
+            self._stub.GetSchedule(pb.GetScheduleRequest(), timeout=self.timeout_s),
+        )
+        return _schedule(r)
 
     async def watch(self, recent: int = 0, follow: bool = True) -> AsyncIterator[EventView]:
         """The ``recent`` most recent events, then (``follow``) new ones as they happen,
@@ -359,6 +451,10 @@ class Client:
 
     def nodes(self) -> list[NodeView]:
         result: list[NodeView] = self._run(self._async.nodes())
+        return result
+
+    def schedule(self) -> ScheduleView:
+        result: ScheduleView = self._run(self._async.schedule())
         return result
 
     def watch(self, recent: int = 0, follow: bool = True) -> Iterator[EventView]:

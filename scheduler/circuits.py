@@ -58,6 +58,45 @@ def diff(observed: Iterable[Circuit], desired: Iterable[Circuit]) -> CircuitPlan
     return CircuitPlan(desired=des, add=des - obs, remove=obs - des)
 
 
+# circuits per (pod pair, OCS), sorted: what pass 1 of ``allocate`` decides
+Counts = tuple[tuple[tuple[PodPair, str], int], ...]
+
+
+_Ports = tuple[
+    dict[tuple[str, str], list[int]],  # (pod, ocs) -> usable ports, in order
+    dict[tuple[str, int], str],  # (ocs, port) -> its ToR
+    dict[tuple[str, str], dict[str, list[int]]],  # (pod, ocs) -> ToR -> ports, highest first
+]
+_ports_memo: dict[tuple[int, frozenset[tuple[str, int]]], tuple[Wiring, _Ports]] = {}
+
+
+def _ports(wiring: Wiring, down: frozenset[tuple[str, int]]) -> _Ports:
+    """Usable uplink ports per (pod, OCS) in port order, the ToR of every uplink port,
+    and the usable ports per (pod, OCS) and ToR (read-only for callers; memoized per
+    wiring, by identity, and failed ports: a large fabric has thousands of ports and
+    they rarely change)."""
+    key = (id(wiring), down)
+    hit = _ports_memo.get(key)
+    if hit is not None and hit[0] is wiring:
+        return hit[1]
+    free: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for pod, ocs, port in wiring.uplink_ports():
+        if (ocs, port) not in down:
+            free[(pod, ocs)].append(port)
+    for ports in free.values():
+        ports.sort()
+    tor_of = {(u.ocs, u.ocs_port): t.name for t in wiring.tors for u in t.uplinks}
+    by_tor: dict[tuple[str, str], dict[str, list[int]]] = defaultdict(dict)
+    for (pod, ocs), ports in free.items():
+        for x in reversed(ports):
+            by_tor[(pod, ocs)].setdefault(tor_of[(ocs, x)], []).append(x)
+    if len(_ports_memo) >= 8:
+        _ports_memo.clear()
+    result = (dict(free), tor_of, dict(by_tor))
+    _ports_memo[key] = (wiring, result)
+    return result
+
+
 def allocate(
     wiring: Wiring,
     demand: Mapping[PodPair, float],
@@ -66,30 +105,26 @@ def allocate(
 ) -> frozenset[Circuit]:
     """Allocate circuits for a pod-pair demand within every pod's OCS port budget.
 
-    Pass 1 decides how many circuits each pod pair gets on each OCS from the demand
-    and the budgets alone; pass 2 picks ports, reusing ``keep`` (the circuits that
-    exist now) wherever a pair keeps circuits on that OCS, then free ports spread over
-    each pod's ToRs (fewest circuits to the other pod first, then the lowest port).
-    Because the counts never depend on ``keep``, allocating again from the result
-    reuses every circuit: re-planning an applied plan is a no-op.
+    Pass 1 (:func:`circuit_counts`) decides how many circuits each pod pair gets on
+    each OCS from the demand and the budgets alone; pass 2 (:func:`place`) picks ports,
+    reusing ``keep`` (the circuits that exist now) wherever a pair keeps circuits on
+    that OCS, then free ports spread over each pod's ToRs (fewest circuits to the other
+    pod first, then the lowest port). Because the counts never depend on ``keep``,
+    allocating again from the result reuses every circuit: re-planning an applied plan
+    is a no-op, and pass 1 can be reused while only the circuits change.
     ``unavailable_ports`` (failed ports) are never used. Deterministic.
     """
-    down = set(unavailable_ports)
-    free: dict[tuple[str, str], list[int]] = defaultdict(list)  # (pod, ocs) -> ports
-    for pod, ocs, port in wiring.uplink_ports():
-        if (ocs, port) not in down:
-            free[(pod, ocs)].append(port)
-    for ports in free.values():
-        ports.sort()
+    down = frozenset(unavailable_ports)
+    return place(wiring, circuit_counts(wiring, demand, down), keep, down)
 
-    existing: dict[tuple[PodPair, str], list[Circuit]] = defaultdict(list)
-    for c in sorted(set(keep)):
-        pod_a, pod_b = wiring.circuit_pods(c)
-        if not pod_a or not pod_b or pod_a == pod_b or (c.ocs, c.a) in down or (c.ocs, c.b) in down:
-            continue
-        existing[(pair(pod_a, pod_b), c.ocs)].append(c)
 
-    # Pass 1: how many circuits each pair gets on each OCS (bottleneck first).
+def circuit_counts(
+    wiring: Wiring,
+    demand: Mapping[PodPair, float],
+    unavailable_ports: Iterable[tuple[str, int]] = (),
+) -> Counts:
+    """Pass 1 of :func:`allocate`: circuits per pod pair and OCS, bottleneck first."""
+    free, _, _ = _ports(wiring, frozenset(unavailable_ports))
     budget: dict[tuple[str, str], int] = {k: len(v) for k, v in free.items()}
     count: dict[PodPair, int] = defaultdict(int)
     per_ocs: dict[tuple[PodPair, str], int] = defaultdict(int)
@@ -118,45 +153,76 @@ def allocate(
         return True
 
     if len(set(active.values())) <= 1:
-        # equal demand: the worst-served-first order is plain round-robin
+        # equal demand: the worst-served-first order is plain round-robin (a pair with
+        # a pod out of ports is dropped without a call: most pairs, on a large fabric)
         while pairs:
-            pairs = [p for p in pairs if grant(p)]
+            pairs = [p for p in pairs if pod_free[p[0]] and pod_free[p[1]] and grant(p)]
     else:
         heap = [(0.0, i) for i in range(len(pairs))]  # the index breaks ties: sorted order
         while heap:
             _, i = heapq.heappop(heap)
             if grant(pairs[i]):
                 heapq.heappush(heap, (count[pairs[i]] / active[pairs[i]], i))
+    return tuple(sorted(per_ocs.items()))
 
-    # Pass 2: concrete ports; existing circuits first, then free ports spread over each
-    # pod's ToRs: the ToR with the fewest circuits to the other pod first, then the
-    # lowest port (one ToR per pod: simply the lowest free ports). Every ToR of a pod
-    # then has circuits, hence routes, to the pods it talks to.
-    tor_of = {(u.ocs, u.ocs_port): t.name for t in wiring.tors for u in t.uplinks}
+
+def place(
+    wiring: Wiring,
+    counts: Counts,
+    keep: Iterable[Circuit] = (),
+    unavailable_ports: Iterable[tuple[str, int]] = (),
+) -> frozenset[Circuit]:
+    """Pass 2 of :func:`allocate`: concrete ports for ``counts``; existing circuits
+    first, then free ports spread over each pod's ToRs: the ToR with the fewest circuits
+    to the other pod first, then the lowest port (one ToR per pod: simply the lowest
+    free ports). Every ToR of a pod then has circuits, hence routes, to the pods it
+    talks to."""
+    down = frozenset(unavailable_ports)
+    if not counts:
+        return frozenset()
+    _, tor_of, ports_by_tor = _ports(wiring, down)
+    existing: dict[tuple[PodPair, str], list[Circuit]] = defaultdict(list)
+    owner = wiring.port_owner
+    for c in sorted(set(keep)):
+        pod_a, pod_b = owner(c.ocs, c.a), owner(c.ocs, c.b)
+        if not pod_a or not pod_b or pod_a == pod_b or (c.ocs, c.a) in down or (c.ocs, c.b) in down:
+            continue
+        existing[(pair(pod_a, pod_b), c.ocs)].append(c)
     load: dict[tuple[str, str], int] = defaultdict(int)  # (tor, other pod) -> circuits
     taken: set[tuple[str, int]] = set()
     chosen: list[Circuit] = []
-    for (p, ocs), n in sorted(per_ocs.items()):
+    for (p, ocs), n in counts:
         kept = existing.get((p, ocs), [])[:n]
         chosen.extend(kept)
         for c in kept:
             taken.update(c.ports())
             for end, other_end in ((c.a, c.b), (c.b, c.a)):
                 load[(tor_of[(ocs, end)], wiring.port_owner(ocs, other_end) or "")] += 1
-    # free ports per (pod, OCS) and ToR, each list in port order (lowest last, to pop)
-    spare: dict[tuple[str, str], dict[str, list[int]]] = defaultdict(dict)
-    for key, ports in free.items():
-        for x in ports:
-            if (key[1], x) not in taken:
-                spare[key].setdefault(tor_of[(key[1], x)], []).append(x)
-    for by_tor in spare.values():
-        for ports in by_tor.values():
-            ports.reverse()
+    # free ports per (pod, OCS) and ToR, each list highest first (the lowest pops first),
+    # copied from the wiring's on first use, without the ports the kept circuits hold
+    spare: dict[tuple[str, str], dict[str, list[int]]] = {}
+
+    def free_ports(pod: str, ocs: str) -> dict[str, list[int]]:
+        got = spare.get((pod, ocs))
+        if got is None:
+            template = ports_by_tor.get((pod, ocs), {})
+            got = spare[(pod, ocs)] = {
+                tor: [x for x in ports if (ocs, x) not in taken] if taken else ports[:]
+                for tor, ports in template.items()
+            }
+        return got
 
     def pick(pod: str, other: str, ocs: str) -> int:
         """The lowest free port among the pod's ToRs with the fewest circuits to other."""
+        by_tor = spare.get((pod, ocs))
+        if by_tor is None:
+            by_tor = free_ports(pod, ocs)
+        if len(by_tor) == 1:  # one ToR: its lowest free port
+            ((tor, ports),) = by_tor.items()
+            load[(tor, other)] += 1
+            return ports.pop()
         best: tuple[int, int, str] | None = None
-        for tor, ports in spare[(pod, ocs)].items():
+        for tor, ports in by_tor.items():
             if ports:
                 key = (load[(tor, other)], ports[-1], tor)
                 if best is None or key < best:
@@ -164,9 +230,9 @@ def allocate(
         assert best is not None
         tor = best[2]
         load[(tor, other)] += 1
-        return spare[(pod, ocs)][tor].pop()
+        return by_tor[tor].pop()
 
-    for (p, ocs), n in sorted(per_ocs.items()):
+    for (p, ocs), n in counts:
         for _ in range(n - min(n, len(existing.get((p, ocs), [])))):
             port_a = pick(p[0], p[1], ocs)
             port_b = pick(p[1], p[0], ocs)

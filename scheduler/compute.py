@@ -132,23 +132,22 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
 
     # the plan's placement: requests on surviving instances stay
     pl = Placement(prob, new_instances, all_cand)
-    origin: dict[int, tuple[str, int, bool]] = {}
     displaced: dict[str, list[int]] = {}
     new_queue: list[int] = []
     staying: list[tuple[int, int]] = []
     # per current instance: its index in the new placement (-1: removed), node and TP
-    fate = {i.id: (pl.index.get(i.id, -1), i.node, len(i.gpus)) for i in prob.state.instances}
+    index = pl.index
+    fate = {i.id: (index.get(i.id, -1), i.node) for i in prob.state.instances}
     current = prob.current
     for r in placeable:
         cur = current[r]
         if cur is None:
             new_queue.append(r)
             continue
-        k, node, tp = fate[cur]
+        k, node = fate[cur]
         if k >= 0:
             staying.append((r, k))
-        elif has_kv[r]:
-            origin[r] = (node, tp, True)
+        elif has_kv[r]:  # its KV is re-laid out within its resharding node
             displaced.setdefault(node, []).append(r)
         else:
             new_queue.append(r)
@@ -157,7 +156,7 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
     # keep: current layout, current placement, queued dispatched by LPT
     if changed:
         keep_s = keep_makespan(prob, placeable, all_cand)
-    cost_fn = MoveCostFrom(prob, pl, origin)
+    cost_fn = MoveCostFrom(prob, pl)
     relaid_pairs: list[tuple[int, int]] = []
     misfits: list[tuple[str, int]] = []
     for node in sorted(displaced):
@@ -184,7 +183,6 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
     pauses = {n: prob.node_cost(prob.current_pattern[n], target[n]) for n in changed}
     migrations: list[Migration] = []
     stall = [0.0] * n_inst
-    assignment: list[tuple[str, str]] = []
     migration_total = 0.0
     rids = prob.rids
     ids = [i.id for i in pl.inst]
@@ -193,16 +191,14 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
     node_of_instance = {i.id: i.node for i in prob.state.instances}
     relaid = 0
     dispatched: list[str] = []
-    for r in range(n_req):
-        k = where.get(r, -1)
-        if k < 0:
-            continue
-        dst_id = ids[k]
-        rid = rids[r]
-        assignment.append((rid, dst_id))
+    placed = sorted(where.items())  # (request, instance), by request
+    assignment = [(rids[r], ids[k]) for r, k in placed]
+    for r, k in placed:
         cur = current[r]
+        dst_id = ids[k]
         if cur == dst_id:
             continue
+        rid = rids[r]
         if cur is None:
             dispatched.append(rid)
             continue
@@ -231,14 +227,15 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
     for n in sorted(changed):
         before = before_by_node[n]
         after = after_by_node[n]
-        kept = set(before) & set(after)
+        # instances of one node are equal when id and GPUs are (tuples hash in C)
+        kept = {(i.id, i.gpus) for i in before} & {(i.id, i.gpus) for i in after}
         reshards.append(
             Reshard(
                 n,
-                tuple(sorted((i.tp for i in before), reverse=True)),
-                tuple(sorted((i.tp for i in after), reverse=True)),
-                tuple(sorted(i.id for i in before if i not in kept)),
-                tuple(i for i in after if i not in kept),
+                tuple(sorted((len(i.gpus) for i in before), reverse=True)),
+                tuple(sorted((len(i.gpus) for i in after), reverse=True)),
+                tuple(sorted(i.id for i in before if (i.id, i.gpus) not in kept)),
+                tuple(i for i in after if (i.id, i.gpus) not in kept),
                 pauses[n],
             )
         )

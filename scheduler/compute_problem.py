@@ -9,13 +9,15 @@ request set ``R`` finishes after::
 
     run = a_t * max(max_r q_r, sum_r m_r / slots_t) + c_t * sum_r m_r + p_t * sum_r pre_r
 
-``q_r``: the ``tail_quantile`` of the request's remaining tokens (the critical path);
-``m_r``: its expected remaining tokens (the work); ``pre_r``: tokens to prefill (a request
-without KV cache). ``a_t + c_t * b`` is a least-squares line through the performance
-model's decode iteration time for batches ``1..slots_t`` at the step's mean context, and
-``slots_t`` is how many sequences the instance's KV cache holds at the step's mean final
-context (capped by the engine's ``max_num_seqs``): continuous batching runs
-``max(longest, work / slots)`` iterations and each sequence-iteration costs ``c_t``.
+``q_r``: the request's critical path, the ``N/(N+1)`` quantile of its remaining tokens
+(``N``: the requests of the step still to finish; never below ``tail_quantile`` nor the
+mean), see :func:`critical_level`; ``m_r``: its expected remaining tokens (the work);
+``pre_r``: tokens to prefill (a request without KV cache). ``a_t + c_t * b`` is a
+least-squares line through the performance model's decode iteration time for batches
+``1..slots_t`` at the step's mean context, and ``slots_t`` is how many sequences the
+instance's KV cache holds at the step's mean final context (capped by the engine's
+``max_num_seqs``): continuous batching runs ``max(longest, work / slots)`` iterations and
+each sequence-iteration costs ``c_t``.
 """
 
 from __future__ import annotations
@@ -39,9 +41,8 @@ MoveCost = Callable[[int, int], float]  # (request, instance index) -> seconds
 class PlannerConfig:
     """Knobs of the compute planner (defaults are stated, not tuned)."""
 
-    # the critical path of a request: this quantile of its remaining tokens (never below
-    # the mean). The median lets re-plans at regular points act on the tail as it shows:
-    # with heavy-tailed lengths a request that keeps running has a growing expectation.
+    # the lowest quantile of a request's remaining tokens taken as its critical path; the
+    # level actually used grows with the requests left in the step (critical_level)
     tail_quantile: float = 0.5
     # switch layouts only when the gain beats the cost by max(margin_s, margin_rel * keep)
     switch_margin_s: float = 0.5
@@ -69,6 +70,26 @@ class PlannerConfig:
 
 
 DEFAULT_CONFIG = PlannerConfig()
+
+
+def critical_level(requests: int, floor: float) -> float:
+    """The quantile of a request's remaining tokens that the planner takes as its
+    critical path when ``requests`` requests of the step are still to finish.
+
+    A step ends with its longest response. The largest of ``N`` lengths drawn from one
+    distribution sits, in expectation, at its ``N/(N+1)`` quantile (``E[F(X_(N))] =
+    N/(N+1)``, Weibull's plotting position; Gumbel, *Statistics of Extremes*, 1958,
+    section 2.1), so a request's critical path is that quantile of its remaining length.
+    Taking each request's median instead makes the predicted step the median request's:
+    under a long, capped tail it was a quarter of the real step, and layouts were chosen
+    for a bulk that is not what decides the step. Every instance is scored as if it may
+    hold the step's longest request: before lengths are known, any instance may.
+    """
+    if requests < 1:
+        return floor
+    level = requests / (requests + 1.0)
+    return level if level > floor else floor
+
 
 # tiny floor so float noise can never flip a decision on re-plan
 EPS = 1e-9
@@ -220,11 +241,8 @@ class Problem:
             kv = nvl_lat + nbytes / (streams * nvl_bw)
         else:
             kv = net_lat + nbytes / (streams * net_bw)
-        rec = (
-            self.costs[dst.tp].prefill_per_token_s * self.ctx[r]
-            if dst.tp in self.costs
-            else math.inf
-        )
+        cost = self.costs.get(dst_tp)
+        rec = cost.prefill_per_token_s * self.ctx[r] if cost is not None else math.inf
         if rec < kv:
             return rec, MoveMethod.RECOMPUTE
         return kv, (MoveMethod.KV_NVLINK if same_node else MoveMethod.KV_NETWORK)
@@ -293,7 +311,9 @@ def build_problem(
 ) -> Problem:
     reqs = sorted(state.requests, key=attrgetter("id"))
     gens = [r.generated_tokens for r in reqs]
-    means, quants = predict_remaining(forecast, gens, config.tail_quantile)
+    means, quants = predict_remaining(
+        forecast, gens, critical_level(len(reqs), config.tail_quantile)
+    )
     ctx = tuple([r.prompt_tokens + r.generated_tokens for r in reqs])
     has_kv = tuple([r.running and r.instance is not None for r in reqs])
     pre = tuple([0 if kv else c for kv, c in zip(has_kv, ctx, strict=True)])
@@ -304,7 +324,7 @@ def build_problem(
     nodes = tuple(sorted(n.name for n in state.nodes))
     node_gpus = {n.name: tuple(sorted(n.gpus)) for n in state.nodes}
     current_pattern = state.layout()
-    tps: set[int] = {i.tp for i in state.instances}
+    tps: set[int] = {len(i.gpus) for i in state.instances}
     options: dict[str, tuple[Pattern, ...]] = {}
     by_size: dict[int, set[Pattern]] = {}
     for n in nodes:
@@ -329,8 +349,12 @@ def build_problem(
     else:
         mean_ctx = mean_final = 1.0
     costs = tp_costs(perf, tps, mean_ctx, mean_final, config.max_num_seqs)
-    keys = list(zip([-x for x in q], [-x for x in mi], range(len(reqs)), strict=True))
-    by_length = sorted(range(len(reqs)), key=keys.__getitem__)
+    # the order (-q, -mi, index), by two stable sorts on single float keys (faster than
+    # sorting 3-tuples): by -mi first, then by -q keeps ties in the -mi, index order
+    neg_q = [-x for x in q]
+    neg_mi = [-x for x in mi]
+    by_length = sorted(range(len(reqs)), key=neg_mi.__getitem__)
+    by_length.sort(key=neg_q.__getitem__)
     rank = [0] * len(reqs)
     for pos, r in enumerate(by_length):
         rank[r] = pos

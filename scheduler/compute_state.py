@@ -128,7 +128,7 @@ class ComputeState:
         """Per node, the TP degrees of its instances (descending)."""
         out: dict[str, list[int]] = {n.name: [] for n in self.nodes}
         for inst in self.instances:
-            out[inst.node].append(inst.tp)
+            out[inst.node].append(len(inst.gpus))  # == inst.tp, without the property call
         return {k: tuple(sorted(v, reverse=True)) for k, v in out.items()}
 
 

@@ -51,13 +51,17 @@ class _Sorted:
 
 
 def _sorted_requests(prob: Problem, reqs: Sequence[int]) -> _Sorted:
-    wanted = set(reqs)
-    order = [r for r in prob.by_length if r in wanted]
+    if len(reqs) == len(prob.by_length):  # every request (requests are distinct)
+        order = list(prob.by_length)
+    else:
+        wanted = set(reqs)
+        order = [r for r in prob.by_length if r in wanted]
     q, m, pre = prob.q, prob.m, prob.pre
-    pm = [0.0, *accumulate(m[r] for r in order)]
-    pq = [0.0, *accumulate(q[r] for r in order)]
-    pp = [0.0, *accumulate(float(pre[r]) for r in order)]
-    return _Sorted(tuple(order), tuple(q[r] for r in order), tuple(pm), tuple(pq), tuple(pp))
+    qo = [q[r] for r in order]
+    pm = [0.0, *accumulate([m[r] for r in order])]
+    pq = [0.0, *accumulate(qo)]
+    pp = [0.0, *accumulate([float(pre[r]) for r in order])]
+    return _Sorted(tuple(order), tuple(qo), tuple(pm), tuple(pq), tuple(pp))
 
 
 def _fluid_makespan(prob: Problem, counts: Mapping[int, int], s: _Sorted) -> float:
@@ -173,6 +177,11 @@ def _assign_nodes(
     left_s = dict(supply)
     left_t = {b: demand[b] for b in targets}
     total = sum(left_t.values())
+    if len(sources) == 1 and total == supply[sources[0]]:
+        # one current pattern: every node goes somewhere and tau admits each target (it
+        # is the bottleneck cost), so the paths can only be a -> b for every demand
+        flow = {(sources[0], b): left_t[b] for b in targets}
+        total = 0
     for _ in range(total):
         path = _shortest_path(sources, targets, left_s, left_t, flow, cost, tau)
         if path is None:
@@ -345,7 +354,12 @@ def _profiles(prob: Problem) -> list[dict[int, Counter[Pattern]]]:
                     ok = False
                     break
                 k = round(f * size)
-                prof[g] = Counter({p_lo: size - k}) + Counter({p_hi: k})
+                # == Counter({p_lo: size - k}) + Counter({p_hi: k}) (positive counts only)
+                mix: Counter[Pattern] = Counter()
+                for p, c in ((p_lo, size - k), (p_hi, k)):
+                    if c > 0:
+                        mix[p] += c
+                prof[g] = mix
             if ok:
                 out.append(prof)
             if lo == hi:

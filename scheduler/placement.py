@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_left, insort
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
 from scheduler.compute_problem import SCALE, MoveCost, Problem
@@ -27,7 +27,7 @@ class Placement:
         self.prob = prob
         self.inst = list(instances)
         self.index = {inst.id: k for k, inst in enumerate(self.inst)}
-        self.tp = [inst.tp for inst in self.inst]
+        self.tp = [len(inst.gpus) for inst in self.inst]  # == inst.tp, no property call
         costs = [prob.costs[t] for t in self.tp]
         self.cost = costs
         self.a = [c.iteration_s for c in costs]
@@ -38,10 +38,6 @@ class Placement:
         self.ids = [inst.id for inst in self.inst]
         self.cap = [c.capacity_tokens for c in costs]
         self.need = [c + q for c, q in zip(prob.ctx, prob.q, strict=True)]
-        # KV tokens a move carries (0 without KV cache), then the request's rank: unique
-        self.move_size = [
-            (c if kv else 0, rk) for c, kv, rk in zip(prob.ctx, prob.has_kv, prob.rank, strict=True)
-        ]
         n = len(self.inst)
         self.members: list[set[int]] = [set() for _ in range(n)]
         self.qs: list[list[float]] = [[] for _ in range(n)]
@@ -57,7 +53,14 @@ class Placement:
         self.types = sorted(set(self.tp))
         self.low: dict[int, list[tuple[float, int, int]]] = {t: [] for t in self.types}
         self.high: list[tuple[float, int, int]] = []
-        self._rebuild_heaps()
+        # the heaps are rebuilt lazily: a placement is usually loaded right away, and a
+        # rebuilt heap orders its current entries exactly as one with stale entries does
+        self._stale = True
+        self._sizes: list[int] | None = None  # see _move_size
+
+    def _fresh(self) -> None:
+        if self._stale:
+            self._rebuild_heaps()
 
     def _rebuild_heaps(self) -> None:
         low: dict[int, list[tuple[float, int, int]]] = {t: [] for t in self.types}
@@ -70,6 +73,7 @@ class Placement:
             heapq.heapify(h)
         heapq.heapify(high)
         self.low, self.high = low, high
+        self._stale = False
 
     def _eval(self, k: int, qmax: float, sum_m: int, sum_pre: int) -> float:
         if sum_m <= 0 and sum_pre <= 0 and qmax <= 0:
@@ -85,18 +89,27 @@ class Placement:
         prob = self.prob
         touched: set[int] = set()
         q, mi, pre = prob.q, prob.mi, prob.pre
+        members, qs, sum_m, sum_pre, where = (
+            self.members,
+            self.qs,
+            self.sum_m,
+            self.sum_pre,
+            self.where,
+        )
         for r, k in pairs:
-            self.members[k].add(r)
-            self.qs[k].append(q[r])
-            self.sum_m[k] += mi[r]
-            self.sum_pre[k] += pre[r]
-            self.where[r] = k
+            members[k].add(r)
+            qs[k].append(q[r])
+            sum_m[k] += mi[r]
+            sum_pre[k] += pre[r]
+            where[r] = k
             touched.add(k)
         for k in touched:
-            self.qs[k].sort()
-            self.run[k] = self._eval(k, self.qs[k][-1], self.sum_m[k], self.sum_pre[k])
+            qk = qs[k]
+            qk.sort()
+            self.run[k] = self._eval(k, qk[-1], sum_m[k], sum_pre[k])
             self.ver[k] += 1
-        self._rebuild_heaps()
+        if touched:
+            self._stale = True
 
     def add(self, r: int, k: int) -> None:
         prob = self.prob
@@ -110,8 +123,9 @@ class Placement:
         self.run[k] = run
         v = self.ver[k] + 1
         self.ver[k] = v
-        heapq.heappush(self.low[self.tp[k]], (run, k, v))
-        heapq.heappush(self.high, (-run, k, v))
+        if not self._stale:
+            heapq.heappush(self.low[self.tp[k]], (run, k, v))
+            heapq.heappush(self.high, (-run, k, v))
 
     def remove(self, r: int) -> int:
         prob = self.prob
@@ -125,8 +139,9 @@ class Placement:
         self.run[k] = run
         v = self.ver[k] + 1
         self.ver[k] = v
-        heapq.heappush(self.low[self.tp[k]], (run, k, v))
-        heapq.heappush(self.high, (-run, k, v))
+        if not self._stale:
+            heapq.heappush(self.low[self.tp[k]], (run, k, v))
+            heapq.heappush(self.high, (-run, k, v))
         return k
 
     def run_with(self, k: int, r: int) -> float:
@@ -149,6 +164,7 @@ class Placement:
         return self.need[r] <= self.cap[k] or self.prob.current[r] == self.ids[k]
 
     def lowest(self, t: int, count: int, exclude: int) -> list[int]:
+        self._fresh()
         heap = self.low[t]
         ver = self.ver
         out: list[int] = []
@@ -166,6 +182,7 @@ class Placement:
         return out
 
     def bottleneck(self) -> int:
+        self._fresh()
         heap = self.high
         ver = self.ver
         while heap:
@@ -196,11 +213,27 @@ class Placement:
         rank = prob.rank.__getitem__
         if self.all_candidates or len(members) <= 2 * limit:
             return sorted(members, key=rank)
-        chosen = heapq.nsmallest(limit, members, key=rank)
+        # == heapq.nsmallest(limit, ...) (keys are unique), but sorting a few dozen in C
+        # is faster than nsmallest's Python loop
+        chosen = sorted(members, key=rank)[:limit]
         seen = set(chosen)
-        size = self.move_size.__getitem__
-        chosen.extend(r for r in heapq.nsmallest(limit, members, key=size) if r not in seen)
+        size = self._move_size().__getitem__
+        chosen.extend(r for r in sorted(members, key=size)[:limit] if r not in seen)
         return chosen
+
+    def _move_size(self) -> list[int]:
+        """Per request, the order (KV tokens a move carries (0 without KV cache), rank) as
+        one int (ranks are below the request count): unique, and no tuples to collect."""
+        sizes = self._sizes
+        if sizes is None:
+            prob = self.prob
+            n = len(prob.rank)
+            sizes = [
+                (c if kv else 0) * n + rk
+                for c, kv, rk in zip(prob.ctx, prob.has_kv, prob.rank, strict=True)
+            ]
+            self._sizes = sizes
+        return sizes
 
     # -- algorithms --
 
@@ -242,44 +275,55 @@ class Placement:
         caps = {t: prob.costs[t].capacity_tokens for t in self.types}
         qmax = [qs[-1] if qs else 0.0 for qs in self.qs]
         sum_m, sum_pre, members, run = self.sum_m, self.sum_pre, self.members, self.run
-        evaluate = self._eval
+        a_, c_, p_, inv = self.a, self.c, self.p, self.inv_slots
+        typed = [(t, caps[t], heaps[t]) for t in self.types]
+        qs_, where = self.qs, self.where
+        heapreplace = heapq.heapreplace
         left: list[int] = []
         touched: set[int] = set()
         for r in order:
-            need = ctx[r] + q[r]
             qr, mr, pr = q[r], mi[r], pre[r]
+            need = ctx[r] + qr
             best_run = math.inf
             best_k = -1
-            best_t = 0
-            for t in self.types:
-                if need > caps[t]:
-                    continue
-                heap = heaps[t]
-                if not heap:
+            best_heap: list[tuple[float, int]] = []
+            for _t, cap, heap in typed:
+                if need > cap or not heap:
                     continue
                 k = heap[0][1]
                 qm = qmax[k] if qmax[k] > qr else qr
-                value = evaluate(k, qm, sum_m[k] + mr, sum_pre[k] + pr)
+                # Placement._eval, inlined (this loop runs once per queued request)
+                sm = sum_m[k] + mr
+                sp = sum_pre[k] + pr
+                if sm <= 0 and sp <= 0 and qm <= 0:
+                    value = 0.0
+                else:
+                    m = sm / SCALE
+                    iters = m * inv[k]
+                    if qm > iters:
+                        iters = qm
+                    value = a_[k] * iters + c_[k] * m + p_[k] * sp
                 if value < best_run or (value == best_run and k < best_k):
-                    best_run, best_k, best_t = value, k, t
+                    best_run, best_k, best_heap = value, k, heap
             if best_k < 0:
                 left.append(r)
                 continue
             k = best_k
             members[k].add(r)
-            self.qs[k].append(qr)
+            qs_[k].append(qr)
             if qr > qmax[k]:
                 qmax[k] = qr
             sum_m[k] += mr
             sum_pre[k] += pr
             run[k] = best_run
-            self.where[r] = k
+            where[r] = k
             touched.add(k)
-            heapq.heapreplace(heaps[best_t], (best_run, k))
+            heapreplace(best_heap, (best_run, k))
         for k in touched:
             self.qs[k].sort()
             self.ver[k] += 1
-        self._rebuild_heaps()
+        if touched:
+            self._stale = True
         return left
 
     def balance(self, cost_of: MoveCost, margin: float) -> int:
@@ -298,16 +342,37 @@ class Placement:
             best: tuple[float, float, str, str, int, int] | None = None
             limit_run = run_src - margin  # a move must bring both ends below this
             need, cap, ids, current = self.need, self.cap, self.ids, prob.current
-            for r in self.movable(src):
+            # a destination's run only grows with a request: one already at the limit
+            # cannot take any (the same test as below, made before evaluating requests)
+            run = self.run
+            targets = [k for k in dsts if run[k] < limit_run]
+            # a move's result is max(without, with_r + cost) >= both: once a move is found,
+            # a candidate above its result cannot win (ties still compare in full)
+            qs_, sum_m, sum_pre = self.qs, self.sum_m, self.sum_pre
+            a_, c_, p_, inv = self.a, self.c, self.p, self.inv_slots
+            for r in self.movable(src) if targets else ():
                 without = self.run_without(src, r)
-                if without >= limit_run:
+                if without >= limit_run or (best is not None and without > best[0]):
                     continue
                 need_r, cur_r = need[r], current[r]
-                for k in dsts:
+                q_r, m_r, pre_r = prob.q[r], prob.mi[r], prob.pre[r]
+                for k in targets:
                     if need_r > cap[k] and cur_r != ids[k]:
                         continue
-                    with_r = self.run_with(k, r)
-                    if with_r >= limit_run:
+                    # self.run_with(k, r), inlined (the hot loop of balancing)
+                    qs = qs_[k]
+                    qm = qs[-1] if qs and qs[-1] > q_r else q_r
+                    sm = sum_m[k] + m_r
+                    sp = sum_pre[k] + pre_r
+                    if sm <= 0 and sp <= 0 and qm <= 0:
+                        with_r = 0.0
+                    else:
+                        mm = sm / SCALE
+                        iters = mm * inv[k]
+                        if qm > iters:
+                            iters = qm
+                        with_r = a_[k] * iters + c_[k] * mm + p_[k] * sp
+                    if with_r >= limit_run or (best is not None and with_r > best[0]):
                         continue
                     cost = cost_of(r, k)
                     new = without if without > with_r + cost else with_r + cost
@@ -389,15 +454,13 @@ class MoveCostFrom:
     """Cost of moving request r from where its KV is now in a placement to instance k.
 
     A placed request pays from its current instance; one not yet placed (displaced by a
-    reshard) pays from its original instance, free within its resharding node.
+    reshard: its instance is gone) pays from its original instance, free within its
+    resharding node.
     """
 
-    def __init__(
-        self, prob: Problem, placement: Placement, origin: Mapping[int, tuple[str, int, bool]]
-    ) -> None:
+    def __init__(self, prob: Problem, placement: Placement) -> None:
         self.prob = prob
         self.pl = placement
-        self.origin = origin  # request -> (node, tp, node reshards) before the plan
 
     def __call__(self, r: int, k: int) -> float:
         prob, pl = self.prob, self.pl
@@ -408,10 +471,12 @@ class MoveCostFrom:
         if cur is not None:
             if cur == k:
                 return 0.0
-            src = pl.inst[cur]
-            return prob.move_between(r, src.node, src.tp, dst, False)[0]
-        node, tp, changes = self.origin[r]
-        return prob.move_between(r, node, tp, dst, changes)[0]
+            return prob.move_between(r, pl.node[cur], pl.tp[cur], dst, False)[0]
+        was = prob.current[r]
+        if was is None:
+            raise KeyError(r)  # a request without an instance has no KV to move
+        src = prob.instances[was]
+        return prob.move_between(r, src.node, len(src.gpus), dst, True)[0]
 
 
 def keep_makespan(prob: Problem, placeable: Sequence[int], all_cand: bool) -> float:
@@ -434,15 +499,99 @@ def keep_makespan(prob: Problem, placeable: Sequence[int], all_cand: bool) -> fl
                 qmax[cur], sum_m[cur], sum_pre[cur] = q[r], mi[r], pre[r]
         return max(
             (
-                prob.costs[prob.instances[i].tp].run(qmax[i], sum_m[i] / SCALE, sum_pre[i])
+                prob.costs[len(prob.instances[i].gpus)].run(qmax[i], sum_m[i] / SCALE, sum_pre[i])
                 for i in sum_m
             ),
             default=0.0,
         )
-    keep = Placement(prob, sorted(prob.state.instances, key=attrgetter("id")), all_cand)
-    keep.load((r, keep.index[c]) for r in placeable if (c := prob.current[r]) is not None)
-    keep.place_lpt(queued)
-    return keep.makespan()
+    instances = sorted(prob.state.instances, key=attrgetter("id"))
+    if all_cand:
+        keep = Placement(prob, instances, all_cand)
+        keep.load((r, keep.index[c]) for r in placeable if (c := prob.current[r]) is not None)
+        keep.place_lpt(queued)
+        return keep.makespan()
+    return _lpt_makespan(prob, instances, placeable, queued)
+
+
+def _lpt_makespan(
+    prob: Problem, instances: Sequence[Instance], placeable: Sequence[int], queued: list[int]
+) -> float:
+    """``Placement.load`` of the placed requests then ``place_lpt`` of ``queued`` (by TP
+    degree, as ``Placement._lpt_by_type``), keeping only what the makespan needs: the
+    same arithmetic and tie-breaks, without the bookkeeping of members and heaps."""
+    n = len(instances)
+    index = {inst.id: k for k, inst in enumerate(instances)}
+    tp = [len(inst.gpus) for inst in instances]
+    costs = {t: prob.costs[t] for t in set(tp)}
+    q, mi, pre, ctx, current = prob.q, prob.mi, prob.pre, prob.ctx, prob.current
+    qmax = [0.0] * n
+    sum_m = [0] * n
+    sum_pre = [0] * n
+    count = [0] * n
+    for r in placeable:
+        c = current[r]
+        if c is None:
+            continue
+        k = index[c]
+        if count[k] == 0 or q[r] > qmax[k]:
+            qmax[k] = q[r]
+        count[k] += 1
+        sum_m[k] += mi[r]
+        sum_pre[k] += pre[r]
+    a_ = [costs[t].iteration_s for t in tp]
+    c_ = [costs[t].per_sequence_s for t in tp]
+    p_ = [costs[t].prefill_per_token_s for t in tp]
+    inv = [1.0 / costs[t].slots for t in tp]
+
+    def evaluate(k: int, qm: float, sm: int, sp: int) -> float:
+        if sm <= 0 and sp <= 0 and qm <= 0:
+            return 0.0
+        m = sm / SCALE
+        iters = m * inv[k]
+        if qm > iters:
+            iters = qm
+        return a_[k] * iters + c_[k] * m + p_[k] * sp
+
+    run = [evaluate(k, qmax[k], sum_m[k], sum_pre[k]) if count[k] else 0.0 for k in range(n)]
+    types = sorted(costs)
+    typed = [
+        (costs[t].capacity_tokens, sorted((run[k], k) for k in range(n) if tp[k] == t))
+        for t in types
+    ]
+    heapreplace = heapq.heapreplace
+    for r in sorted(queued, key=prob.rank.__getitem__):
+        qr, mr, pr = q[r], mi[r], pre[r]
+        need = ctx[r] + qr
+        best_run = math.inf
+        best_k = -1
+        best_heap: list[tuple[float, int]] = []
+        for cap, heap in typed:
+            if need > cap or not heap:
+                continue
+            k = heap[0][1]
+            qm = qmax[k] if qmax[k] > qr else qr
+            sm = sum_m[k] + mr
+            sp = sum_pre[k] + pr
+            if sm <= 0 and sp <= 0 and qm <= 0:
+                value = 0.0
+            else:
+                m = sm / SCALE
+                iters = m * inv[k]
+                if qm > iters:
+                    iters = qm
+                value = a_[k] * iters + c_[k] * m + p_[k] * sp
+            if value < best_run or (value == best_run and k < best_k):
+                best_run, best_k, best_heap = value, k, heap
+        if best_k < 0:
+            continue
+        k = best_k
+        if qr > qmax[k]:
+            qmax[k] = qr
+        sum_m[k] += mr
+        sum_pre[k] += pr
+        run[k] = best_run
+        heapreplace(best_heap, (best_run, k))
+    return max(run, default=0.0)
 
 
 def place_on_node(

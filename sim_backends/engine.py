@@ -12,6 +12,14 @@ fixed steps, so a fake clock makes it fully deterministic for a given seed:
   respond to the layout, not the project's performance model (that lives in scheduler);
 - when the KV cache overflows, the newest request is preempted back to the queue.
 
+Generation steps (``EngineProgress.step``): with ``requests_per_step`` 0 (the default)
+requests arrive continuously and the whole run is step 0; the completed lengths kept
+are then the last ``max_completed_lengths``. With ``requests_per_step`` N > 0 the engine
+behaves like a rollout step of RL: N requests arrive at once, and when the last of them
+has finished the step counter advances, the completed lengths start afresh and the
+next N arrive. :meth:`SimulatedEngine.pause` (the reshard's pause stage) stops
+admissions and decoding until :meth:`SimulatedEngine.unpause`; arrivals still queue.
+
 Resharding changes the layout and redistributes in-flight requests; it moves no weights
 and says so (``bytes_moved=0``).
 """
@@ -20,15 +28,21 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from node_agent.engine import (
+    EngineProgress,
     EngineState,
     EngineStats,
+    ImportResult,
+    MigratingRequest,
+    RequestProgress,
     ReshardResult,
     StageTiming,
     validate_layout,
@@ -59,12 +73,16 @@ class SimEngineConfig:
     iteration_overhead_s: float = 0.003
     allreduce_s_per_doubling: float = 0.0005
     max_catch_up_s: float = 60.0  # longer gaps are skipped rather than simulated step by step
+    requests_per_step: int = 0  # 0: continuous Poisson arrivals; N: RL steps of N requests
+    max_completed_lengths: int = 4096  # completed lengths kept in continuous mode
 
 
-@dataclass
+@dataclass(slots=True)  # slots: the decode loop touches every request at every step
 class _Request:
     output_tokens: int
     generated: float = 0.0
+    id: str = ""
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -87,7 +105,10 @@ class SimulatedEngine:
         config: SimEngineConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         relayout_delay_s: float = 0.0,
+        request_prefix: str | None = None,
     ) -> None:
+        """``request_prefix`` starts every request id (default: random, so ids are unique
+        across nodes and requests can migrate between them)."""
         if gpus < 1:
             raise errors.field_error("gpus", gpus, "a node has at least one GPU")
         self._gpus = gpus
@@ -102,6 +123,15 @@ class SimulatedEngine:
         self._carry = 0.0
         self._sim_time = 0.0
         self._next_arrival = self._draw_interarrival()
+        self._prefix = request_prefix if request_prefix is not None else os.urandom(4).hex()
+        self._serial = 0
+        self._paused = False
+        self._step_index = 0
+        self._step_issued = False  # the current step's requests have arrived (step mode)
+        cfg = self._config
+        self._completed: collections.deque[int] = collections.deque(
+            maxlen=None if cfg.requests_per_step > 0 else cfg.max_completed_lengths
+        )
 
     # -- RolloutEngine ------------------------------------------------------------------
 
@@ -122,7 +152,7 @@ class SimulatedEngine:
         used = sum(i.kv_used_tokens for i in self._instances)
         capacity = sum(i.kv_capacity_tokens for i in self._instances)
         tokens_per_s = 0.0
-        if self._state is not EngineState.RESHARDING:
+        if self._state is not EngineState.RESHARDING and not self._paused:
             tokens_per_s = sum(
                 (len(i.running) / self._iteration_s(i) for i in self._instances if i.running), 0.0
             )
@@ -131,7 +161,33 @@ class SimulatedEngine:
             running_requests=sum(len(i.running) for i in self._instances),
             tokens_per_s=tokens_per_s,
             kv_cache_usage=min(1.0, used / capacity) if capacity > 0 else 0.0,
+            step=self._step_index,
         )
+
+    def progress(self) -> EngineProgress:
+        self._advance()
+        cap = self._config.max_output_tokens
+        requests = [
+            RequestProgress(r.id, k, r.prompt_tokens, int(r.generated), cap)
+            for k, instance in enumerate(self._instances)
+            for r in instance.running
+        ]
+        requests += [
+            RequestProgress(r.id, -1, r.prompt_tokens, int(r.generated), cap) for r in self._queue
+        ]
+        return EngineProgress(self._step_index, tuple(requests), tuple(self._completed))
+
+    async def pause(self) -> None:
+        self._advance()  # up to now at the old pace; from here on nothing decodes
+        self._paused = True
+
+    async def unpause(self) -> None:
+        self._advance()  # the paused interval passes without decoding
+        self._paused = False
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     async def drain(self) -> None:
         self._advance()
@@ -172,7 +228,127 @@ class SimulatedEngine:
             old, layout, stages, 0, "simulated engine: layout changed, no weights moved"
         )
 
+    async def export_requests(
+        self, request_ids: Sequence[str]
+    ) -> tuple[tuple[MigratingRequest, ...], tuple[str, ...]]:
+        self._advance()
+        self._refuse_while_resharding("export requests")
+        wanted = set(request_ids)
+        found: dict[str, MigratingRequest] = {}
+        kv_bytes = self._config.kv_bytes_per_token
+        for k, inst in enumerate(self._instances):
+            for r in [r for r in inst.running if r.id in wanted]:
+                inst.running.remove(r)
+                inst.kv_used_tokens -= self._footprint(r)
+                found[r.id] = self._migrating(r, k, int(self._footprint(r) * kv_bytes))
+        for r in [r for r in self._queue if r.id in wanted]:
+            self._queue.remove(r)
+            found[r.id] = self._migrating(r, -1, 0)
+        exported = tuple(found[i] for i in request_ids if i in found)
+        return exported, tuple(i for i in request_ids if i not in found)
+
+    async def import_requests(
+        self, requests: Sequence[MigratingRequest], instance: int, recompute: bool
+    ) -> ImportResult:
+        t0 = time.perf_counter()
+        self._advance()
+        if self._state is not EngineState.RUNNING:
+            raise errors.FailedPrecondition(
+                f"cannot import requests: the engine is {self._state.value}, not admitting"
+            )
+        if not 0 <= instance < len(self._instances):
+            raise errors.field_error(
+                "instance", instance, f"an index into the layout {list(self.tp_layout)}"
+            )
+        present = {r.id for i in self._instances for r in i.running} | {r.id for r in self._queue}
+        dup = sorted(m.request_id for m in requests if m.request_id in present)
+        if dup:
+            raise errors.field_error("requests", dup, "requests this engine does not have yet")
+        incoming = [self._from_migrating(m) for m in requests]
+        target = self._instances[instance]
+        need = sum(self._footprint(r) for r in incoming)
+        room = target.kv_capacity_tokens - target.kv_used_tokens
+        seats = self._config.max_batch_per_instance - len(target.running)
+        if need > room or len(incoming) > seats:
+            raise errors.FailedPrecondition(
+                f"instance {instance} (TP{target.tp}) has room for {room:.0f} KV tokens and "
+                f"{seats} sequences; the {len(incoming)} request(s) need {need:.0f} tokens"
+            )
+        for r in incoming:
+            self._place(target, r)
+        moved = 0 if recompute else sum(m.kv_bytes for m in requests)
+        prefilled = sum(int(self._footprint(r)) for r in incoming) if recompute else 0
+        stage = StageTiming("recompute_kv" if recompute else "receive_kv", time.perf_counter() - t0)
+        return ImportResult(
+            tuple(m.request_id for m in requests),
+            instance,
+            moved,
+            prefilled,
+            (stage,),
+            "simulated engine: requests admitted with their progress; the KV cache is "
+            + ("recomputed" if recompute else "taken as moved")
+            + " at no simulated cost",
+        )
+
+    async def restore_requests(self, requests: Sequence[MigratingRequest]) -> tuple[str, ...]:
+        self._advance()
+        for m in requests:
+            r = self._from_migrating(m)
+            home = (
+                self._instances[m.source_instance]
+                if 0 <= m.source_instance < len(self._instances)
+                else None
+            )
+            need = self._footprint(r)
+            if home is not None and home.kv_used_tokens + need <= home.kv_capacity_tokens:
+                self._place(home, r)
+            elif m.source_instance >= 0 and (other := self._least_loaded(r)) is not None:
+                self._place(other, r)
+            else:
+                self._queue.appendleft(r)  # admitted again (KV recomputed) when there is room
+        return tuple(m.request_id for m in requests)
+
     # -- simulation ---------------------------------------------------------------------
+
+    def _new_request(self, output_tokens: int) -> _Request:
+        self._serial += 1
+        return _Request(
+            output_tokens,
+            id=f"{self._prefix}-{self._serial}",
+            prompt_tokens=self._config.prompt_tokens,
+        )
+
+    def _migrating(self, r: _Request, instance: int, kv_bytes: int) -> MigratingRequest:
+        return MigratingRequest(
+            request_id=r.id,
+            prompt_tokens=r.prompt_tokens,
+            generated_tokens=int(r.generated),
+            max_tokens=self._config.max_output_tokens,
+            source_instance=instance,
+            kv_bytes=kv_bytes,
+            engine_state=json.dumps({"output_tokens": r.output_tokens}).encode(),
+        )
+
+    def _from_migrating(self, m: MigratingRequest) -> _Request:
+        """The simulated request of a migrating one; without the simulator's own state (a
+        request from another engine kind) its length is drawn as for an arrival."""
+        output = 0
+        if m.engine_state:
+            try:
+                output = int(json.loads(m.engine_state.decode())["output_tokens"])
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+                raise errors.field_error(
+                    "engine_state", m.engine_state[:60], "the simulated engine's JSON state"
+                ) from None
+        if output <= 0:
+            output = self._draw_output_tokens()
+        cap = m.max_tokens or self._config.max_output_tokens
+        return _Request(
+            max(min(output, cap), m.generated_tokens + 1),
+            float(m.generated_tokens),
+            m.request_id,
+            m.prompt_tokens,
+        )
 
     def _refuse_while_resharding(self, what: str) -> None:
         if self._state is EngineState.RESHARDING:
@@ -211,7 +387,7 @@ class SimulatedEngine:
         return max(1, min(cfg.max_output_tokens, round(length)))
 
     def _footprint(self, request: _Request) -> float:
-        return self._config.prompt_tokens + request.generated
+        return request.prompt_tokens + request.generated
 
     def _place(self, instance: _Instance, request: _Request) -> None:
         instance.running.append(request)
@@ -250,16 +426,31 @@ class SimulatedEngine:
 
     def _step(self, dt: float) -> None:
         self._sim_time += dt
-        while self._next_arrival <= self._sim_time:
-            if len(self._queue) < self._config.max_queue:
-                self._queue.append(_Request(self._draw_output_tokens()))
-            self._next_arrival += self._draw_interarrival()
-        if self._state is EngineState.RESHARDING:
+        if self._config.requests_per_step > 0:
+            if not self._step_issued or not (
+                self._queue or any(i.running for i in self._instances)
+            ):
+                self._begin_step()
+        else:
+            while self._next_arrival <= self._sim_time:
+                if len(self._queue) < self._config.max_queue:
+                    self._queue.append(self._new_request(self._draw_output_tokens()))
+                self._next_arrival += self._draw_interarrival()
+        if self._state is EngineState.RESHARDING or self._paused:
             return
         if self._state is EngineState.RUNNING:
             self._admit()
         for instance in self._instances:
             self._decode(instance, dt)
+
+    def _begin_step(self) -> None:
+        """Step mode: the next step's requests arrive together (the first at step 0)."""
+        if self._step_issued:
+            self._step_index += 1
+            self._completed.clear()
+        self._step_issued = True
+        for _ in range(self._config.requests_per_step):
+            self._queue.append(self._new_request(self._draw_output_tokens()))
 
     def _admit(self) -> None:
         while self._queue:
@@ -272,10 +463,19 @@ class SimulatedEngine:
         if not instance.running:
             return
         tokens = dt / self._iteration_s(instance)
+        still: list[_Request] = []
+        keep = still.append
+        used = 0.0
         for request in instance.running:
-            request.generated += tokens
-        instance.running = [r for r in instance.running if r.generated < r.output_tokens]
-        instance.kv_used_tokens = sum(self._footprint(r) for r in instance.running)
+            generated = request.generated + tokens
+            request.generated = generated
+            if generated < request.output_tokens:
+                keep(request)
+                used += request.prompt_tokens + generated
+            else:
+                self._completed.append(request.output_tokens)
+        instance.running = still
+        instance.kv_used_tokens = used
         while instance.running and instance.kv_used_tokens > instance.kv_capacity_tokens:
             preempted = instance.running.pop()  # the newest; its KV is recomputed later
             instance.kv_used_tokens -= self._footprint(preempted)

@@ -3,8 +3,8 @@
 Pure and synchronous: no clock, no I/O. ``sim_backends.ocs_server`` serves it over gRPC
 and adds the switching delay. Like faucet's fake switch it answers questions about
 behaviour (``is_connected``, ``peer``), so tests assert what the fabric does rather than
-which calls were made. Fault injection: ports can be set DOWN, and the next apply can be
-made to fail.
+which calls were made. Fault injection: ports can be set DOWN, the next apply can be made
+to fail, or to be acknowledged without changing anything (a switch that lies).
 """
 
 from __future__ import annotations
@@ -66,12 +66,20 @@ class SimulatedOcs:
         self._peers: dict[int, int] = {}  # symmetric: _peers[a] == b iff _peers[b] == a
         self._down: set[int] = set()
         self._fault: str | None = None
+        self._ignore_next = False
+        self._table: frozenset[Pair] | None = None  # cross_connects(), until the next change
         self._answers: OrderedDict[str, tuple[_Batch, ApplyResult]] = OrderedDict()
 
     # Questions
 
     def cross_connects(self) -> frozenset[Pair]:
-        return frozenset((a, b) for a, b in self._peers.items() if a < b)
+        if self._table is None:
+            self._table = frozenset((a, b) for a, b in self._peers.items() if a < b)
+        return self._table
+
+    def down_ports(self) -> frozenset[int]:
+        """Ports whose health is DOWN."""
+        return frozenset(self._down)
 
     def peer(self, port: int) -> int | None:
         self._check_port("port", port)
@@ -102,6 +110,11 @@ class SimulatedOcs:
         """Make the next apply that reaches the optics (not a replay) fail, changing nothing."""
         self._fault = message
 
+    def ignore_next_apply(self) -> None:
+        """Make the next valid apply (not a replay) answer as if applied but change nothing:
+        the answer carries the true, unchanged table (a switch whose optics did not move)."""
+        self._ignore_next = True
+
     # Changes
 
     def apply(
@@ -127,7 +140,12 @@ class SimulatedOcs:
             message, self._fault = self._fault, None
             raise errors.FailedPrecondition(f"OCS {self.name}: injected fault: {message}")
         before = self.cross_connects()
-        self._peers = self._planned(*batch)
+        peers = self._planned(*batch)
+        if self._ignore_next:
+            self._ignore_next = False
+        else:
+            self._peers = peers
+            self._table = None
         after = self.cross_connects()
         result = ApplyResult(after, added=after - before, removed=before - after)
         if request_id:
@@ -138,6 +156,9 @@ class SimulatedOcs:
 
     def _planned(self, disconnect: tuple[Pair, ...], connect: tuple[Pair, ...]) -> dict[int, int]:
         """The peer map after the batch, built on a copy; raises if any item is invalid."""
+        fast = self._planned_valid(disconnect, connect)
+        if fast is not None:
+            return fast
         peers = dict(self._peers)
         problems: list[str] = []
         listed: dict[Pair, str] = {}
@@ -173,6 +194,31 @@ class SimulatedOcs:
                 peers[a], peers[b] = b, a
         if problems:
             raise errors.InvalidArgument("; ".join(problems))
+        return peers
+
+    def _planned_valid(
+        self, disconnect: tuple[Pair, ...], connect: tuple[Pair, ...]
+    ) -> dict[int, int] | None:
+        """The peer map after a batch with no invalid item, in one cheap pass; None at
+        the first doubt (then ``_planned`` checks every item and names each problem)."""
+        peers = dict(self._peers)
+        for a, b in disconnect:
+            if a == b or peers.get(a) != b:  # also catches a pair listed twice
+                return None
+            del peers[a], peers[b]
+        n, down = self.port_count, self._down
+        for a, b in connect:
+            if (
+                a == b
+                or not (1 <= a <= n and 1 <= b <= n)
+                or a in peers
+                or b in peers
+                or a in down
+                or b in down
+            ):
+                return None
+            peers[a] = b
+            peers[b] = a
         return peers
 
     def _busy(self, port: int, peers: dict[int, int], claimed: dict[int, str]) -> str:

@@ -15,6 +15,7 @@ import asyncio
 import math
 import sys
 from collections.abc import Iterable, Sequence
+from itertools import chain
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -91,7 +92,11 @@ class OpticalSwitchServicer(pb_grpc.OpticalSwitchServicer):
     async def ListCrossConnects(
         self, request: pb.ListCrossConnectsRequest, context: Context
     ) -> pb.ListCrossConnectsResponse:
-        return pb.ListCrossConnectsResponse(cross_connects=_messages(self._ocs.cross_connects()))
+        if self._dataplane is not None:
+            await self._dataplane.refresh_health()
+        r = pb.ListCrossConnectsResponse(down_ports=sorted(self._ocs.down_ports()))
+        _put_table(r, self._ocs.cross_connects(), request.packed)
+        return r
 
     @domain_errors_to_status
     async def ApplyCrossConnects(
@@ -112,25 +117,42 @@ class OpticalSwitchServicer(pb_grpc.OpticalSwitchServicer):
             replayed=result.replayed,
             request_id=request.request_id,
         )
-        return pb.ApplyCrossConnectsResponse(
-            cross_connects=_messages(result.cross_connects),
-            switching_time_s=switching_time_s,
-            replayed=result.replayed,
+        r = pb.ApplyCrossConnectsResponse(
+            switching_time_s=switching_time_s, replayed=result.replayed
         )
+        _put_table(r, result.cross_connects, request.packed)
+        return r
 
     async def _apply(self, request: pb.ApplyCrossConnectsRequest) -> ApplyResult:
-        disconnect, connect = _pairs(request.disconnect), _pairs(request.connect)
+        disconnect = _pairs(request.disconnect, request.disconnect_pairs, "disconnect_pairs")
+        connect = _pairs(request.connect, request.connect_pairs, "connect_pairs")
         if self._dataplane is not None:
             return await self._dataplane.apply(disconnect, connect, request_id=request.request_id)
         return self._ocs.apply(disconnect, connect, request_id=request.request_id)
 
 
-def _pairs(messages: Iterable[pb.CrossConnect]) -> list[Pair]:
-    return [(m.a, m.b) for m in messages]
+def _pairs(messages: Iterable[pb.CrossConnect], packed: Sequence[int], field: str) -> list[Pair]:
+    """The pairs of a request: its CrossConnect messages, then its packed pairs."""
+    if len(packed) % 2:
+        raise errors.field_error(
+            field, f"{len(packed)} ports", "an even number of ports: pairs a0, b0, a1, b1, ..."
+        )
+    return [(m.a, m.b) for m in messages] + list(zip(packed[0::2], packed[1::2], strict=True))
 
 
-def _messages(pairs: Iterable[Pair]) -> list[pb.CrossConnect]:
-    return [pb.CrossConnect(a=a, b=b) for a, b in sorted(pairs)]
+def _put_table(
+    r: pb.ListCrossConnectsResponse | pb.ApplyCrossConnectsResponse,
+    table: Iterable[Pair],
+    packed: bool,
+) -> None:
+    """The table, sorted, as one packed list of ports or one message per pair (built in
+    place with ``add``: about three times faster than a list of messages)."""
+    if packed:
+        r.pairs.extend(chain.from_iterable(sorted(table)))
+        return
+    add = r.cross_connects.add
+    for a, b in sorted(table):
+        add(a=a, b=b)
 
 
 class FaultInjectionServicer(pb_grpc.OcsFaultInjectionServicer):

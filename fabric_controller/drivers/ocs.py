@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain
 from typing import Protocol
 
-from orchestrrl import grpcutil
+from orchestrrl import errors, grpcutil
 from orchestrrl.tls import TlsConfig
 from orchestrrl.v1 import optical_switch_pb2 as pb
 from orchestrrl.v1 import optical_switch_pb2_grpc as pb_grpc
@@ -67,39 +68,52 @@ class GrpcOcsDriver:
         )
         return OcsInfo(r.name, r.port_count, r.switching_time_s, r.backend)
 
-    async def cross_connects(self) -> frozenset[PortPair]:
-        r = await grpcutil.call(
+    async def _list(self) -> pb.ListCrossConnectsResponse:
+        r: pb.ListCrossConnectsResponse = await grpcutil.call(
             self._what("ListCrossConnects"),
-            self._stub.ListCrossConnects(pb.ListCrossConnectsRequest(), timeout=self.timeout_s),
+            self._stub.ListCrossConnects(
+                pb.ListCrossConnectsRequest(packed=True), timeout=self.timeout_s
+            ),
         )
-        return frozenset(_norm(x.a, x.b) for x in r.cross_connects)
+        return r
+
+    async def cross_connects(self) -> frozenset[PortPair]:
+        return _table(await self._list())
 
     async def snapshot(self) -> tuple[frozenset[PortPair], frozenset[int]]:
-        r = await grpcutil.call(
-            self._what("ListPorts"),
-            self._stub.ListPorts(pb.ListPortsRequest(), timeout=self.timeout_s),
-        )
-        pairs = frozenset(_norm(p.port, p.peer) for p in r.ports if p.peer)
-        down = frozenset(p.port for p in r.ports if p.state != pb.PORT_STATE_UP)
-        return pairs, down
+        """One ListCrossConnects: the table and the ports that are not UP (the switch
+        reports both at one moment), without listing every port as ListPorts does."""
+        r = await self._list()
+        return _table(r), frozenset(r.down_ports)
 
     async def apply(
         self, disconnect: Iterable[PortPair], connect: Iterable[PortPair], request_id: str = ""
     ) -> frozenset[PortPair]:
         req = pb.ApplyCrossConnectsRequest(
-            disconnect=[pb.CrossConnect(a=a, b=b) for a, b in disconnect],
-            connect=[pb.CrossConnect(a=a, b=b) for a, b in connect],
             request_id=request_id,
+            disconnect_pairs=list(chain.from_iterable(disconnect)),  # packed: no message
+            connect_pairs=list(chain.from_iterable(connect)),  # per circuit, both ways
+            packed=True,
         )
         r = await grpcutil.call(
             self._what("ApplyCrossConnects"),
             self._stub.ApplyCrossConnects(req, timeout=self.timeout_s),
         )
-        return frozenset(_norm(x.a, x.b) for x in r.cross_connects)
+        return _table(r)
 
     async def close(self) -> None:
         await self._channel.close()
 
 
-def _norm(a: int, b: int) -> PortPair:
-    return (a, b) if a < b else (b, a)
+def _table(r: pb.ListCrossConnectsResponse | pb.ApplyCrossConnectsResponse) -> frozenset[PortPair]:
+    """The cross-connects of an answer (packed, or one message each), each with a < b."""
+    ports = list(r.pairs)
+    if len(ports) % 2:
+        raise errors.FailedPrecondition(
+            f"the OCS answered an odd number of packed ports ({len(ports)}): not port pairs"
+        )
+    pairs = list(zip(ports[0::2], ports[1::2], strict=True))
+    if not all(map(int.__lt__, ports[0::2], ports[1::2])):
+        pairs = [(a, b) if a < b else (b, a) for a, b in pairs]
+    pairs += [(x.a, x.b) if x.a < x.b else (x.b, x.a) for x in r.cross_connects]
+    return frozenset(pairs)

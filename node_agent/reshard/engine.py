@@ -4,7 +4,8 @@
 here; a vLLM or SGLang adapter on a GPU node) with a :class:`WorkerPool` that holds the
 weights. Its reshard runs the stages of the design:
 
-1. ``pause``: stop admissions (drain); running requests are held where they are;
+1. ``pause``: the engine stops generating (no admissions, no decoding); running
+   requests are held where they are;
 2. ``move_weights``: the pool stages the new layout's shards with torch.distributed and
    commits them on every worker (two-phase);
 3. ``verify_weights``: the staged full tensors are checked against the checksums of the
@@ -12,7 +13,7 @@ weights. Its reshard runs the stages of the design:
 4. ``recompute_requests``: the in-flight requests are placed on the new instances; their
    KV cache is recomputed there (the simulated engine recomputes it at no cost, so with
    it this stage times only the re-placement);
-5. ``resume``: admissions resume if the engine was running before.
+5. ``resume``: the engine generates again, admitting if it was running before.
 
 A failure before the commit keeps the old layout on every worker; the engine resumes and
 the caller gets FailedPrecondition saying what failed. A bad layout is refused with
@@ -29,8 +30,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from node_agent.engine import (
+    EngineProgress,
     EngineState,
     EngineStats,
+    ImportResult,
+    MigratingRequest,
     ReshardResult,
     RolloutEngine,
     StageTiming,
@@ -108,6 +112,15 @@ class TorchReshardEngine:
     def stats(self) -> EngineStats:
         return self._inner.stats()
 
+    def progress(self) -> EngineProgress:
+        return self._inner.progress()
+
+    async def pause(self) -> None:
+        await self._inner.pause()
+
+    async def unpause(self) -> None:
+        await self._inner.unpause()
+
     async def drain(self) -> None:
         self._refuse_while_resharding("drain")
         await self._inner.drain()
@@ -133,6 +146,21 @@ class TorchReshardEngine:
         finally:
             self._resharding = False
 
+    async def export_requests(
+        self, request_ids: Sequence[str]
+    ) -> tuple[tuple[MigratingRequest, ...], tuple[str, ...]]:
+        self._refuse_while_resharding("export requests")
+        return await self._inner.export_requests(request_ids)
+
+    async def import_requests(
+        self, requests: Sequence[MigratingRequest], instance: int, recompute: bool
+    ) -> ImportResult:
+        self._refuse_while_resharding("import requests")
+        return await self._inner.import_requests(requests, instance, recompute)
+
+    async def restore_requests(self, requests: Sequence[MigratingRequest]) -> tuple[str, ...]:
+        return await self._inner.restore_requests(requests)
+
     async def close(self) -> None:
         """Stop the worker pool (blocking work, off the event loop)."""
         await asyncio.to_thread(self._pool.stop)
@@ -147,8 +175,7 @@ class TorchReshardEngine:
         inject: InjectedFailure | None,
     ) -> ReshardResult:
         t0 = time.perf_counter()
-        if prior is EngineState.RUNNING:
-            await self._inner.drain()
+        await self._inner.pause()
         t1 = time.perf_counter()
         try:
             report = await asyncio.to_thread(self._pool.reshard, layout, inject=inject)
@@ -203,7 +230,9 @@ class TorchReshardEngine:
         return ReshardResult(old, layout, stages, report.bytes_moved, message)
 
     async def _restore(self, prior: EngineState) -> None:
-        """Back to the state before the reshard: admit again if the engine was running."""
+        """Back to the state before the reshard: generating again, admitting if the engine
+        was running."""
+        await self._inner.unpause()
         if prior is EngineState.RUNNING and self._inner.state is not EngineState.RUNNING:
             await self._inner.resume()
 

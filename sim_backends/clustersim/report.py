@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
 from sim_backends.clustersim.generation import GenStepResult
-from sim_backends.clustersim.pipeline import RunResult
+from sim_backends.clustersim.pipeline import SIM_PLANNER, RunResult
 from sim_backends.clustersim.reproduce import PAPER, POLICIES
 
 TP_COLOURS = {1: "#9ecae1", 2: "#4292c6", 4: "#fd8d3c", 8: "#d94801", 16: "#7f2704"}
@@ -309,6 +309,15 @@ ASSUMPTIONS = (
     "Decode and prefill times come from `scheduler.perf_model` (H800 roofline plus cited "
     "efficiency terms); training at its MFU (0.52, Megatron-LM) with 6+2 FLOPs per "
     "parameter and token (update plus the old policy's log-probabilities).",
+    "Small vs large TP: at equal batch per instance the performance model gives small TP "
+    "more tokens/s per GPU, as Lambda's vLLM benchmark found (data parallelism beats tensor "
+    "parallelism when the model fits), but by less than that benchmark's 6x per GPU "
+    "(Mistral-7B on H100, TP1 vs TP8, vLLM v0.5.4): its time per output token (27.2 ms at "
+    "TP1, 21.6 ms at TP8, about 90 requests in flight) exceeds the model's GPU time for "
+    "that batch (11-16 ms and 3.3-3.9 ms at 1,000-2,000 tokens of context) by 11-18 ms of "
+    "host time per step in both cases, which that engine did not overlap with the GPU and "
+    "vLLM 0.6 removed. The model describes the newer engine (0.25 ms of exposed host time "
+    "per step); no efficiency constant was changed for this reproduction.",
     "Workload: log-normal response lengths (median 1,500 tokens, prompt and sample sigmas "
     "0.6 / 0.8) capped at 20,480 tokens (DAPO's limit), 16 samples per prompt, +5% per step; "
     "the paper's traces are not public, and the gain of adaptive TP depends on how long "
@@ -349,12 +358,73 @@ def discussion(out: Mapping[str, Any]) -> list[str]:
             f"adaptive scheduler reached {ad['speedup']:.2f}x end to end with "
             f"{ad['reshards']} reshards and {ad['migrations']} moves."
         )
-        lines.append(
-            f"{model}: at each step start the planner predicted {ad['predicted_at_start_s']:.1f} s "
-            f"for the rest of the step; generation took {ad['mean_gen_s']:.1f} s. The planner "
-            "weighs layouts against its predicted step, so a prediction far from the real "
-            "step (the capped long tail) limits what its switches can gain."
-        )
+        done = row.get("static_done_s", {})
+        steps = row.get("static_step_gen_s", {})
+        best = str(row["static_tp"])
+        if done and best in done and best in steps:
+            # the largest lead any layout has over the best static one through the bulk
+            lead, at, fastest = max(
+                ((done[best][f] - d[f], f, t) for t, d in done.items() for f in d),
+                key=lambda x: (x[0], -int(x[2])),
+            )
+            fractions = " / ".join(f"{float(f):.0%}" for f in done[best])
+            lines.append(
+                f"{model}: {fractions} of the responses are done after "
+                + "; ".join(
+                    f"TP{t} " + " / ".join(f"{v:.1f}" for v in d.values()) + " s"
+                    for t, d in done.items()
+                )
+                + f"; the whole step takes {steps[best]:.1f} s at TP{best}. "
+                + (
+                    f"The largest lead over TP{best} through the bulk is TP{fastest}'s, "
+                    f"{lead:.1f} s at the {float(at):.0%} point; the longest responses, which "
+                    f"decide the step, run slower per token on TP{fastest} (whole step "
+                    f"{steps[fastest]:.1f} s there), so running the bulk on TP{fastest} and "
+                    f"the tail on TP{best} would save about {lead:.1f} s "
+                    f"({steps[best] / max(1e-9, steps[best] - lead):.2f}x) before the reshard "
+                    "pauses: the performance model leaves adaptive TP little to gain at this "
+                    "load."
+                    if lead > 0
+                    else f"No layout gets through the bulk sooner than TP{best}, so changing "
+                    "the layout within a step has nothing to gain here."
+                )
+            )
+        planned = [
+            (p, row[p])
+            for p in ("proactive", "adaptive")
+            if "predicted_at_start_s" in row.get(p, {})
+        ]
+        if planned:
+            steady = max(1, len(planned[0][1].get("steps", [])) - 1)
+            names = " / ".join(p for p, _ in planned)
+            lines.append(
+                f"{model} ({names}): at each step start the planner predicted "
+                + " / ".join(f"{r['predicted_at_start_s']:.1f}" for _, r in planned)
+                + " s for the rest of the step; generation took "
+                + " / ".join(f"{r['mean_gen_s']:.1f}" for _, r in planned)
+                + " s ("
+                + " / ".join(
+                    f"{r['predicted_at_start_s'] / r['mean_gen_s']:.0%}" for _, r in planned
+                )
+                + "). A step ends with its longest response, so the planner takes as a "
+                "request's critical path the N/(N+1) quantile of its remaining length (N "
+                "requests left: where the longest of N is expected), under which every "
+                "instance may hold a capped response. It changed the layout in "
+                + " / ".join(str(r.get("layout_changes", 0)) for _, r in planned)
+                + f" of {steady} steady step(s): it changes a layout only when the predicted "
+                "step plus the reshard pause beats keeping it by more than "
+                f"{SIM_PLANNER.switch_margin_rel:.0%}."
+            )
+        pro, rea = row.get("proactive"), row.get("reactive")
+        if pro is not None and rea is not None and pro.get("layout_changes", 1) == 0:
+            lines.append(
+                f"{model}: `proactive` ({pro['speedup']:.2f}x) kept the layout, so it "
+                "differs from the static baseline only in how it dispatched the step's "
+                "requests at its start; they are indistinguishable then, so which instance "
+                "queues the responses that turn out longest is luck of the draw. `reactive` "
+                f"({rea['speedup']:.2f}x) moves requests off the instance predicted to finish "
+                "last as their lengths show."
+            )
     for size, table in out.get("network", {}).items():
         ft = table.get("fat-tree")
         if ft is None:

@@ -18,6 +18,7 @@ pure function of the seed (wall-clock times go to the progress output only).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -136,8 +137,15 @@ def tasks(plan: Plan, out: dict[str, Any], runs: dict[str, RunResult]) -> Iterat
 
         def statics(s: Scenario = s, row: dict[str, Any] = row, h: dict[str, Any] = holder) -> None:
             perf = perf_model(s)
-            tp, gens, totals = best_static(s, perf)
+            per_tp = {t: run_generation(s, perf, "static", t) for t in candidate_tps(s, perf)}
+            totals = {t: sum(g.seconds for g in gens) for t, gens in per_tp.items()}
+            tp = min(totals, key=lambda t: (totals[t], t))  # best_static's choice
+            gens = per_tp[tp]
             h["tp"] = tp
+            row["static_done_s"] = {str(t): _done_s(g) for t, g in per_tp.items()}
+            row["static_step_gen_s"] = {
+                str(t): _mean_steady([x.seconds for x in g]) for t, g in per_tp.items()
+            }
             fabric = make_fabric(s, perf)
             res = run_pipeline(s, perf, gens, fabric, policy="static", static_tp=tp)
             runs[f"compute/{s.model.name}/static"] = res
@@ -165,6 +173,9 @@ def tasks(plan: Plan, out: dict[str, Any], runs: dict[str, RunResult]) -> Iterat
                 row[policy]["speedup"] = row["static"]["mean_step_s"] / res.mean_step_s
                 firsts = [res.gens[x.step].predicted[0][1] for x in res.steady]
                 row[policy]["predicted_at_start_s"] = sum(firsts) / len(firsts)
+                row[policy]["layout_changes"] = sum(
+                    1 for x in res.steady if res.gens[x.step].reshards
+                )
 
             yield f"compute {model}: {policy}", adaptive
 
@@ -254,6 +265,29 @@ def tasks(plan: Plan, out: dict[str, Any], runs: dict[str, RunResult]) -> Iterat
             }
 
         yield f"sensitivity: split {s.split.gen_gpus} gen / {s.split.train_gpus} train", one_split
+
+
+DONE_FRACTIONS = (0.5, 0.75, 0.9)
+
+
+def _mean_steady(values: list[float]) -> float:
+    """Mean over the steady steps (all but the first when there are several)."""
+    steady = values[1:] if len(values) > 1 else values
+    return sum(steady) / len(steady)
+
+
+def _done_s(gens: tuple[GenStepResult, ...]) -> dict[str, float]:
+    """Per fraction of ``DONE_FRACTIONS``, the mean over the steady steps of the time by
+    which that fraction of the step's responses is done: how fast a layout gets through
+    the bulk of the step, before its tail."""
+    out: dict[str, float] = {}
+    for f in DONE_FRACTIONS:
+        times = []
+        for g in gens:
+            n = len(g.completions)
+            times.append(g.completions[max(0, math.ceil(f * n) - 1)] if n else 0.0)
+        out[f"{f:g}"] = _mean_steady(times)
+    return out
 
 
 def _tail_floor(s: Scenario, r: RunResult) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fabric_controller.drivers.ocs import GrpcOcsDriver
+from fabric_controller.drivers.ocs import GrpcOcsDriver, OcsDriver
 from orchestrrl import errors
 from orchestrrl import wiring as wiring_mod
 from orchestrrl.client import AsyncClient, PhaseChange
@@ -18,6 +19,7 @@ from orchestrrl.model import Circuit, Wiring
 from orchestrrl.v1 import common_pb2, node_agent_pb2
 from orchestrrl.v1 import fabric_controller_pb2 as pb
 from orchestrrl.v1 import fabric_controller_pb2_grpc as pb_grpc
+from scheduler.network import PhaseDemand
 from sim_backends.harness import Fabric, start_fabric
 
 pytestmark = pytest.mark.component
@@ -52,7 +54,7 @@ async def test_set_phase_programs_the_ocs_and_commits_an_epoch(
     r = await client.set_phase("weight-sync")
     assert (r.epoch, r.phase, r.changed) == (1, "weight-sync", True)
     assert len(r.circuits) == 16 and len(r.added) == 16 and r.removed == []
-    assert list(r.stages) == ["observe", "plan", "program_ocs", "verify", "commit"]
+    assert list(r.stages) == ["observe", "plan", "journal", "program_ocs", "verify", "commit"]
     assert table(fabric) == circuits(r)
     assert {tuple(sorted((c.pod_a, c.pod_b))) for c in r.circuits} == {
         ("gen0", "train0"),
@@ -371,7 +373,7 @@ async def test_unreachable_ocs_mid_change_ends_in_a_known_epoch(
             f.controller.ocs["ocs0"] = GrpcOcsDriver("ocs0", "127.0.0.1:1", timeout_s=1.0)
             with pytest.raises(errors.Unavailable) as info:
                 await c.set_phase("weight-sync")
-            assert "OCS 'ocs0' at 127.0.0.1:1: ListPorts: UNAVAILABLE" in str(info.value)
+            assert "OCS 'ocs0' at 127.0.0.1:1: ListCrossConnects: UNAVAILABLE" in str(info.value)
             assert table(f) == circuits(good)  # nothing reached the switch
             f.controller.ocs["ocs0"] = saved  # back on the network
             assert await f.controller.reconcile_once() is not None
@@ -379,3 +381,212 @@ async def test_unreachable_ocs_mid_change_ends_in_a_known_epoch(
             assert (await c.set_phase("weight-sync")).epoch == good.epoch + 1
     finally:
         await f.stop()
+
+
+# -- the network planner in the controller ------------------------------------------
+
+
+def uneven_wiring() -> Wiring:
+    """Two training pods of 3 and 1 nodes with 16 OCS ports each, two generation pods
+    of 2 nodes with 8 ports each.
+
+    After a sharded optimizer step every training node holds an equal share of the
+    model, so train0 sends three times train1's bytes in weight sync."""
+    doc: dict[str, object] = {
+        "cluster": {"name": "uneven", "controller": "127.0.0.1:50051"},
+        "ocs": [{"name": "ocs0", "address": "127.0.0.1:50061", "ports": 48}],
+        "pod": [],
+        "tor": [],
+        "node": [],
+    }
+    pods, tors, nodes = [], [], []
+    port = 1
+    for i, (pod, role, count, uplinks) in enumerate(
+        [("train0", "train", 3, 16), ("train1", "train", 1, 16), ("gen0", "gen", 2, 8),
+         ("gen1", "gen", 2, 8)]
+    ):  # fmt: skip
+        pods.append({"name": pod})
+        ups = [{"port": f"up{k}", "ocs": "ocs0", "ocs_port": port + k} for k in range(uplinks)]
+        port += uplinks
+        tors.append({"name": f"tor-{pod}", "pod": pod, "uplinks": ups})
+        for n in range(count):
+            nodes.append(
+                {"name": f"{pod}-n{n}", "pod": pod, "role": role, "gpus": 8,
+                 "agent": f"127.0.0.1:{52000 + 10 * i + n}"}
+            )  # fmt: skip
+    doc.update(pod=pods, tor=tors, node=nodes)
+    return wiring_mod.validate(doc)
+
+
+def pair_counts(r: PhaseChange) -> dict[tuple[str, str], int]:
+    out: dict[tuple[str, str], int] = {}
+    for c in r.circuits:
+        key = (min(c.pod_a, c.pod_b), max(c.pod_a, c.pod_b))
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+async def set_phase_explained(
+    address: str, phase: common_pb2.Phase.ValueType
+) -> pb.SetPhaseResponse:
+    async with grpc.aio.insecure_channel(address) as ch:
+        r: pb.SetPhaseResponse = await pb_grpc.FabricControllerStub(ch).SetPhase(
+            pb.SetPhaseRequest(phase=phase), timeout=10
+        )
+        return r
+
+
+async def test_weight_sync_circuits_follow_the_demand_not_the_template(tmp_path: Path) -> None:
+    f = await start_fabric(uneven_wiring(), tmp_path / "s.db", switching_time_s=0.0)
+    try:
+        async with AsyncClient(f.address, timeout_s=10) as c:
+            r = await c.set_phase("weight-sync")
+            counts = pair_counts(r)
+            # bottleneck first: train0 carries 3/4 of the model, so it gets most of each
+            # generation pod's 8 ports (the template would split them 4 and 4)
+            assert counts[("gen0", "train0")] == counts[("gen1", "train0")] == 6
+            assert counts[("gen0", "train1")] == counts[("gen1", "train1")] == 2
+            assert table(f) == circuits(r)
+            plan = await c.plan_phase("training")
+            assert len(plan.added) == 16 and len(plan.removed) == 16  # train0 <-> train1
+        async with grpc.aio.insecure_channel(f.address) as ch:
+            stub = pb_grpc.FabricControllerStub(ch)
+            preview = await stub.PlanPhase(
+                pb.PlanPhaseRequest(phase=common_pb2.PHASE_TRAINING), timeout=10
+            )
+            assert preview.explanation.startswith("network planner (training)")
+            assert "train0 <-> train1" in preview.explanation
+            again = await stub.SetPhase(
+                pb.SetPhaseRequest(phase=common_pb2.PHASE_WEIGHT_SYNC), timeout=10
+            )
+            assert not again.changed and "network planner (weight-sync)" in again.explanation
+            assert "gen0 <-> train0: 22.16 GB over 6 circuit(s)" in again.explanation
+            # replies are assembled from per-circuit encodings: the same as built directly
+            got = await stub.GetPhase(pb.GetPhaseRequest(), timeout=10)
+            assert list(again.circuits) == list(got.circuits) and len(got.circuits) == 16
+    finally:
+        await f.stop()
+
+
+async def test_phase_template_is_the_fallback_without_demand(tmp_path: Path) -> None:
+    f = await start_fabric(uneven_wiring(), tmp_path / "s.db", switching_time_s=0.0,
+                           demand=PhaseDemand(model_bytes=0))  # fmt: skip
+    try:
+        r = await set_phase_explained(f.address, common_pb2.PHASE_WEIGHT_SYNC)
+        assert r.changed and r.explanation.startswith("phase template weight-sync")
+        assert "no demand information (model_bytes is 0)" in r.explanation
+        counts: dict[tuple[str, str], int] = {}
+        for c in r.circuits:
+            key = (min(c.pod_a, c.pod_b), max(c.pod_a, c.pod_b))
+            counts[key] = counts.get(key, 0) + 1
+        assert set(counts.values()) == {4}  # the template splits every pod's ports evenly
+        # training still has its bytes: the network planner
+        t = await set_phase_explained(f.address, common_pb2.PHASE_TRAINING)
+        assert t.explanation.startswith("network planner (training)")
+    finally:
+        await f.stop()
+
+
+async def test_plans_follow_pods_going_down_between_changes(
+    example_wiring: Wiring, tmp_path: Path
+) -> None:
+    # the same transition twice, with a pod gone in between: the memoized plan of the
+    # first must not be reused for the second
+    f = await start_fabric(example_wiring, tmp_path / "s.db", heartbeat_interval_s=0.05,
+                           deadline_s=0.15)  # fmt: skip
+    try:
+        async with AsyncClient(f.address, timeout_s=10) as c:
+            first = await c.set_phase("weight-sync")
+            assert len(first.circuits) == 16
+            await c.set_phase("training")
+            for node in ("gen1-n0", "gen1-n1"):
+                f.controller.register(node, "127.0.0.1:1", "sim", 8)
+            await asyncio.sleep(0.4)  # no heartbeats: gen1 is down
+            second = await c.set_phase("weight-sync")
+            pods = {tuple(sorted((x.pod_a, x.pod_b))) for x in second.circuits}
+            assert pods == {("gen0", "train0"), ("gen0", "train1")}
+    finally:
+        await f.stop()
+
+
+async def test_a_switch_that_acknowledges_without_applying_fails_verification(
+    fabric: Fabric, client: AsyncClient
+) -> None:
+    good = await client.set_phase("training")
+    fabric.ocs["ocs0"].ignore_next_apply()  # answers "done" with its unchanged table
+    with pytest.raises(errors.FailedPrecondition) as info:
+        await client.set_phase("weight-sync")
+    msg = str(info.value)
+    assert "epoch 2 (weight-sync) not committed: stage verify" in msg
+    assert "is missing" in msg and "the fabric is at epoch 1" in msg
+    assert table(fabric) == circuits(good)
+    assert (await client.get_phase()).epoch == 1
+    assert (await client.set_phase("weight-sync")).epoch == 2
+
+
+async def test_batches_of_a_step_go_to_every_switch_at_once(tmp_path: Path) -> None:
+    f = await start_fabric(two_ocs_wiring(), tmp_path / "s.db", switching_time_s=0.05)
+    active: list[str] = []
+    overlapped: set[frozenset[str]] = set()
+
+    class Watched:
+        """An OCS driver that records which batches are in flight together."""
+
+        def __init__(self, inner: OcsDriver) -> None:
+            self.inner = inner
+            self.name = inner.name
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
+        async def apply(self, *args: object, **kwargs: object) -> frozenset[tuple[int, int]]:
+            active.append(self.name)
+            overlapped.add(frozenset(active))
+            try:
+                return await self.inner.apply(*args, **kwargs)  # type: ignore[arg-type]
+            finally:
+                active.remove(self.name)
+
+    try:
+        for name, driver in list(f.controller.ocs.items()):
+            f.controller.ocs[name] = Watched(driver)  # type: ignore[assignment]
+        async with AsyncClient(f.address, timeout_s=10) as c:
+            r = await c.set_phase("weight-sync")
+            assert {x.ocs for x in r.added} == {"ocs0", "ocs1"}
+        assert frozenset({"ocs0", "ocs1"}) in overlapped  # one step, both switches at once
+    finally:
+        await f.stop()
+
+
+def test_demand_flags_parse_bytes_and_reject_nonsense() -> None:
+    from fabric_controller.main import build_parser
+
+    args = build_parser().parse_args(["--model-bytes", "145G", "--training-bytes", "2.5e9"])
+    assert (args.model_bytes, args.training_bytes) == (145e9, 2.5e9)
+    defaults = build_parser().parse_args([])
+    assert defaults.model_bytes == PhaseDemand().model_bytes > 29e9
+    assert build_parser().parse_args(["--model-bytes", "0"]).model_bytes == 0.0  # unknown
+    for bad in ("-1", "lots", "inf", "1Q"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([f"--model-bytes={bad}"])
+
+
+async def test_orlctl_plan_phase_prints_why(
+    fabric: Fabric, client: AsyncClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fabric_controller import cli
+
+    await client.set_phase("training")
+    capsys.readouterr()  # (the in-process controller logs to stdout too)
+    args = ["--controller", fabric.address, "plan", "phase", "weight-sync"]
+    assert await asyncio.to_thread(cli.main, args) == 0
+    out = capsys.readouterr().out
+    assert "phase weight-sync would add 16 and remove 8 circuit(s)\n" in out
+    assert "  network planner (weight-sync): bottleneck-first circuits" in out
+    assert "gen0 <-> train0: 14.77 GB over 4 circuit(s)" in out
+    assert await asyncio.to_thread(cli.main, ["--json", *args]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out[out.index("{\n") :])
+    assert data["explanation"].startswith("network planner (weight-sync)")
+    assert len(data["added"]) == 16 and len(data["removed"]) == 8
+    assert table(fabric) == {Circuit(x.ocs, x.a, x.b) for x in (await client.get_phase()).circuits}

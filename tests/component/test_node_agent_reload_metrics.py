@@ -173,8 +173,9 @@ async def test_metrics_of_a_running_agent(
         assert (value("orl_agent_telemetry_samples_sent_total") or 0) >= 2
         assert value("orl_agent_telemetry_samples_dropped_total") == 0
         assert all(value("orl_agent_gpu_utilization", gpu=str(i)) is not None for i in range(8))
-        # the simulated GPUs report no NVML extras: absent, not 0
-        assert value("orl_agent_gpu_sm_clock_mhz", gpu="0") is None
+        # the simulated GPUs report the NVML extras too, but never had an XID: absent, not 0
+        assert value("orl_agent_gpu_sm_clock_mhz", gpu="0") is not None
+        assert value("orl_agent_gpu_last_xid", gpu="0") is None
         labels = {"device": "mlx5_0", "port": "1"}
         assert value("orl_agent_rdma_counter", counter="port_xmit_data", **labels) == 4000
         assert value("orl_agent_rdma_counter", counter="np_cnp_sent", **labels) == 7

@@ -12,7 +12,14 @@ from node_agent.engine import EngineState, EngineStats
 from node_agent.fake_controller import start_fake_controller
 from node_agent.metrics import AgentMetrics
 from node_agent.telemetry import NodeStatus, Telemetry
-from node_agent.uplink import TelemetryBuffer, Uplink, UplinkSettings
+from node_agent.uplink import (
+    Session,
+    TelemetryBuffer,
+    Uplink,
+    UplinkSettings,
+    check_flush_interval,
+    samples_per_flush,
+)
 from orchestrrl import errors
 
 pytestmark = pytest.mark.component
@@ -30,13 +37,16 @@ class SteppedCollector:
     def __init__(self) -> None:
         self.release: asyncio.Queue[None] = asyncio.Queue()
         self.taken = 0
+        self.with_progress: list[int] = []  # the samples taken with engine progress
 
     def status(self) -> NodeStatus:
         return NodeStatus(self.node, "sim", (), (), EngineState.RUNNING, (1,), "test")
 
-    async def sample(self) -> Telemetry:
+    async def sample(self, progress: bool = True) -> Telemetry:
         await self.release.get()
         self.taken += 1
+        if progress:
+            self.with_progress.append(self.taken)
         return Telemetry(self.node, float(self.taken), (), (), IDLE, EngineState.RUNNING, (1,))
 
     def take(self, n: int) -> None:
@@ -70,6 +80,7 @@ async def test_samples_taken_while_away_arrive_after_reconnect_oldest_dropped() 
         settings=FAST,
         buffer_samples=4,
         metrics=metrics,
+        flush_interval_s=0.0,  # every sample as it is taken
     )
     with capture_logs() as logs:
         task = asyncio.create_task(uplink.run())
@@ -139,3 +150,92 @@ async def test_buffer_keeps_the_newest_and_sent_skips_a_head_dropped_meanwhile()
 def test_buffer_needs_room_for_one_sample() -> None:
     with pytest.raises(errors.InvalidArgument, match="at least 1"):
         TelemetryBuffer(0)
+
+
+async def test_samples_go_up_in_batches_each_closed_by_a_sample_with_progress() -> None:
+    running = await start_fake_controller()
+    collector = SteppedCollector()
+    metrics = AgentMetrics()
+    uplink = Uplink(
+        collector,  # type: ignore[arg-type]
+        "127.0.0.1:1",
+        running.address,
+        0.05,
+        settings=FAST,
+        metrics=metrics,
+        flush_interval_s=0.2,  # 4 samples per upload
+    )
+    task = asyncio.create_task(uplink.run())
+    try:
+        await eventually(lambda: value(metrics, "orl_agent_registered") == 1, "registers")
+        collector.take(9)
+        await eventually(lambda: len(running.fake.samples) == 9, "uploads")
+        # the first sample goes up at once, then every 4th closes an upload
+        assert [len(b.samples) for b in running.fake.batches] == [1, 4, 4]
+        assert collector.with_progress == [1, 5, 9]
+        assert [s.timestamp for s in running.fake.samples] == [float(n) for n in range(1, 10)]
+        assert value(metrics, "orl_agent_telemetry_samples_sent_total") == 9
+        collector.take(3)  # not yet a full upload: they wait in the buffer
+        await eventually(lambda: collector.taken == 12, "samples")
+        await asyncio.sleep(0.1)
+        assert len(running.fake.samples) == 9 and len(uplink.buffer) == 3
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await running.server.stop(0)
+
+
+def test_samples_per_flush_and_flush_interval_bounds() -> None:
+    assert samples_per_flush(0.1, 1.0) == 10
+    assert samples_per_flush(0.1, 0.0) == 1  # 0: every sample
+    assert samples_per_flush(1.0, 0.2) == 1  # never fewer than one sample per upload
+    assert samples_per_flush(0.3, 1.0) == 3
+    assert check_flush_interval(0.0, "f") == 0.0
+    with pytest.raises(errors.InvalidArgument, match="telemetry_flush_interval=-1"):
+        check_flush_interval(-1, "telemetry_flush_interval")
+
+
+async def test_buffer_batches_end_on_a_flush_mark() -> None:
+    buffer = TelemetryBuffer(10)
+    for n, flush in ((1, False), (2, False), (3, True), (4, False)):
+        buffer.put(telemetry(n), flush=flush)
+    assert [s.timestamp for s in await buffer.batch(10)] == [1.0, 2.0, 3.0]  # not the 4th
+    for n, flush in ((5, True), (6, False), (7, True)):
+        buffer.put(telemetry(n), flush=flush)
+    # a backlog larger than one message is cut after the last mark that fits
+    first = await buffer.batch(6)
+    assert [s.timestamp for s in first] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    buffer.sent(first)
+    assert [s.timestamp for s in await buffer.batch(6)] == [6.0, 7.0]
+    waiter = asyncio.ensure_future(TelemetryBuffer(2).batch(5))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()  # nothing flushable yet
+    waiter.cancel()
+
+
+class CountingStub:
+    def __init__(self) -> None:
+        self.heartbeats = 0
+
+    def Heartbeat(self, request: object, timeout: float) -> asyncio.Future[None]:
+        self.heartbeats += 1
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+
+async def test_a_period_with_an_upload_needs_no_heartbeat() -> None:
+    uplink = Uplink(SteppedCollector(), "127.0.0.1:1", "127.0.0.1:1", 1.0)  # type: ignore[arg-type]
+    stub = CountingStub()
+    task = asyncio.create_task(
+        uplink._heartbeats(stub, Session("c", "s", 0.01))  # type: ignore[arg-type]
+    )
+    try:
+        await asyncio.sleep(0)  # the loop starts (and forgets uploads before the session)
+        uplink._uploaded = True  # an upload went out in this period
+        await eventually(lambda: not uplink._uploaded, "the period ends")
+        assert stub.heartbeats == 0
+        await eventually(lambda: stub.heartbeats >= 1, "then heartbeats again")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

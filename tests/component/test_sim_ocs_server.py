@@ -15,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from fabric_controller.drivers.ocs import GrpcOcsDriver
 from orchestrrl import grpcutil
 from orchestrrl.v1 import optical_switch_pb2 as pb
 from orchestrrl.v1 import optical_switch_pb2_grpc as pb_grpc
@@ -35,6 +36,7 @@ class Switch:
     ocs: SimulatedOcs
     stub: OpticalSwitchAsyncStub
     channel: grpc.aio.Channel
+    address: str
 
 
 @pytest.fixture
@@ -42,7 +44,7 @@ async def switch() -> AsyncIterator[Switch]:
     running, ocs = await serve("127.0.0.1:0", name="ocs-test", port_count=8, switching_time_s=0.0)
     try:
         async with grpcutil.insecure_channel(running.address) as channel:
-            yield Switch(ocs, async_stub(channel), channel)
+            yield Switch(ocs, async_stub(channel), channel, running.address)
     finally:
         await running.stop(grace=0)
 
@@ -92,6 +94,41 @@ async def test_list_ports_reports_peers_and_health(switch: Switch) -> None:
     assert reply.ports[0] == pb.Port(port=1, state=pb.PORT_STATE_UP, peer=5)
     assert reply.ports[1] == pb.Port(port=2, state=pb.PORT_STATE_DOWN, peer=0)
     assert reply.ports[4].peer == 1
+
+
+async def test_list_cross_connects_reports_down_ports(switch: Switch) -> None:
+    switch.ocs.apply([], [(1, 5)])
+    switch.ocs.set_port_health(6, up=False)
+    switch.ocs.set_port_health(2, up=False)
+    reply = await switch.stub.ListCrossConnects(pb.ListCrossConnectsRequest(), timeout=TIMEOUT)
+    assert table(reply) == [(1, 5)] and list(reply.down_ports) == [2, 6]
+    driver = GrpcOcsDriver("ocs-test", switch.address, timeout_s=TIMEOUT)
+    try:
+        assert await driver.snapshot() == ({(1, 5)}, {2, 6})
+        assert await driver.apply([(1, 5)], [(3, 4)]) == {(3, 4)}
+    finally:
+        await driver.close()
+
+
+async def test_tables_and_batches_travel_packed_on_request(switch: Switch) -> None:
+    reply = await switch.stub.ApplyCrossConnects(
+        pb.ApplyCrossConnectsRequest(connect=cc((1, 2)), connect_pairs=[4, 3, 5, 6], packed=True),
+        timeout=TIMEOUT,
+    )
+    assert list(reply.pairs) == [1, 2, 3, 4, 5, 6] and not reply.cross_connects
+    listed = await switch.stub.ListCrossConnects(
+        pb.ListCrossConnectsRequest(packed=True), timeout=TIMEOUT
+    )
+    assert list(listed.pairs) == [1, 2, 3, 4, 5, 6] and not listed.cross_connects
+    plain = await switch.stub.ListCrossConnects(pb.ListCrossConnectsRequest(), timeout=TIMEOUT)
+    assert table(plain) == [(1, 2), (3, 4), (5, 6)] and not plain.pairs
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await switch.stub.ApplyCrossConnects(
+            pb.ApplyCrossConnectsRequest(disconnect_pairs=[1, 2, 3]), timeout=TIMEOUT
+        )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "disconnect_pairs='3 ports'" in info.value.details()
+    assert switch.ocs.cross_connects() == {(1, 2), (3, 4), (5, 6)}
 
 
 async def test_batch_reusing_a_port_is_invalid_and_changes_nothing(switch: Switch) -> None:

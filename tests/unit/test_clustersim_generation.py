@@ -158,3 +158,26 @@ def test_decode_times_equal_the_performance_model(tp: int, batch: int) -> None:
         assert fast.at(tp, batch, ctx) == pytest.approx(
             PERF.decode_iteration_time(tp, batch, ctx), rel=1e-12
         )
+
+
+def test_the_planners_step_forecast_is_not_the_median_requests() -> None:
+    """At the step start the planner predicts the rest of the step; the step ends with
+    its longest response, so the prediction must be of that order, not of a median
+    request's (with the median as every request's critical path it predicted a quarter
+    of the realised step under a capped long tail)."""
+    wl = WorkloadConfig(prompts_per_step=32, samples_per_prompt=8, max_response_tokens=8192)
+    nodes = gen_node_names(2)
+    history = [tuple(r.response_tokens for r in step_workload(wl, 2, 0).requests)]
+    res = simulate_step(
+        PERF,
+        step_workload(wl, 2, 1).requests,
+        uniform_layout(nodes, 8, 8),
+        policy="proactive",
+        replan_interval_s=5.0,
+        config=PlannerConfig(all_candidates_limit=0),
+        max_response_tokens=wl.max_response_tokens,
+        history=history,
+    )
+    first_at, first_rest = res.predicted[0]
+    assert first_at == 0.0
+    assert first_rest >= 0.6 * res.seconds, (first_rest, res.seconds)

@@ -62,12 +62,17 @@ def assert_valid(state: ComputeState, plan: ComputePlan) -> None:
     assert len(after.requests) == len(state.requests)
 
 
+NARROW = [[int(RNG.uniform(1500, 2500)) for _ in range(512)] for _ in range(3)]
+
+
 def test_wide_batch_favours_small_tp_and_the_tail_large_tp() -> None:
-    """The paper's typical result: small-TP instances while the batch is wide, merged into
+    """The paper's typical result: small-TP instances while the batch is wide and no
+    request is expected to run much longer than the rest (the bulk decides), merged into
     large-TP instances as the step drains to its long tail."""
     nodes, insts = cluster(2, (8,))
     wide = ComputeState(nodes, tuple(insts), tuple(Request(f"r{i:04d}", 1024) for i in range(1024)))
-    plan = plan_compute(wide, forecast_for(wide), PM, now=0.0)
+    narrow = build_forecast(NARROW, [], [0] * 1024, max_tokens=16384)
+    plan = plan_compute(wide, narrow, PM, now=0.0)
     assert plan.reshards, plan.explain()
     assert max(i.tp for i in plan.instances) < 8
     assert_valid(wide, plan)
@@ -86,6 +91,23 @@ def test_wide_batch_favours_small_tp_and_the_tail_large_tp() -> None:
     assert plan.now == 5.0
     assert "reshard" in plan.reason
     assert_valid(tail, plan)
+
+
+def test_a_capped_long_tail_keeps_the_widest_instances_at_step_start() -> None:
+    """1,024 fresh requests whose lengths reach the cap about 0.5% of the time: about
+    five of them will run to the cap, the step ends with those, and any instance may get one.
+    The planner's predicted step is at least a capped request alone on the widest
+    instance, and it does not split TP8 for the bulk's throughput (with each request's
+    median as its critical path it predicted a fraction of that and split the nodes)."""
+    nodes, insts = cluster(2, (8,))
+    wide = ComputeState(nodes, tuple(insts), tuple(Request(f"r{i:04d}", 1024) for i in range(1024)))
+    fc = forecast_for(wide)
+    assert fc.survival_at(16383) > 0.003  # the cap holds about 0.5% of the mass
+    plan = plan_compute(wide, fc, PM, now=0.0)
+    alone = sum(PM.decode_iteration_time(8, 1, 1024 + i) for i in range(0, 16384, 64)) * 64
+    assert plan.prediction.keep_makespan_s >= alone, plan.explain()
+    assert not plan.reshards, plan.explain()
+    assert {i.tp for i in plan.instances} == {8}
 
 
 def test_switch_only_when_the_gain_beats_the_cost_by_the_margin() -> None:

@@ -17,10 +17,12 @@ from scheduler.circuits import pair, plan_phase, template_demand
 from scheduler.network import (
     NetworkConfig,
     NetworkPlan,
+    PhaseDemand,
     Workload,
     bottleneck_time,
     demand_matrix,
     plan_network,
+    plan_phase_circuits,
     routes_for,
     workloads_for_phase,
 )
@@ -356,3 +358,93 @@ def test_properties_of_any_network_plan(
     assert again.empty, again.explanation
     assert again.routes == plan.routes
     assert plan_network(w, wl, observed, config=config) == plan  # deterministic
+
+
+# -- large fabrics, weighting, and the controller's entry point ------------------------
+
+
+def test_weight_sync_bytes_follow_the_training_nodes() -> None:
+    w = make_wiring(
+        [("train", 3, [("o", 4)]), ("train", 1, [("o", 4)]), ("gen", 2, [("o", 4)])], {"o": 12}
+    )
+    d = demand_matrix(w, [Workload.weight_sync(["p0", "p1"], ["p2"], 8.0)])
+    assert d == {pair("p0", "p2"): 6.0, pair("p1", "p2"): 2.0}  # shards of 3 vs 1 nodes
+
+
+def test_more_partners_than_ports_still_rewires_and_reports_what_is_unserved() -> None:
+    # 2 training pods x 4 generation pods, 2 uplinks each: at most 4 of 8 weight-sync
+    # pairs can have a direct circuit. Neither the training circuits nor the new ones
+    # serve every pair, yet the new ones serve far more: they must win.
+    w = make_wiring([("train", 1, [("o", 2)])] * 2 + [("gen", 1, [("o", 2)])] * 4, {"o": 12})
+    training = plan_network(w, workloads_for_phase(w, Phase.TRAINING), []).circuits.desired
+    plan = plan_network(w, workloads_for_phase(w, Phase.WEIGHT_SYNC, model_bytes=8e9), training)
+    assert not plan.kept_current and plan.circuits.remove == training
+    assert len(plan.circuits.desired) == 4
+    assert plan.unserved_bytes == pytest.approx(4 * 4e9)  # 4 pairs of 4 GB
+    assert 0 < plan.bottleneck_s < math.inf
+    assert "4 pod pair(s), 16.00 GB, without a direct circuit" in plan.explanation
+    assert_valid(w, plan)
+    # and applied, it stays (the same pairs keep their circuits)
+    again = plan_network(
+        w, workloads_for_phase(w, Phase.WEIGHT_SYNC, model_bytes=8e9), plan.circuits.desired
+    )
+    assert again.empty and again.kept_current
+
+
+def test_no_inter_pod_demand_keeps_or_releases_the_circuits(fabric: Wiring) -> None:
+    training = plan_network(fabric, workloads_for_phase(fabric, Phase.TRAINING), [])
+    idle = workloads_for_phase(fabric, Phase.GENERATION)
+    kept = plan_network(fabric, idle, training.circuits.desired)
+    assert kept.empty and kept.kept_current  # nothing needs the network: no port moves
+    assert "no inter-pod demand: kept the 8 current circuits" in kept.explanation
+    released = plan_network(
+        fabric, idle, training.circuits.desired, config=NetworkConfig(release_idle=True)
+    )
+    assert released.circuits.desired == frozenset() and released.routes == ()
+    assert released.circuits.remove == training.circuits.desired
+    assert "every circuit released, pods isolated" in released.explanation
+
+
+def test_the_schedule_can_be_left_out(fabric: Wiring) -> None:
+    wl = workloads_for_phase(fabric, Phase.WEIGHT_SYNC, model_bytes=1e9)
+    plan = plan_network(fabric, wl, [], config=NetworkConfig(weight_sync_schedule=False))
+    assert plan.weight_sync is None
+    assert plan.circuits == plan_network(fabric, wl, []).circuits
+
+
+def test_phase_circuits_come_from_the_planner_with_the_template_as_fallback(
+    fabric: Wiring,
+) -> None:
+    net = plan_phase_circuits(fabric, Phase.WEIGHT_SYNC, [])
+    assert net.planner == "network"
+    assert net.explanation.startswith("network planner (weight-sync)")
+    assert net.circuits == plan_phase(fabric, Phase.WEIGHT_SYNC, [])  # equal pods: same
+    # bytes unknown: the template, saying so
+    unknown = plan_phase_circuits(fabric, Phase.TRAINING, [], demand=PhaseDemand(0, 0))
+    assert unknown.planner == "template"
+    assert "no demand information (training_bytes is 0)" in unknown.explanation
+    assert unknown.circuits == plan_phase(fabric, Phase.TRAINING, [])
+    # nothing placeable (every generation port failed): the template, saying why
+    gen_ports = [("o", p) for p in range(17, 33)]
+    stuck = plan_phase_circuits(fabric, Phase.WEIGHT_SYNC, [], gen_ports)
+    assert stuck.planner == "template" and "could place no circuit" in stuck.explanation
+    assert stuck.circuits.desired == frozenset()
+    # pods left out take no part
+    without = plan_phase_circuits(fabric, Phase.WEIGHT_SYNC, [], without_pods=["p3"])
+    assert {pod for c in without.circuits.desired for pod in fabric.circuit_pods(c)} == {
+        "p0",
+        "p1",
+        "p2",
+    }
+    # generation: no demand, nothing to place, no fallback needed
+    gen = plan_phase_circuits(fabric, Phase.GENERATION, net.circuits.desired)
+    assert gen.planner == "network" and gen.circuits.desired == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("model_bytes", -1.0), ("training_bytes", math.inf), ("model_bytes", math.nan)],
+)
+def test_phase_demand_is_validated(field: str, value: float) -> None:
+    with pytest.raises(errors.InvalidArgument, match=f"{field}="):
+        PhaseDemand(**{field: value})

@@ -25,6 +25,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.gpus == 8
     assert config.gpu_backend == "auto"
     assert config.telemetry_interval_s == 1.0
+    assert config.telemetry_flush_interval_s == 1.0
     assert config.tp_layout is None
     assert parse_args(["--plaintext", "--node", "gen0-n0"]).seed == config.seed  # stable per node
     assert parse_args(["--plaintext", "--node", "gen0-n1"]).seed != config.seed
@@ -50,6 +51,7 @@ def test_every_flag() -> None:
             "--nic=eth1",
             "--tp-layout=2,1,1",
             "--telemetry-interval=0.25",
+            "--telemetry-flush-interval=2",
             "--ready-file=/run/orl/agent.ready",
             "--log-level=debug",
             "--log-format=json",
@@ -66,6 +68,7 @@ def test_every_flag() -> None:
         nics=(("eth0", 400.0), ("eth1", None)),
         tp_layout=(2, 1, 1),
         telemetry_interval_s=0.25,
+        telemetry_flush_interval_s=2.0,
         ready_file=Path("/run/orl/agent.ready"),
         log_level="debug",
         log_format="json",
@@ -88,6 +91,8 @@ def test_every_flag() -> None:
         (["--node", "n", "--tp-layout", "3,5"], "power of two"),
         (["--node", "n", "--telemetry-interval", "0.01"], "--telemetry-interval=0.01"),
         (["--node", "n", "--telemetry-interval", "soon"], "--telemetry-interval='soon'"),
+        (["--node", "n", "--telemetry-flush-interval", "-1"], "--telemetry-flush-interval=-1"),
+        (["--node", "n", "--telemetry-flush-interval", "61"], "and 60 seconds"),
         (["--node", "n", "--log-level", "loud"], "--log-level='loud'"),
         (["--node", "n", "--log-format", "xml"], "--log-format='xml'"),
         (["--node", "n", "--seed", "-1"], "--seed='-1'"),

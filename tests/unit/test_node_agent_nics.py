@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import struct
 from pathlib import Path
 
 import pytest
 from structlog.testing import capture_logs
 
+from node_agent import nics
 from node_agent.nics import NicSample, NicSpec, SysfsNics, parse_nic
 from orchestrrl import errors
 from tests.helpers import FakeClock
@@ -120,3 +123,85 @@ async def test_missing_nic_is_down_with_one_warning(tmp_path: Path) -> None:
         [_, sample] = await nics.sample()
     assert sample == NicSample("eth9", 7, 8, 0.0, 0.0, True)
     assert [e["event"] for e in logs] == ["nic_present"]
+
+
+# -- rtnetlink parsing (messages built here as the kernel lays them out) ---------------------
+
+
+def _attr(kind: int, payload: bytes) -> bytes:
+    length = 4 + len(payload)
+    return struct.pack("=HH", length, kind) + payload + b"\0" * (-length % 4)
+
+
+def _message(kind: int, seq: int, payload: bytes) -> bytes:
+    return struct.pack("=IHHII", 16 + len(payload), kind, 2, seq, 0) + payload
+
+
+def _stats_message(seq: int, ifindex: int, rx: int, tx: int) -> bytes:
+    stats64 = struct.pack("=QQQQ", 10, 20, rx, tx) + b"\0" * (24 * 8 - 32)  # 24 u64s in all
+    head = struct.pack("=BBHiI", 0, 0, 0, ifindex, 1)
+    return _message(nics.RTM_NEWSTATS, seq, head + _attr(nics.IFLA_STATS_LINK_64, stats64))
+
+
+def _link_message(kind: int, ifindex: int, name: str, oper: int) -> bytes:
+    head = struct.pack("=BxHiII", 0, 1, ifindex, 0, 0)
+    attrs = _attr(nics.IFLA_IFNAME, name.encode() + b"\0") + _attr(
+        nics.IFLA_OPERSTATE, bytes([oper])
+    )
+    return _message(kind, 0, head + _attr(4, struct.pack("=I", 1500)) + attrs)
+
+
+def test_stats_dump_datagram_gives_counters_per_ifindex() -> None:
+    done = _message(nics.NLMSG_DONE, 7, struct.pack("=i", 0))
+    data = _stats_message(7, 2, 1000, 2000) + _stats_message(7, 5, 2**64 - 1, 0) + done
+    out: dict[int, tuple[int, int]] = {}
+    assert nics.read_stats_datagram(data, len(data), 7, out) is True
+    assert out == {2: (1000, 2000), 5: (2**64 - 1, 0)}
+
+
+def test_stats_of_another_dump_are_ignored_and_a_datagram_may_not_end_it() -> None:
+    data = _stats_message(6, 2, 1, 1) + _stats_message(7, 3, 5, 6)  # 6: an older dump
+    out: dict[int, tuple[int, int]] = {}
+    assert nics.read_stats_datagram(data, len(data), 7, out) is False
+    assert out == {3: (5, 6)}
+
+
+def test_a_stats_message_with_other_attributes_first_is_still_read() -> None:
+    head = struct.pack("=BBHiI", 0, 0, 0, 9, 1)
+    stats64 = struct.pack("=QQQQ", 0, 0, 77, 88) + b"\0" * 160
+    payload = head + _attr(3, b"\0" * 8) + _attr(nics.IFLA_STATS_LINK_64, stats64)
+    data = _message(nics.RTM_NEWSTATS, 1, payload)
+    out: dict[int, tuple[int, int]] = {}
+    nics.read_stats_datagram(data, len(data), 1, out)
+    assert out == {9: (77, 88)}
+
+
+def test_a_netlink_error_answer_raises() -> None:
+    data = _message(nics.NLMSG_ERROR, 3, struct.pack("=i", -errno.EPERM) + b"\0" * 16)
+    with pytest.raises(OSError, match="rtnetlink") as info:
+        nics.read_stats_datagram(data, len(data), 3, {})
+    assert info.value.errno == errno.EPERM
+
+
+def test_truncated_messages_are_not_read_past_the_datagram() -> None:
+    data = _stats_message(1, 2, 3, 4)
+    assert list(nics.messages(data, len(data) - 1)) == []
+    assert list(nics.messages(b"\x04\0\0\0", 4)) == []  # a length below the header's
+
+
+def test_link_messages_give_index_name_and_oper_state() -> None:
+    up = _link_message(nics.RTM_NEWLINK, 4, "eth0", nics.IF_OPER_UP)
+    down = _link_message(nics.RTM_NEWLINK, 5, "eth1", 2)  # IF_OPER_DOWN
+    data = up + down
+    links = [
+        nics.parse_link(data, start, end) for _, _, start, end in nics.messages(data, len(data))
+    ]
+    assert links == [nics.LinkInfo(4, "eth0", True), nics.LinkInfo(5, "eth1", False)]
+
+
+def test_requests_ask_for_a_dump_of_64_bit_stats_only() -> None:
+    length, kind, flags, seq, _ = struct.unpack_from("=IHHII", nics.stats_dump_request(9))
+    assert (kind, seq, length) == (nics.RTM_GETSTATS, 9, 28)
+    assert flags & nics.NLM_F_DUMP == nics.NLM_F_DUMP
+    assert struct.unpack_from("=BBHiI", nics.stats_dump_request(9), 16)[4] == 1  # LINK_64 only
+    assert struct.unpack_from("=IH", nics.link_dump_request(1))[1] == nics.RTM_GETLINK

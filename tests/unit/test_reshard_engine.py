@@ -105,18 +105,29 @@ async def test_a_drained_engine_stays_drained() -> None:
 
 
 async def test_the_engine_is_resharding_and_refuses_commands_meanwhile() -> None:
-    engine, inner, pool, _ = make()
+    engine, inner, pool, clock = make()
+    clock.now = 10.0  # requests arrive and decode
+    assert inner.stats().running_requests > 0
     pool.gate = threading.Event()
     task = asyncio.ensure_future(engine.reshard([4, 4]))
     assert await asyncio.to_thread(pool.entered.wait, TIMEOUT)
     assert engine.state.value == "resharding"  # (`is` would narrow the property for mypy)
-    assert inner.state is EngineState.DRAINED  # paused: no admissions
+    assert inner.paused  # the pause stage: no admissions and no decoding
+    held = inner.progress().requests
+    clock.now = 20.0
+    assert inner.progress().requests[: len(held)] == held  # not a token generated meanwhile
+    assert inner.stats().tokens_per_s == 0.0
     for command in (engine.drain(), engine.resume(), engine.reshard([8])):
         with pytest.raises(errors.Aborted, match="reshard from \\[2, 2, 2, 2\\] is in progress"):
             await command
     pool.gate.set()
     assert (await task).new_layout == (4, 4)
     assert engine.state is EngineState.RUNNING
+    assert not inner.paused
+    clock.now = 21.0
+    generated = {r.request_id: r.generated_tokens for r in inner.progress().requests}
+    # decoding again (a request that finished meanwhile was decoded too)
+    assert any(generated.get(r.request_id, 1 << 30) > r.generated_tokens for r in held)
 
 
 async def test_a_failed_move_keeps_the_old_layout_and_resumes() -> None:

@@ -353,3 +353,25 @@ def test_resending_with_a_request_id_never_changes_the_table(
         assert sw.cross_connects() == after
         if j == i:
             assert again.cross_connects == first.cross_connects
+
+
+def test_a_switch_that_lies_answers_with_its_true_table(ocs: SimulatedOcs) -> None:
+    ocs.ignore_next_apply()
+    result = ocs.apply([(1, 2)], [(5, 6)])
+    assert result.cross_connects == {(1, 2), (3, 4)} and not result.changed
+    assert ocs.cross_connects() == {(1, 2), (3, 4)}
+    # only once
+    assert ocs.apply([(1, 2)], [(5, 6)]).cross_connects == {(3, 4), (5, 6)}
+
+
+def test_invalid_batch_is_still_refused_by_a_lying_switch(ocs: SimulatedOcs) -> None:
+    ocs.ignore_next_apply()
+    with pytest.raises(errors.InvalidArgument):
+        ocs.apply([], [(1, 5)])
+
+
+def test_down_ports_are_listed(ocs: SimulatedOcs) -> None:
+    assert ocs.down_ports() == frozenset()
+    ocs.set_port_health(7, up=False)
+    ocs.set_port_health(1, up=False)
+    assert ocs.down_ports() == {1, 7}

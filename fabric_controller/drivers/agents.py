@@ -1,0 +1,137 @@
+"""Clients of the node agents, for the commands the controller sends down.
+
+One channel per registered agent address (re-opened when an agent re-registers at a new
+address), mutual TLS the same way as the controller's OCS channels: the controller's
+certificate is its identity, and agents accept commands only from that identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, cast
+
+import grpc
+
+from orchestrrl import grpcutil
+from orchestrrl.tls import TlsConfig
+from orchestrrl.v1 import node_agent_pb2 as pb
+from orchestrrl.v1 import node_agent_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from orchestrrl.v1.node_agent_pb2_grpc import NodeAgentAsyncStub
+
+
+@dataclass(frozen=True)
+class Resolved:
+    restored: tuple[str, ...]
+    released: tuple[str, ...]
+    message: str
+
+
+class AgentClient(Protocol):
+    """The commands of the compute-scheduling loop, on one agent."""
+
+    node: str
+
+    async def reshard(self, command_id: str, layout: Sequence[int]) -> pb.ReshardResponse: ...
+
+    async def export_requests(
+        self, command_id: str, request_ids: Sequence[str], hold_s: float
+    ) -> pb.ExportRequestsResponse: ...
+
+    async def import_requests(
+        self,
+        command_id: str,
+        source_node: str,
+        instance: int,
+        recompute: bool,
+        requests: Sequence[pb.RequestState],
+    ) -> pb.ImportRequestsResponse: ...
+
+    async def resolve_export(self, command_id: str, export_id: str, restore: bool) -> Resolved: ...
+
+
+class GrpcAgentClient:
+    def __init__(self, node: str, channel: grpc.aio.Channel, address: str, timeout_s: float):
+        self.node = node
+        self.address = address
+        self.timeout_s = timeout_s
+        self._stub = cast("NodeAgentAsyncStub", pb_grpc.NodeAgentStub(channel))
+
+    def _what(self, rpc: str) -> str:
+        return f"agent {self.node!r} at {self.address}: {rpc}"
+
+    async def reshard(self, command_id: str, layout: Sequence[int]) -> pb.ReshardResponse:
+        req = pb.ReshardRequest(command_id=command_id, tp_layout=list(layout))
+        # a reshard moves weights: allow it the pause the planner predicts, and more
+        return await grpcutil.call(
+            self._what("Reshard"), self._stub.Reshard(req, timeout=max(self.timeout_s, 120.0))
+        )
+
+    async def export_requests(
+        self, command_id: str, request_ids: Sequence[str], hold_s: float
+    ) -> pb.ExportRequestsResponse:
+        req = pb.ExportRequestsRequest(
+            command_id=command_id, request_ids=list(request_ids), hold_s=hold_s
+        )
+        return await grpcutil.call(
+            self._what("ExportRequests"), self._stub.ExportRequests(req, timeout=self.timeout_s)
+        )
+
+    async def import_requests(
+        self,
+        command_id: str,
+        source_node: str,
+        instance: int,
+        recompute: bool,
+        requests: Sequence[pb.RequestState],
+    ) -> pb.ImportRequestsResponse:
+        req = pb.ImportRequestsRequest(
+            command_id=command_id,
+            source_node=source_node,
+            instance=instance,
+            method=pb.MIGRATION_METHOD_RECOMPUTE if recompute else pb.MIGRATION_METHOD_KV,
+            requests=list(requests),
+        )
+        return await grpcutil.call(
+            self._what("ImportRequests"), self._stub.ImportRequests(req, timeout=self.timeout_s)
+        )
+
+    async def resolve_export(self, command_id: str, export_id: str, restore: bool) -> Resolved:
+        req = pb.ResolveExportRequest(
+            command_id=command_id, export_command_id=export_id, restore=restore
+        )
+        r = await grpcutil.call(
+            self._what("ResolveExport"), self._stub.ResolveExport(req, timeout=self.timeout_s)
+        )
+        return Resolved(tuple(r.restored), tuple(r.released), r.message)
+
+
+class AgentClients:
+    """A channel per agent address, opened on first use."""
+
+    def __init__(self, tls: TlsConfig | None, timeout_s: float = 10.0) -> None:
+        self._tls = tls
+        self._timeout_s = timeout_s
+        self._open: dict[str, tuple[str, grpc.aio.Channel, GrpcAgentClient]] = {}
+        self._retired: list[grpc.aio.Channel] = []  # replaced addresses, closed at the end
+
+    def get(self, node: str, address: str) -> GrpcAgentClient:
+        entry = self._open.get(node)
+        if entry is not None and entry[0] == address:
+            return entry[2]
+        channel = grpcutil.channel(address, self._tls)
+        client = GrpcAgentClient(node, channel, address, self._timeout_s)
+        self._open[node] = (address, channel, client)
+        if entry is not None:
+            self._retired.append(entry[1])
+        return client
+
+    async def close(self) -> None:
+        for _, channel, _ in self._open.values():
+            await channel.close()
+        for channel in self._retired:
+            await channel.close()
+        self._open.clear()
+        self._retired.clear()

@@ -1,0 +1,364 @@
+"""The compute-scheduling loop's shell: read the registry, ask, act, remember.
+
+Every ``interval_s`` it reads the latest telemetry of the generation nodes, lets the pure
+:mod:`fabric_controller.scheduling` decide (off the event loop: planning a large cluster
+takes tens of milliseconds), and sends the plan's commands to the agents: reshards
+first (concurrently, one per node), then migrations (concurrently, one per group).
+
+A migration is controller-mediated: ``ExportRequests`` on the source (the requests stop
+and are held there), ``ImportRequests`` on the destination (all or none), then
+``ResolveExport`` on the source: release when the destination admitted them, restore
+when it refused. An import that times out is retried once with the same command id (the
+agent answers a repeat with the first result) before the requests are restored, so a
+slow destination does not end with the request on both nodes. If the source cannot be
+reached to resolve, its hold expires and it restores them itself: nothing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+from fabric_controller import scheduling
+from fabric_controller.controller import Controller
+from fabric_controller.drivers.agents import AgentClient
+from fabric_controller.events import Event
+from fabric_controller.registry import Health
+from orchestrrl import errors
+from orchestrrl.logs import get_logger
+from orchestrrl.model import Role
+from orchestrrl.v1 import node_agent_pb2
+from scheduler.compute_state import ComputePlan
+from scheduler.perf_model import H800, QWEN25_14B, PerfModel
+
+log = get_logger("fabric_controller.scheduling")
+
+ACTIONS_KEPT = 50
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    timestamp: float
+    kind: str  # reshard, migrate
+    node: str
+    command_id: str
+    ok: bool
+    message: str
+    seconds: float
+    requests: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ScheduleView:
+    """What GetSchedule reports: the latest plan, why, and what was done."""
+
+    enabled: bool
+    interval_s: float
+    planned_at: float = 0.0
+    mode: str = ""
+    reason: str = ""
+    plan: ComputePlan | None = None
+    snapshot: scheduling.Snapshot | None = None
+    acted: bool = False
+    step: int = 0
+    skipped: tuple[str, ...] = ()
+    actions: tuple[ActionRecord, ...] = ()
+    migrations: tuple[scheduling.MigrateCommand, ...] = field(default=())
+
+    def explanation(self) -> str:
+        if not self.enabled:
+            return "compute scheduling is off (--compute-scheduling off)"
+        head = f"compute scheduling every {self.interval_s:g} s"
+        if self.plan is None:
+            return f"{head}: {self.reason or 'no plan yet'}"
+        lines = [f"{head}; {self.mode} for step {self.step}:", self.plan.explain()]
+        if self.skipped:
+            lines.append("  left out: " + "; ".join(self.skipped))
+        if not self.acted and not self.plan.empty:
+            lines.append("  (not carried out)")
+        return "\n".join(lines)
+
+
+class ComputeScheduler:
+    def __init__(
+        self,
+        controller: Controller,
+        clients: Callable[[str, str], AgentClient],
+        *,
+        config: scheduling.SchedulingConfig | None = None,
+        perf: PerfModel | None = None,
+        enabled: bool = True,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        """``clients(node, address)`` gives the agent client of a node."""
+        self.c = controller
+        self.clients = clients
+        self.config = config or scheduling.SchedulingConfig()
+        self.perf = perf or PerfModel(QWEN25_14B, H800)
+        self.enabled = enabled
+        self._wall = wall_clock
+        self._tracker = scheduling.StepTracker()
+        self._rounds = 0
+        self._actions: collections.deque[ActionRecord] = collections.deque(maxlen=ACTIONS_KEPT)
+        self._view = ScheduleView(enabled, self.config.interval_s)
+
+    def view(self) -> ScheduleView:
+        return replace(self._view, actions=tuple(self._actions))
+
+    async def run(self) -> None:
+        """Plan and act every interval (runs until cancelled)."""
+        while True:
+            await asyncio.sleep(self.config.interval_s)
+            try:
+                await self.round()
+            except errors.OrlError as exc:
+                log.warning("compute scheduling round failed", error=str(exc))
+            except Exception:  # a bug here must not take the fabric controller down
+                log.exception("compute scheduling round crashed; next round in the interval")
+
+    # -- one round --
+
+    def _views(self) -> tuple[list[scheduling.NodeView], list[str], dict[str, str]]:
+        views: list[scheduling.NodeView] = []
+        skipped: list[str] = []
+        addresses: dict[str, str] = {}
+        for record, health, _age in self.c.nodes():
+            node = self.c.wiring.node(record.name)
+            if node.role is not Role.GEN:
+                continue
+            if health is not Health.UP:
+                skipped.append(f"{record.name}: {health.value}")
+                continue
+            got = scheduling.node_view(record.name, node.gpus, record.telemetry)
+            if isinstance(got, str):
+                skipped.append(f"{record.name}: {got}")
+                continue
+            views.append(got)
+            addresses[record.name] = record.agent_address
+        return views, skipped, addresses
+
+    async def round(self) -> scheduling.Decision:
+        """Observe, decide, act once; the decision taken."""
+        if not self.enabled:
+            return scheduling.Decision("idle", None, "compute scheduling is off")
+        views, skipped, addresses = self._views()
+        now = self._wall()
+        self._tracker = scheduling.observe(self._tracker, views, now, self.config.history_steps)
+        if not views:
+            nothing = scheduling.Decision("idle", None, "no generation node reports")
+            self._note(now, nothing, skipped)
+            return nothing
+        snap = scheduling.build_state(views)
+        decision = await asyncio.to_thread(
+            scheduling.decide, self._tracker, snap, self.perf, now, self.config
+        )
+        self._tracker = scheduling.planned(self._tracker, decision, now)
+        if decision.plan is None:
+            if self._view.plan is None or decision.mode == "idle":
+                self._note(now, decision, skipped)
+            return decision
+        plan = decision.plan
+        self._rounds += 1
+        reshards, migrations = scheduling.commands_for(
+            plan, snap, f"sched-{int(now)}-{self._rounds}", self.config.max_migrations
+        )
+        self._view = ScheduleView(
+            True,
+            self.config.interval_s,
+            now,
+            decision.mode,
+            plan.reason,
+            plan,
+            snap,
+            False,
+            self._tracker.step or 0,
+            tuple(skipped),
+            migrations=migrations,
+        )
+        if reshards or migrations:
+            await self._act(reshards, migrations, addresses)
+            self._tracker = scheduling.acted(self._tracker, self._wall())
+            self._view = replace(self._view, acted=True)
+        return decision
+
+    def _note(self, now: float, decision: scheduling.Decision, skipped: list[str]) -> None:
+        self._view = ScheduleView(
+            self.enabled,
+            self.config.interval_s,
+            now,
+            decision.mode,
+            decision.why,
+            None,
+            None,
+            False,
+            self._tracker.step or 0,
+            tuple(skipped),
+        )
+
+    async def _act(
+        self,
+        reshards: tuple[scheduling.ReshardCommand, ...],
+        migrations: tuple[scheduling.MigrateCommand, ...],
+        addresses: Mapping[str, str],
+    ) -> None:
+        results = await asyncio.gather(*(self.reshard(r, addresses[r.node]) for r in reshards))
+        failed = {r.node for r, rec in zip(reshards, results, strict=True) if not rec.ok}
+        todo = [m for m in migrations if m.source not in failed and m.target not in failed]
+        moved = await asyncio.gather(*(self.migrate(m, addresses) for m in todo))
+        if moved:  # one event per round (reshards and failures have their own)
+            ok = [m for m in moved if m.ok]
+            requests = sum(len(m.requests) for m in ok)
+            self.c.events.publish(
+                Event(
+                    "compute_migrated",
+                    message=f"{requests} request(s) moved in {len(ok)} of {len(moved)} "
+                    f"migration(s); {len(migrations) - len(todo)} skipped (their node's "
+                    "reshard failed)",
+                )
+            )
+
+    def _record(self, record: ActionRecord) -> ActionRecord:
+        self._actions.append(record)
+        level = log.info if record.ok else log.warning
+        level(
+            "compute action",
+            kind=record.kind,
+            node=record.node,
+            command_id=record.command_id,
+            ok=record.ok,
+            message=record.message,
+            requests=len(record.requests),
+        )
+        if record.kind == "reshard" or not record.ok:
+            self.c.events.publish(
+                Event(
+                    f"compute_{record.kind}" + ("" if record.ok else "_failed"),
+                    node=record.node,
+                    message=record.message,
+                )
+            )
+        return record
+
+    async def reshard(self, cmd: scheduling.ReshardCommand, address: str) -> ActionRecord:
+        started = time.monotonic()
+        before = "+".join(f"TP{t}" for t in cmd.before)
+        after = "+".join(f"TP{t}" for t in cmd.layout)
+        try:
+            reply = await self.clients(cmd.node, address).reshard(cmd.command_id, cmd.layout)
+        except errors.OrlError as exc:
+            return self._record(
+                ActionRecord(
+                    self._wall(),
+                    "reshard",
+                    cmd.node,
+                    cmd.command_id,
+                    False,
+                    f"{before} -> {after} failed: {exc}",
+                    time.monotonic() - started,
+                )
+            )
+        return self._record(
+            ActionRecord(
+                self._wall(),
+                "reshard",
+                cmd.node,
+                cmd.command_id,
+                True,
+                f"{before} -> {after}: {reply.message}",
+                time.monotonic() - started,
+            )
+        )
+
+    async def migrate(
+        self, cmd: scheduling.MigrateCommand, addresses: Mapping[str, str]
+    ) -> ActionRecord:
+        """Export -> import -> resolve (see the module docstring); the outcome."""
+        started = time.monotonic()
+        route = f"{cmd.source} -> {cmd.target}"
+        how = "recompute" if cmd.recompute else "KV move"
+        src = self.clients(cmd.source, addresses[cmd.source])
+        dst = self.clients(cmd.target, addresses[cmd.target])
+        export_id = f"{cmd.command_id}-export"
+
+        def done(ok: bool, message: str, ids: tuple[str, ...]) -> ActionRecord:
+            return self._record(
+                ActionRecord(
+                    self._wall(),
+                    "migrate",
+                    route,
+                    cmd.command_id,
+                    ok,
+                    message,
+                    time.monotonic() - started,
+                    ids,
+                )
+            )
+
+        try:
+            exported = await src.export_requests(export_id, cmd.request_ids, self.config.hold_s)
+        except errors.OrlError as exc:
+            return done(False, f"export from {cmd.source} failed, nothing moved: {exc}", ())
+        ids = tuple(r.request_id for r in exported.requests)
+        if not ids:
+            return done(
+                False, f"none of {len(cmd.request_ids)} request(s) is on {cmd.source} any more", ()
+            )
+        try:
+            imported = await self._import(dst, cmd, list(exported.requests))
+        except errors.OrlError as exc:
+            restored = await self._resolve(src, cmd, export_id, restore=True)
+            return done(
+                False,
+                f"{cmd.target} refused {len(ids)} request(s) on instance {cmd.target_instance} "
+                f"({how}): {exc}; {restored}",
+                ids,
+            )
+        released = await self._resolve(src, cmd, export_id, restore=False)
+        return done(
+            True,
+            f"{len(imported.admitted)} request(s) to instance {cmd.target_instance} by {how}"
+            f" ({imported.bytes_moved} KV bytes, {imported.recomputed_tokens} tokens "
+            f"recomputed); {released}",
+            ids,
+        )
+
+    async def _import(
+        self,
+        dst: AgentClient,
+        cmd: scheduling.MigrateCommand,
+        states: list[node_agent_pb2.RequestState],
+    ) -> node_agent_pb2.ImportRequestsResponse:
+        import_id = f"{cmd.command_id}-import"
+        for attempt in (1, 2):
+            try:
+                return await dst.import_requests(
+                    import_id,
+                    cmd.source,
+                    cmd.target_instance,
+                    cmd.recompute,
+                    states,
+                )
+            except errors.Unavailable:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _resolve(
+        self, src: AgentClient, cmd: scheduling.MigrateCommand, export_id: str, *, restore: bool
+    ) -> str:
+        verb = "restore" if restore else "release"
+        try:
+            r = await src.resolve_export(f"{cmd.command_id}-{verb}", export_id, restore)
+        except errors.OrlError as exc:
+            return (
+                f"{verb} on {cmd.source} failed ({exc}); its hold of {self.config.hold_s:g} s "
+                "restores the requests there when it expires"
+            )
+        if restore:
+            return f"{len(r.restored)} restored on {cmd.source}"
+        if r.restored:  # the hold had expired: the source restored them meanwhile
+            return f"but {cmd.source} had restored them already: {r.message}"
+        return f"{len(r.released)} released by {cmd.source}"

@@ -1,0 +1,404 @@
+"""The compute-scheduling loop's decisions: telemetry in, planner run, commands out.
+
+Pure (no I/O, no clock: ``now`` is an argument); the shell that reads the registry and
+talks to the agents is :mod:`fabric_controller.scheduler_loop`.
+
+One round:
+
+1. :func:`node_view` turns each generation node's latest telemetry sample into a
+   :class:`NodeView` (layout, engine state, step, per-request progress, completed
+   lengths); nodes that are down, silent, not running or inconsistent are skipped and
+   the reason is kept;
+2. :func:`build_state` makes the planner's :class:`~scheduler.compute_state.ComputeState`:
+   instance ``k`` of a node with ``tp_layout`` ``[t0, t1, ...]`` holds the contiguous GPU
+   block starting at ``t0 + ... + t(k-1)`` and is named ``{node}/tp{t}-g{first GPU}``
+   (the planner's canonical name, so a layout the planner chose keeps its ids); a request
+   on an instance is running with its KV cache there, a queued request (instance -1)
+   is in the global queue;
+3. :func:`observe` keeps the step tracker: the step counter (the largest any node
+   reports), when the step started, and the completed lengths of recent steps (the
+   forecast's history across steps);
+4. :func:`decide` runs the planner: a proactive re-plan (layouts and placement) at step
+   start and at the :class:`~scheduler.replan.ReplanSchedule` points of the step,
+   reactive balancing (layouts fixed, requests off stragglers) between them; nothing
+   while telemetry is older than the last action (the agents have not reported its
+   effect yet);
+5. :func:`commands_for` turns a plan into agent commands: one ``Reshard`` per node whose
+   layout changes (the new layout in the planner's canonical order, so instance indices
+   match its instances) and one migration per (source node, target instance, method)
+   group of requests leaving their instance (KV moved, or recomputed by prefill).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from orchestrrl import errors
+from orchestrrl.v1 import node_agent_pb2
+from scheduler.compute import balance, plan_compute
+from scheduler.compute_problem import PlannerConfig
+from scheduler.compute_state import (
+    ComputePlan,
+    ComputeState,
+    Instance,
+    MoveMethod,
+    NodeGpus,
+    Request,
+    canonical_instances,
+)
+from scheduler.forecast import ForecastConfig, build_forecast
+from scheduler.perf_model import PerfModel
+from scheduler.replan import ReplanSchedule
+
+MIN_INTERVAL_S = 0.05
+MAX_INTERVAL_S = 3600.0
+
+
+def check_interval(value: float, field: str = "--compute-interval") -> float:
+    """The loop's interval in seconds (reactive balancing between re-plans)."""
+    if not math.isfinite(value) or not MIN_INTERVAL_S <= value <= MAX_INTERVAL_S:
+        raise errors.field_error(
+            field, value, f"seconds between {MIN_INTERVAL_S} and {MAX_INTERVAL_S:g}"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class SchedulingConfig:
+    interval_s: float = 1.0
+    replan: ReplanSchedule = field(default_factory=ReplanSchedule)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    forecast: ForecastConfig = field(default_factory=ForecastConfig)
+    history_steps: int = 8  # completed-length sets of past steps kept for the forecast
+    max_migrations: int = 64  # requests moved per round at most (the rest wait a round)
+    hold_s: float = 30.0  # how long a source holds exported requests unresolved
+
+    def __post_init__(self) -> None:
+        check_interval(self.interval_s, "interval_s")
+        if self.history_steps < 1:
+            raise errors.field_error("history_steps", self.history_steps, ">= 1")
+        if self.max_migrations < 0:
+            raise errors.field_error("max_migrations", self.max_migrations, ">= 0")
+        if not 0 < self.hold_s <= 3600:
+            raise errors.field_error("hold_s", self.hold_s, "seconds in (0, 3600]")
+
+
+# -- telemetry -> state -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Progress:
+    request_id: str
+    instance: int  # -1: queued
+    prompt_tokens: int
+    generated_tokens: int
+    max_tokens: int  # 0: engine default
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What one generation node reported, as the planner needs it."""
+
+    node: str
+    layout: tuple[int, ...]
+    step: int
+    timestamp: float  # of the sample, seconds since the Unix epoch
+    requests: tuple[Progress, ...]
+    completed: tuple[int, ...]
+
+
+def node_view(
+    node: str, wired_gpus: int, sample: node_agent_pb2.TelemetrySample | None
+) -> NodeView | str:
+    """The node's view, or why it is left out of this round."""
+    if sample is None:
+        return "no telemetry yet"
+    if sample.engine_state != node_agent_pb2.ENGINE_STATE_RUNNING:
+        state = node_agent_pb2.EngineState.Name(sample.engine_state).removeprefix("ENGINE_STATE_")
+        return f"engine {state.lower()}"
+    if not sample.engine.has_progress:
+        # Only the newest sample of each upload carries per-request progress; an empty
+        # request list here means "not reported", not "idle".
+        return "telemetry without per-request progress (older agent or backlog catch-up)"
+    layout = tuple(int(t) for t in sample.tp_layout)
+    if not layout or min(layout) < 1:
+        return f"no usable TP layout {list(layout)}"
+    if sum(layout) != wired_gpus:
+        return f"TP layout {list(layout)} uses {sum(layout)} GPUs, the wiring says {wired_gpus}"
+    progress = []
+    for r in sample.engine.requests:
+        if not r.request_id or not -1 <= r.instance < len(layout):
+            return f"request {r.request_id!r} on instance {r.instance} of layout {list(layout)}"
+        progress.append(
+            Progress(r.request_id, r.instance, r.prompt_tokens, r.generated_tokens, r.max_tokens)
+        )
+    return NodeView(
+        node,
+        layout,
+        int(sample.engine.step),
+        sample.timestamp,
+        tuple(progress),
+        tuple(int(x) for x in sample.engine.completed_lengths),
+    )
+
+
+def node_instances(node: str, layout: Sequence[int]) -> tuple[Instance, ...]:
+    """The instances of a reported layout, in the agent's order (index = position)."""
+    out = []
+    first = 0
+    for t in layout:
+        out.append(Instance(f"{node}/tp{t}-g{first}", node, tuple(range(first, first + t))))
+        first += t
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The planner's state and how to address its instances on the agents."""
+
+    state: ComputeState
+    index: Mapping[str, tuple[str, int]]  # instance id -> (node, index in its layout)
+    views: Mapping[str, NodeView]
+    max_tokens: int | None
+    duplicates: tuple[str, ...] = ()  # request ids reported by two nodes (kept once)
+
+    @property
+    def layouts(self) -> dict[str, tuple[int, ...]]:
+        return {n: v.layout for n, v in self.views.items()}
+
+
+def build_state(views: Iterable[NodeView]) -> Snapshot:
+    """The ComputeState of the nodes' reports (sorted by node; a request reported by two
+    nodes, as can happen for one sample during a migration, is kept on the first)."""
+    ordered = sorted(views, key=lambda v: v.node)
+    nodes: list[NodeGpus] = []
+    instances: list[Instance] = []
+    index: dict[str, tuple[str, int]] = {}
+    requests: list[Request] = []
+    seen: set[str] = set()
+    dup: list[str] = []
+    caps: list[int] = []
+    for v in ordered:
+        nodes.append(NodeGpus(v.node, tuple(range(sum(v.layout)))))
+        insts = node_instances(v.node, v.layout)
+        instances.extend(insts)
+        for k, inst in enumerate(insts):
+            index[inst.id] = (v.node, k)
+        for p in v.requests:
+            if p.request_id in seen:
+                dup.append(p.request_id)
+                continue
+            seen.add(p.request_id)
+            caps.append(p.max_tokens)
+            if p.instance < 0:
+                requests.append(Request(p.request_id, p.prompt_tokens, p.generated_tokens))
+            else:
+                requests.append(
+                    Request(
+                        p.request_id,
+                        p.prompt_tokens,
+                        p.generated_tokens,
+                        insts[p.instance].id,
+                        True,
+                    )
+                )
+    state = ComputeState(tuple(nodes), tuple(instances), tuple(requests))
+    known = [c for c in caps if c > 0]
+    return Snapshot(
+        state,
+        index,
+        {v.node: v for v in ordered},
+        max(known) if known and len(known) == len(caps) else None,
+        tuple(sorted(dup)),
+    )
+
+
+# -- steps and the forecast history ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepTracker:
+    step: int | None = None
+    started_at: float = 0.0
+    completed: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # this step, per node
+    history: tuple[tuple[int, ...], ...] = ()  # completed lengths of past steps, oldest first
+    last_plan_at: float | None = None
+    predicted_step_s: float = 0.0
+    last_action_at: float | None = None  # wall time the last commands finished
+
+    @property
+    def completed_lengths(self) -> tuple[int, ...]:
+        return tuple(x for n in sorted(self.completed) for x in self.completed[n])
+
+
+def observe(
+    tracker: StepTracker, views: Iterable[NodeView], now: float, history_steps: int
+) -> StepTracker:
+    """Fold a round's reports into the tracker: a larger step counter starts a new step
+    (the finished one's completed lengths join the history); otherwise each node's
+    completed lengths of this step are its latest report."""
+    vs = list(views)
+    if not vs:
+        return tracker
+    step = max(v.step for v in vs)
+    if tracker.step is None or step > tracker.step:
+        history = tracker.history
+        done = tracker.completed_lengths
+        if tracker.step is not None and done:
+            history = (*history, done)[-history_steps:]
+        current = {v.node: v.completed for v in vs if v.step == step}
+        return StepTracker(step, now, current, history, None, 0.0, tracker.last_action_at)
+    completed = dict(tracker.completed)
+    for v in vs:
+        if v.step == step:
+            completed[v.node] = v.completed
+    return replace(tracker, completed=completed)
+
+
+# -- the decision ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decision:
+    mode: str  # replan, balance, wait (telemetry older than the last action), idle
+    plan: ComputePlan | None
+    why: str
+
+
+def decide(
+    tracker: StepTracker,
+    snap: Snapshot,
+    perf: PerfModel,
+    now: float,
+    config: SchedulingConfig,
+) -> Decision:
+    if not snap.state.requests:
+        return Decision("idle", None, "no requests in the step")
+    if tracker.last_action_at is not None:
+        stale = sorted(n for n, v in snap.views.items() if v.timestamp <= tracker.last_action_at)
+        if stale:
+            return Decision(
+                "wait",
+                None,
+                f"waiting for telemetry newer than the last action from {', '.join(stale)}",
+            )
+    running = [r.generated_tokens for r in snap.state.requests]
+    forecast = build_forecast(
+        [list(h) for h in tracker.history],
+        list(tracker.completed_lengths),
+        running,
+        max_tokens=snap.max_tokens,
+        config=config.forecast,
+    )
+    due = config.replan.due(
+        step_started_at=tracker.started_at,
+        predicted_step_s=tracker.predicted_step_s,
+        now=now,
+        last_plan_at=tracker.last_plan_at,
+    )
+    if due:
+        plan = plan_compute(snap.state, forecast, perf, now, config.planner)
+        return Decision("replan", plan, "re-plan point of the step")
+    plan = balance(snap.state, forecast, perf, now, config.planner)
+    return Decision("balance", plan, "between re-plan points")
+
+
+def planned(tracker: StepTracker, decision: Decision, now: float) -> StepTracker:
+    """The tracker after a re-plan: its time, and the step's predicted end."""
+    if decision.mode != "replan" or decision.plan is None:
+        return tracker
+    predicted = (now - tracker.started_at) + decision.plan.prediction.planned_makespan_s
+    return replace(tracker, last_plan_at=now, predicted_step_s=predicted)
+
+
+def acted(tracker: StepTracker, at: float) -> StepTracker:
+    return replace(tracker, last_action_at=at)
+
+
+# -- plan -> commands --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReshardCommand:
+    command_id: str
+    node: str
+    layout: tuple[int, ...]  # the planner's canonical order: index k = its k-th instance
+    before: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MigrateCommand:
+    command_id: str
+    source: str
+    target: str
+    target_instance: int
+    recompute: bool
+    request_ids: tuple[str, ...]
+    method: MoveMethod
+    cost_s: float
+
+
+_MOVES = {
+    MoveMethod.KV_NVLINK: False,
+    MoveMethod.KV_NETWORK: False,
+    MoveMethod.RECOMPUTE: True,
+}
+
+
+def after_index(plan: ComputePlan, snap: Snapshot) -> dict[str, tuple[str, int]]:
+    """Instance id -> (node, index in the node's layout after the plan)."""
+    out = dict(snap.index)
+    for r in plan.reshards:
+        insts = canonical_instances(r.node, range(sum(r.after)), r.after)
+        for k, inst in enumerate(insts):
+            out[inst.id] = (r.node, k)
+    return out
+
+
+def commands_for(
+    plan: ComputePlan, snap: Snapshot, tag: str, max_migrations: int
+) -> tuple[tuple[ReshardCommand, ...], tuple[MigrateCommand, ...]]:
+    """Agent commands carrying ``plan`` out; ``tag`` makes their command ids unique.
+
+    Queued requests are left to the engines' own admission (the plan's dispatch is a
+    prediction); requests re-laid out by their node's reshard move with it.
+    """
+    reshards = tuple(
+        ReshardCommand(f"{tag}-reshard-{r.node}", r.node, r.after, snap.views[r.node].layout)
+        for r in plan.reshards
+    )
+    where = after_index(plan, snap)
+    groups: dict[tuple[str, str, int, MoveMethod], list[tuple[str, float]]] = {}
+    count = 0
+    for m in plan.migrations:
+        recompute = _MOVES.get(m.method)
+        if recompute is None or m.source is None or count >= max_migrations:
+            continue
+        src_node = snap.index[m.source][0]
+        dst_node, k = where[m.target]
+        groups.setdefault((src_node, dst_node, k, m.method), []).append((m.request, m.cost_s))
+        count += 1
+    migrations = []
+    for n, ((src, dst, k, method), items) in enumerate(sorted(groups.items())):
+        migrations.append(
+            MigrateCommand(
+                f"{tag}-migrate-{n}",
+                src,
+                dst,
+                k,
+                _MOVES[method],
+                tuple(rid for rid, _ in items),
+                method,
+                sum(c for _, c in items),
+            )
+        )
+    return reshards, tuple(migrations)
+
+
+def layouts_after(plan: ComputePlan, snap: Snapshot) -> dict[str, tuple[int, ...]]:
+    out = dict(snap.layouts)
+    for r in plan.reshards:
+        out[r.node] = r.after
+    return out

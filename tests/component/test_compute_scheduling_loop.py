@@ -1,0 +1,357 @@
+"""The compute-scheduling loop end to end in one process: a real controller (gRPC, with
+simulated OCS) and two real node agents with simulated engines, registered and streaming
+telemetry over their uplinks. A long tail on one node makes the loop reshard and move
+requests; a destination that refuses ends with the requests back on the source."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+import pytest
+
+from fabric_controller import scheduling
+from fabric_controller.drivers.agents import AgentClients
+from fabric_controller.scheduler_loop import ComputeScheduler
+from fabric_controller.servicer import FabricControllerServicer
+from node_agent.commands import CommandLog
+from node_agent.gpus import SimulatedGpus
+from node_agent.nics import SysfsNics
+from node_agent.servicer import SERVICE_NAME, NodeAgentService
+from node_agent.telemetry import Collector
+from node_agent.uplink import Uplink, UplinkSettings
+from orchestrrl import grpcutil
+from orchestrrl.client import AsyncClient
+from orchestrrl.model import Wiring
+from orchestrrl.v1 import fabric_controller_pb2_grpc
+from orchestrrl.v1 import node_agent_pb2 as pb
+from orchestrrl.v1 import node_agent_pb2_grpc as pb_grpc
+from scheduler.compute_state import MoveMethod
+from scheduler.replan import ReplanSchedule
+from sim_backends.engine import SimEngineConfig, SimulatedEngine
+from sim_backends.harness import SERVICE, Fabric, start_fabric
+
+if TYPE_CHECKING:
+    from orchestrrl.v1.node_agent_pb2_grpc import NodeAgentAsyncStub
+
+pytestmark = pytest.mark.component
+
+GEN = ("gen0-n0", "gen0-n1")
+FAST = UplinkSettings(rpc_timeout_s=2.0, backoff_initial_s=0.02, backoff_max_s=0.1)
+# no arrivals: the test places the step's requests itself (through ImportRequests)
+QUIET = SimEngineConfig(arrival_rate_per_gpu=0.0)
+
+
+@dataclass
+class Agent:
+    node: str
+    engine: SimulatedEngine
+    servicer: NodeAgentService
+    server: grpcutil.RunningServer
+    stub: NodeAgentAsyncStub
+    uplink: asyncio.Task[None]
+
+
+@dataclass
+class Cluster:
+    fabric: Fabric
+    scheduler: ComputeScheduler
+    controller_address: str  # serves GetSchedule from ``scheduler``
+    agents: dict[str, Agent]
+
+
+async def start_agent(node: str, controller: str, tmp: Path) -> Agent:
+    engine = SimulatedEngine(8, (2, 2, 2, 2), seed=1, config=QUIET, request_prefix=node)
+    collector = Collector(node, SimulatedGpus(8, seed=1), SysfsNics([], root=tmp), engine)
+    await collector.open()
+    servicer = NodeAgentService(collector, engine, CommandLog(), default_interval_s=0.05)
+    server = await grpcutil.start_server(
+        "127.0.0.1:0",
+        lambda s: pb_grpc.add_NodeAgentServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+    )
+    uplink = Uplink(collector, server.address, lambda: controller, 0.05, settings=FAST)
+    channel = grpcutil.insecure_channel(server.address)
+    stub = cast("NodeAgentAsyncStub", pb_grpc.NodeAgentStub(channel))
+    return Agent(node, engine, servicer, server, stub, asyncio.create_task(uplink.run()))
+
+
+@pytest.fixture
+async def cluster(example_wiring: Wiring, tmp_path: Path) -> AsyncIterator[Cluster]:
+    fabric = await start_fabric(
+        example_wiring, tmp_path / "state.db", switching_time_s=0.001, heartbeat_interval_s=0.2,
+        deadline_s=2.0,
+    )  # fmt: skip
+    clients = AgentClients(None, timeout_s=5.0)
+    config = scheduling.SchedulingConfig(
+        interval_s=0.1, replan=ReplanSchedule(min_interval_s=0.2), hold_s=10.0
+    )
+    sched = ComputeScheduler(fabric.controller, clients.get, config=config)
+    server = await grpcutil.start_server(
+        "127.0.0.1:0",
+        lambda s: fabric_controller_pb2_grpc.add_FabricControllerServicer_to_server(
+            FabricControllerServicer(fabric.controller, scheduler=sched), s
+        ),
+        [SERVICE],
+    )
+    agents: dict[str, Agent] = {}
+    try:
+        for node in GEN:
+            agents[node] = await start_agent(node, server.address, tmp_path)
+        yield Cluster(fabric, sched, server.address, agents)
+    finally:
+        for a in agents.values():
+            a.uplink.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await a.uplink
+            await a.server.stop(0)
+            await a.servicer.close()
+        await clients.close()
+        await server.stop(0)
+        await fabric.stop()
+
+
+async def until(what: str, check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not check():  # noqa: ASYNC110 - polls state that other tasks change
+            await asyncio.sleep(0.02)
+    assert check(), what
+
+
+def long_request(rid: str, instance: int, generated: int = 6000) -> pb.RequestState:
+    return pb.RequestState(
+        request_id=rid,
+        prompt_tokens=512,
+        generated_tokens=generated,
+        max_tokens=16384,
+        source_instance=instance,
+        engine_state=json.dumps({"output_tokens": 15000}).encode(),
+    )
+
+
+async def seed_long_tail(agent: Agent) -> list[str]:
+    """Four long requests, one on each TP2 instance of the node: a step's long tail."""
+    ids = []
+    for k in range(4):
+        rid = f"tail-{k}"
+        reply = await agent.stub.ImportRequests(
+            pb.ImportRequestsRequest(
+                command_id=f"seed-{k}",
+                instance=k,
+                method=pb.MIGRATION_METHOD_KV,
+                requests=[long_request(rid, k)],
+            ),
+            timeout=5.0,
+        )
+        assert list(reply.admitted) == [rid]
+        ids.append(rid)
+    return ids
+
+
+def on_node(agent: Agent) -> set[str]:
+    return {r.request_id for r in agent.engine.progress().requests}
+
+
+def registered(c: Cluster) -> bool:
+    recs = {r.name: r for r in c.fabric.controller.registry.records()}
+    return all(recs[n].telemetry is not None for n in GEN)
+
+
+async def test_long_tail_makes_the_loop_reshard_and_move_requests(cluster: Cluster) -> None:
+    c = cluster
+    ids = await seed_long_tail(c.agents["gen0-n0"])
+    await until("both agents report telemetry", lambda: registered(c))
+    await until(
+        "the controller sees the four requests",
+        lambda: all(
+            len(r.telemetry.engine.requests) == 4
+            for r in c.fabric.controller.registry.records()
+            if r.name == "gen0-n0" and r.telemetry is not None
+        ),
+    )
+    decision = await c.scheduler.round()
+    assert decision.mode == "replan" and decision.plan is not None
+    assert decision.plan.reshards, decision.plan.explain()
+
+    async with AsyncClient(c.controller_address, timeout_s=5.0) as client:
+        s = await client.schedule()
+    assert s.enabled and s.acted and s.mode == "replan"
+    assert s.requests == 4
+    planned = {r["node"]: r["after"] for r in s.reshards}
+    assert planned.get("gen0-n0") == [8], s.explanation
+    layouts = {x["node"]: (x["before"], x["after"]) for x in s.layouts}
+    assert layouts["gen0-n0"] == ([2, 2, 2, 2], [8])
+    assert "reshard gen0-n0: TP2+TP2+TP2+TP2 -> TP8" in s.explanation
+    assert s.prediction["gain_s"] > 0
+    kinds = [(a["kind"], a["ok"]) for a in s.actions]
+    assert ("reshard", True) in kinds, s.actions
+
+    # the agents did it: layouts changed as planned, moved requests run on the target
+    for node, after in planned.items():
+        status = await c.agents[node].stub.GetStatus(pb.GetStatusRequest(), timeout=5.0)
+        assert tuple(status.tp_layout) == tuple(after)
+    moved = {
+        m["request_id"]: m["target_node"]
+        for m in s.migrations
+        if m["source_node"] != m["target_node"]
+    }
+    if moved:
+        assert ("migrate", True) in kinds, s.actions
+    for rid in ids:
+        target = moved.get(rid, "gen0-n0")
+        assert rid in on_node(c.agents[target]), (rid, target, s.actions)
+    assert on_node(c.agents["gen0-n0"]) | on_node(c.agents["gen0-n1"]) == set(ids)
+
+    # the next rounds wait for telemetry newer than the actions, then change no layout
+    async def settled() -> scheduling.Decision:
+        while True:
+            d = await c.scheduler.round()
+            if d.mode != "wait":
+                return d
+            await asyncio.sleep(0.05)
+
+    async with asyncio.timeout(5.0):
+        again = await settled()
+    assert again.plan is not None
+    assert not again.plan.reshards, again.plan.explain()
+
+
+async def test_refused_migration_returns_the_requests_to_the_source(cluster: Cluster) -> None:
+    c = cluster
+    ids = await seed_long_tail(c.agents["gen0-n0"])
+    await until("both agents report telemetry", lambda: registered(c))
+    # the destination stops admitting: its ImportRequests refuses with FAILED_PRECONDITION
+    await c.agents["gen0-n1"].stub.Drain(pb.DrainRequest(command_id="drain"), timeout=5.0)
+    cmd = scheduling.MigrateCommand(
+        "t-migrate-0", "gen0-n0", "gen0-n1", 0, False, (ids[0], ids[1]),
+        MoveMethod.KV_NETWORK, 0.03,
+    )  # fmt: skip
+    addresses = {n: a.server.address for n, a in c.agents.items()}
+    record = await c.scheduler.migrate(cmd, addresses)
+    assert not record.ok
+    assert "gen0-n1 refused 2 request(s)" in record.message
+    assert "not admitting" in record.message
+    assert "2 restored on gen0-n0" in record.message
+    assert on_node(c.agents["gen0-n0"]) == set(ids)
+    assert on_node(c.agents["gen0-n1"]) == set()
+    assert c.agents["gen0-n0"].servicer._exports.held() == {}
+    # back on their instances, still decoding
+    where = {r.request_id: r.instance for r in c.agents["gen0-n0"].engine.progress().requests}
+    assert where[ids[0]] == 0 and where[ids[1]] == 1
+
+    async with AsyncClient(c.controller_address, timeout_s=5.0) as client:
+        s = await client.schedule()
+    assert s.actions[-1]["kind"] == "migrate" and not s.actions[-1]["ok"]
+    assert s.actions[-1]["requests"] == ids[:2]
+
+    # a retried export under the same command id replays, it does not export again
+    src = c.agents["gen0-n0"].stub
+    first = await src.ExportRequests(
+        pb.ExportRequestsRequest(command_id="x1", request_ids=[ids[2]], hold_s=5.0), timeout=5.0
+    )
+    again = await src.ExportRequests(
+        pb.ExportRequestsRequest(command_id="x1", request_ids=[ids[2]], hold_s=5.0), timeout=5.0
+    )
+    assert first == again and [r.request_id for r in first.requests] == [ids[2]]
+    assert ids[2] not in on_node(c.agents["gen0-n0"])
+    # the destination takes it (it admits again): the source releases it
+    await c.agents["gen0-n1"].stub.Resume(pb.ResumeRequest(command_id="resume"), timeout=5.0)
+    await c.agents["gen0-n1"].stub.ImportRequests(
+        pb.ImportRequestsRequest(
+            command_id="i1", instance=2, method=pb.MIGRATION_METHOD_RECOMPUTE,
+            requests=first.requests,
+        ),
+        timeout=5.0,
+    )  # fmt: skip
+    done = await src.ResolveExport(
+        pb.ResolveExportRequest(command_id="r1", export_command_id="x1", restore=False),
+        timeout=5.0,
+    )
+    assert list(done.released) == [ids[2]]
+    assert ids[2] in on_node(c.agents["gen0-n1"]) and ids[2] not in on_node(c.agents["gen0-n0"])
+
+
+async def test_an_unresolved_export_is_restored_when_its_hold_expires(cluster: Cluster) -> None:
+    ids = await seed_long_tail(cluster.agents["gen0-n0"])
+    src = cluster.agents["gen0-n0"].stub
+    r = await src.ExportRequests(
+        pb.ExportRequestsRequest(command_id="x", request_ids=[ids[0], "nope"], hold_s=0.2),
+        timeout=5.0,
+    )
+    assert [x.request_id for x in r.requests] == [ids[0]] and list(r.missing) == ["nope"]
+    assert ids[0] not in on_node(cluster.agents["gen0-n0"])
+    await until("restored by the hold", lambda: ids[0] in on_node(cluster.agents["gen0-n0"]), 5.0)
+    late = await src.ResolveExport(
+        pb.ResolveExportRequest(command_id="late", export_command_id="x", restore=False),
+        timeout=5.0,
+    )
+    assert list(late.restored) == [ids[0]] and not late.released
+    assert "not resolved within 0.2 s" in late.message
+
+
+async def test_with_mutual_tls_only_the_controller_may_migrate(tmp_path: Path) -> None:
+    from orchestrrl import errors
+    from orchestrrl.devcerts import make_dev_pki
+    from orchestrrl.tls import Authorizer, TlsConfig
+
+    pki = make_dev_pki(tmp_path / "pki", ["orl-fabric-controller", "gen0-n0", "alice"])
+
+    def tls(who: str) -> TlsConfig:
+        return TlsConfig(pki[who].cert, pki[who].key, pki[who].ca)
+
+    engine = SimulatedEngine(8, (2, 2, 2, 2), seed=1, config=QUIET, request_prefix="n0")
+    collector = Collector("gen0-n0", SimulatedGpus(8, seed=1), SysfsNics([], root=tmp_path), engine)
+    await collector.open()
+    servicer = NodeAgentService(
+        collector, engine, CommandLog(), 0.05, auth=Authorizer(tls("gen0-n0")),
+        controllers=frozenset({"orl-fabric-controller"}),
+    )  # fmt: skip
+    server = await grpcutil.start_server(
+        "127.0.0.1:0",
+        lambda s: pb_grpc.add_NodeAgentServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        tls=tls("gen0-n0"),
+    )
+    try:
+        for who, allowed in (("orl-fabric-controller", True), ("alice", False)):
+            clients = AgentClients(tls(who), timeout_s=5.0)
+            agent = clients.get("gen0-n0", server.address)
+            try:
+                if allowed:
+                    r = await agent.import_requests("i", "", 0, True, [long_request("a", 0)])
+                    assert list(r.admitted) == ["a"]
+                    out = await agent.export_requests("x", ["a"], 5.0)
+                    assert [s.request_id for s in out.requests] == ["a"]
+                    back = await agent.resolve_export("r", "x", restore=True)
+                    assert back.restored == ("a",)
+                else:
+                    with pytest.raises(errors.PermissionDenied, match="orl-fabric-controller"):
+                        await agent.export_requests("x2", ["a"], 5.0)
+                    with pytest.raises(errors.PermissionDenied):
+                        await agent.import_requests("i2", "", 0, True, [long_request("b", 0)])
+                    with pytest.raises(errors.PermissionDenied):
+                        await agent.resolve_export("r2", "x", restore=False)
+            finally:
+                await clients.close()
+        assert {r.request_id for r in engine.progress().requests} == {"a"}
+    finally:
+        await server.stop(0.1)
+        await servicer.close()
+
+
+async def test_get_schedule_says_when_the_loop_is_off(cluster: Cluster) -> None:
+    # the harness's own server has no compute scheduler
+    async with AsyncClient(cluster.fabric.address, timeout_s=5.0) as client:
+        s = await client.schedule()
+    assert not s.enabled and not s.acted and s.actions == []
+    assert "compute scheduling is off" in s.explanation
+    # the loop's server before any round
+    async with AsyncClient(cluster.controller_address, timeout_s=5.0) as client:
+        s = await client.schedule()
+    assert s.enabled and s.interval_s == 0.1 and s.planned_at == 0.0
+    assert "no plan yet" in s.explanation

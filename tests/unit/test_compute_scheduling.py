@@ -1,0 +1,291 @@
+"""The compute-scheduling loop's pure core: telemetry -> ComputeState -> decision -> commands."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from fabric_controller import scheduling as s
+from orchestrrl import errors
+from orchestrrl.v1 import node_agent_pb2 as pb
+from scheduler.compute_state import MoveMethod, apply_plan, canonical_instances
+from scheduler.perf_model import H800, QWEN25_14B, PerfModel
+
+pytestmark = pytest.mark.unit
+
+PM = PerfModel(QWEN25_14B, H800)
+RNG = random.Random(3)
+HISTORY = tuple(
+    tuple(min(16384, int(RNG.lognormvariate(7.0, 1.0))) for _ in range(256)) for _ in range(3)
+)
+
+
+def sample(
+    layout: tuple[int, ...] = (2, 2, 2, 2),
+    requests: list[tuple[str, int, int]] = (),  # type: ignore[assignment]
+    *,
+    state: pb.EngineState.ValueType = pb.ENGINE_STATE_RUNNING,
+    step: int = 1,
+    completed: tuple[int, ...] = (),
+    timestamp: float = 100.0,
+    has_progress: bool = True,
+) -> pb.TelemetrySample:
+    return pb.TelemetrySample(
+        node="x",
+        timestamp=timestamp,
+        engine_state=state,
+        tp_layout=layout,
+        engine=pb.EngineSample(
+            requests=[
+                pb.RequestProgress(
+                    request_id=rid,
+                    instance=inst,
+                    prompt_tokens=512,
+                    generated_tokens=gen,
+                    max_tokens=16384,
+                )
+                for rid, inst, gen in requests
+            ],
+            completed_lengths=completed,
+            step=step,
+            has_progress=has_progress,
+        ),
+    )
+
+
+def view(node: str, **kw: object) -> s.NodeView:
+    got = s.node_view(node, 8, sample(**kw))  # type: ignore[arg-type]
+    assert isinstance(got, s.NodeView), got
+    return got
+
+
+def test_node_view_reads_layout_requests_and_step() -> None:
+    v = view("g0", requests=[("a", 0, 10), ("b", -1, 0)], completed=(5, 7), step=3)
+    assert v.layout == (2, 2, 2, 2)
+    assert v.step == 3
+    assert v.completed == (5, 7)
+    assert v.requests[0] == s.Progress("a", 0, 512, 10, 16384)
+    assert v.requests[1].instance == -1
+
+
+@pytest.mark.parametrize(
+    ("smp", "why"),
+    [
+        (None, "no telemetry yet"),
+        (sample(state=pb.ENGINE_STATE_RESHARDING), "engine resharding"),
+        (sample(state=pb.ENGINE_STATE_DRAINED), "engine drained"),
+        (sample(layout=(2, 2)), "uses 4 GPUs, the wiring says 8"),
+        (sample(layout=()), "no usable TP layout"),
+        (sample(requests=[("a", 4, 1)]), "request 'a' on instance 4"),
+        (sample(requests=[("", 0, 1)]), "request '' on instance 0"),
+        (sample(has_progress=False), "without per-request progress"),
+    ],
+)
+def test_node_view_says_why_a_node_is_left_out(smp: pb.TelemetrySample | None, why: str) -> None:
+    got = s.node_view("g0", 8, smp)
+    assert isinstance(got, str)
+    assert why in got
+
+
+def test_build_state_names_instances_like_the_planner_and_places_requests() -> None:
+    a = view("g0", layout=(4, 2, 2), requests=[("r1", 1, 100), ("r2", -1, 0)])
+    b = view("g1", layout=(8,), requests=[("r3", 0, 5)])
+    snap = s.build_state([b, a])
+    ids = [i.id for i in snap.state.instances]
+    assert ids == ["g0/tp4-g0", "g0/tp2-g4", "g0/tp2-g6", "g1/tp8-g0"]
+    # a descending layout has exactly the planner's canonical instances
+    assert snap.state.instances_on("g0") == canonical_instances("g0", range(8), (4, 2, 2))
+    assert snap.index["g0/tp2-g4"] == ("g0", 1)
+    by_id = {r.id: r for r in snap.state.requests}
+    assert by_id["r1"].instance == "g0/tp2-g4" and by_id["r1"].running
+    assert by_id["r1"].context_tokens == 612
+    assert by_id["r2"].instance is None and not by_id["r2"].running
+    assert by_id["r3"].instance == "g1/tp8-g0"
+    assert snap.max_tokens == 16384
+    assert snap.layouts == {"g0": (4, 2, 2), "g1": (8,)}
+
+
+def test_build_state_keeps_a_request_reported_twice_once() -> None:
+    a = view("g0", requests=[("r1", 0, 100)])
+    b = view("g1", requests=[("r1", 2, 100)])
+    snap = s.build_state([a, b])
+    assert [r.instance for r in snap.state.requests] == ["g0/tp2-g0"]
+    assert snap.duplicates == ("r1",)
+
+
+def test_step_tracker_moves_completed_lengths_into_history_on_a_new_step() -> None:
+    t = s.StepTracker()
+    t = s.observe(t, [view("g0", step=1, completed=(5,)), view("g1", step=1)], 10.0, 2)
+    assert (t.step, t.started_at, t.history) == (1, 10.0, ())
+    t = s.observe(
+        t, [view("g0", step=1, completed=(5, 9)), view("g1", step=1, completed=(3,))], 11, 2
+    )
+    assert t.completed_lengths == (5, 9, 3)
+    assert t.started_at == 10.0
+    t = s.observe(t, [view("g0", step=2), view("g1", step=1, completed=(3, 4))], 20.0, 2)
+    assert t.step == 2 and t.started_at == 20.0
+    assert t.history == ((5, 9, 3),)
+    assert t.completed_lengths == ()  # g1 still reports step 1: not this step's
+    t = s.observe(t, [view("g0", step=3, completed=(1,))], 30.0, 2)
+    t = s.observe(t, [view("g0", step=4)], 40.0, 2)
+    # a step that completed nothing adds no history; at most history_steps are kept
+    assert t.history == ((5, 9, 3), (1,))
+    t = s.observe(t, [view("g0", step=5, completed=(2,))], 50.0, 2)
+    t = s.observe(t, [view("g0", step=6)], 60.0, 2)
+    assert t.history == ((1,), (2,))
+
+
+def long_tail() -> tuple[s.Snapshot, s.StepTracker]:
+    """Four long requests on one node of 4xTP2, an idle second node: the long tail."""
+    a = view("g0", requests=[(f"r{i}", i, 6000) for i in range(4)], completed=HISTORY[0][:200])
+    b = view("g1", completed=HISTORY[1][:200])
+    t = s.observe(s.StepTracker(history=HISTORY), [a, b], 50.0, 8)
+    return s.build_state([a, b]), t
+
+
+def test_long_tail_replan_merges_instances_and_moves_requests_to_the_idle_node() -> None:
+    snap, t = long_tail()
+    d = s.decide(t, snap, PM, 60.0, s.SchedulingConfig())
+    assert d.mode == "replan" and d.plan is not None
+    assert {r.node: r.after for r in d.plan.reshards} == {"g0": (8,), "g1": (8,)}
+    assert d.plan.prediction.planned_makespan_s < d.plan.prediction.keep_makespan_s
+    reshards, migrations = s.commands_for(d.plan, snap, "t1", 64)
+    assert [(r.command_id, r.node, r.layout, r.before) for r in reshards] == [
+        ("t1-reshard-g0", "g0", (8,), (2, 2, 2, 2)),
+        ("t1-reshard-g1", "g1", (8,), (2, 2, 2, 2)),
+    ]
+    assert len(migrations) == 1
+    m = migrations[0]
+    assert (m.source, m.target, m.target_instance, m.recompute) == ("g0", "g1", 0, False)
+    assert m.method is MoveMethod.KV_NETWORK and len(m.request_ids) == 2
+    # the plan's layout after, by node, as GetSchedule reports it
+    assert s.layouts_after(d.plan, snap) == {"g0": (8,), "g1": (8,)}
+
+
+def test_after_the_plan_is_applied_the_next_round_changes_nothing() -> None:
+    snap, t = long_tail()
+    d = s.decide(t, snap, PM, 60.0, s.SchedulingConfig())
+    assert d.plan is not None
+    after = apply_plan(snap.state, d.plan)
+    views = []
+    for node in ("g0", "g1"):
+        insts = after.instances_on(node)
+        layout = tuple(i.tp for i in insts)
+        reqs = [
+            (r.id, [i.id for i in insts].index(r.instance), r.generated_tokens)
+            for r in after.requests
+            if r.instance is not None and r.instance.startswith(node + "/")
+        ]
+        views.append(view(node, layout=layout, requests=reqs, timestamp=200.0))
+    snap2 = s.build_state(views)
+    assert snap2.state.instances == tuple(sorted(after.instances))
+    t2 = s.acted(s.planned(t, d, 60.0), 150.0)
+    d2 = s.decide(t2, snap2, PM, 61.0, s.SchedulingConfig())
+    assert d2.mode == "balance" and d2.plan is not None
+    assert d2.plan.empty, d2.plan.explain()
+
+
+def test_no_decision_on_telemetry_older_than_the_last_action() -> None:
+    snap, t = long_tail()
+    d = s.decide(s.acted(t, 100.0), snap, PM, 60.0, s.SchedulingConfig())
+    assert d.mode == "wait" and d.plan is None
+    assert "g0" in d.why and "g1" in d.why
+
+
+def test_nothing_to_plan_without_requests() -> None:
+    snap = s.build_state([view("g0"), view("g1")])
+    d = s.decide(s.StepTracker(), snap, PM, 1.0, s.SchedulingConfig())
+    assert (d.mode, d.plan) == ("idle", None)
+
+
+def test_between_replan_points_only_balancing_runs() -> None:
+    snap, t = long_tail()
+    d = s.decide(t, snap, PM, 60.0, s.SchedulingConfig())
+    t = s.planned(t, d, 60.0)
+    assert t.last_plan_at == 60.0 and t.predicted_step_s > 10.0
+    d2 = s.decide(t, snap, PM, 60.5, s.SchedulingConfig())
+    assert d2.mode == "balance" and d2.plan is not None
+    assert not d2.plan.reshards
+
+
+def test_migrations_per_round_are_capped() -> None:
+    snap, t = long_tail()
+    d = s.decide(t, snap, PM, 60.0, s.SchedulingConfig())
+    assert d.plan is not None
+    _, migrations = s.commands_for(d.plan, snap, "t", 1)
+    assert sum(len(m.request_ids) for m in migrations) == 1
+    _, none = s.commands_for(d.plan, snap, "t", 0)
+    assert none == ()
+
+
+@pytest.mark.parametrize("value", [0.0, 0.01, -1.0, float("nan"), float("inf"), 1e9])
+def test_interval_is_validated(value: float) -> None:
+    with pytest.raises(errors.InvalidArgument, match="--compute-interval"):
+        s.check_interval(value)
+    with pytest.raises(errors.InvalidArgument, match="interval_s"):
+        s.SchedulingConfig(interval_s=value)
+
+
+def test_interval_in_range_is_accepted() -> None:
+    assert s.check_interval(0.5) == 0.5
+
+
+def test_controller_flags_enable_the_loop_and_validate_its_interval(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from fabric_controller.main import build_parser
+
+    args = build_parser().parse_args([])
+    assert (args.compute_scheduling, args.compute_interval) == ("off", 1.0)
+    args = build_parser().parse_args(["--compute-scheduling", "on", "--compute-interval", "0.25"])
+    assert (args.compute_scheduling, args.compute_interval) == ("on", 0.25)
+    for bad in ("0", "abc", "nan", "1e9"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--compute-interval", bad])
+        assert "--compute-interval" in capsys.readouterr().err
+
+
+def test_orlctl_schedule_show_prints_layouts_plan_and_actions() -> None:
+    from fabric_controller.cli import build_parser, describe_schedule
+    from orchestrrl.client import ScheduleView
+
+    assert build_parser().parse_args(["schedule", "show", "--json"]).json
+    view = ScheduleView(
+        enabled=True,
+        interval_s=1.0,
+        planned_at=1000.0,
+        mode="replan",
+        reason="reshard 1 node(s)",
+        explanation="compute scheduling every 1 s; replan for step 3:\ncompute plan ...",
+        acted=True,
+        step=3,
+        requests=4,
+        layouts=[
+            {"node": "g0", "before": [2, 2, 2, 2], "after": [8]},
+            {"node": "g1", "before": [8], "after": [8]},
+        ],
+        reshards=[{"node": "g0", "before": [2, 2, 2, 2], "after": [8], "pause_s": 2.3}],
+        migrations=[],
+        prediction={"gain_s": 9.0},
+        actions=[
+            {
+                "timestamp": 1000.5,
+                "kind": "migrate",
+                "node": "g0 -> g1",
+                "command_id": "c",
+                "ok": False,
+                "message": "g1 refused 2 request(s)",
+                "seconds": 0.04,
+                "requests": ["a", "b"],
+            }
+        ],
+        skipped_nodes=[],
+    )
+    text = describe_schedule(view)
+    assert text.startswith("compute scheduling every 1 s; replan for step 3:")
+    assert "layouts (2 generation nodes, 4 requests, 1 changing):" in text
+    assert "g0             TP2+TP2+TP2+TP2 -> TP8" in text
+    assert "g1             TP8\n" in text
+    assert "carried out" in text
+    assert "FAILED migrate  g0 -> g1: g1 refused 2 request(s) (0.04 s)" in text
