@@ -9,6 +9,21 @@ one core) and its RSS (VmRSS from /proc/PID/status, peak of 10 Hz readings). The
 baseline, measured over the same window, is an idle ``python -c "import time;
 time.sleep(N)"`` process (interpreter start-up excluded, like the agent's).
 
+What the table separates, all measured in the same window:
+
+* (a) the whole agent process (utime+stime from /proc/PID/stat);
+* (b) the simulated rollout engine's stepping (arrivals, token generation), which on a
+  real node runs in vLLM's own processes: the agent accounts the CPU time of its
+  simulation steps with ``time.thread_time`` and logs the running totals at each
+  SIGUSR1, sent at both ends of the window;
+* (a) - (b): the agent's own work, which the target applies to. The simulated GPUs'
+  readings stay in it (on a real node the agent makes NVML calls in their place); their
+  share is shown on its own line;
+* wake-ups per second (voluntary and involuntary context switches of every thread, from
+  /proc/PID/task/*/status) and CPU per thread (schedstat, nanoseconds);
+* two baselines: an idle ``python`` (sleeping) and a ``python`` that only wakes at R Hz on
+  uvloop (the floor any R Hz Python daemon pays on this machine).
+
 Every sample is taken at R Hz (GPUs, NICs, RDMA, engine figures); the agent uploads them
 in batches every ``--flush-interval`` seconds (its default 1 s; one gRPC message each,
 the engine's per-request progress on the newest sample). ``--also-unbatched`` measures,
@@ -21,7 +36,7 @@ namespace is deleted afterwards. Without root, the agent reports the (up to 8)
 interfaces this host has, and the table says how many that was.
 
     python bench/agent_overhead.py [--seconds 20] [--hz 10] [--flush-interval 1]
-        [--also-unbatched] [--json out.json]
+        [--also-unbatched] [--compare-checkout DIR] [--json out.json]
 
 Targets: < 1 % of one core, < 100 MiB RSS.
 """
@@ -32,6 +47,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -59,6 +75,69 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def threads(pid: int) -> dict[int, tuple[str, int, int]]:
+    """Per thread: (name, CPU ns from schedstat, context switches) of a live process."""
+    out: dict[int, tuple[str, int, int]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            cpu_ns = int((task / "schedstat").read_text().split()[0])
+            switches = sum(
+                int(line.split()[1])
+                for line in (task / "status").read_text().splitlines()
+                if "ctxt_switches:" in line  # voluntary and nonvoluntary
+            )
+        except (OSError, ValueError, IndexError):  # the thread ended meanwhile
+            continue
+        out[int(task.name)] = (name, cpu_ns, switches)
+    return out
+
+
+def thread_rows(
+    pid: int, before: dict[int, tuple[str, int, int]], after: dict[int, tuple[str, int, int]],
+    wall: float,
+) -> list[dict[str, object]]:  # fmt: skip
+    """CPU % and wake-ups/s of the threads alive at both ends, main thread first."""
+    rows = []
+    for tid in sorted(before.keys() & after.keys(), key=lambda t: (t != pid, t)):
+        name, ns0, sw0 = before[tid]
+        _, ns1, sw1 = after[tid]
+        rows.append(
+            {
+                "thread": "main" if tid == pid else name,
+                "cpu_pct_of_one_core": 100.0 * (ns1 - ns0) / 1e9 / wall,
+                "wakeups_per_s": (sw1 - sw0) / wall,
+            }
+        )
+    return rows
+
+
+async def cpu_accounting(pid: int, log_path: Path, seen: int) -> dict[str, float]:
+    """Ask the agent for its CPU accounting (SIGUSR1) and wait for the log line."""
+    os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        lines = [
+            json.loads(line)
+            for line in (await asyncio.to_thread(log_path.read_text)).splitlines()
+            if '"cpu_accounting"' in line
+        ]
+        if len(lines) > seen:
+            return {k: float(v) for k, v in lines[-1].items() if k.endswith("_cpu_s")}
+        await asyncio.sleep(0.02)
+    text = await asyncio.to_thread(log_path.read_text)
+    raise SystemExit(f"the agent did not answer SIGUSR1:\n{text}")
+
+
+TICKER = """
+import asyncio, sys, uvloop
+async def main(period):
+    while True:
+        await asyncio.sleep(period)
+uvloop.run(main(float(sys.argv[1])))
+"""
 
 
 def ip(*args: str) -> None:
@@ -97,6 +176,32 @@ def host_nics() -> Iterator[tuple[list[str], list[str], str]]:
     yield [], names, "127.0.0.1"
 
 
+async def start_agent(
+    prefix: list[str], nics: list[str], controller_address: str, checkout: Path, node: str,
+    hz: float, flush_interval: float, log_path: Path,
+) -> asyncio.subprocess.Process:  # fmt: skip
+    command = [
+        *prefix,
+        sys.executable,
+        "-m",
+        "node_agent.main",
+        "--plaintext",
+        f"--node={node}",
+        "--listen=127.0.0.1:0",
+        f"--controller={controller_address}",
+        "--gpu-backend=sim",
+        "--gpus=8",
+        f"--telemetry-interval={1.0 / hz}",
+        f"--telemetry-flush-interval={flush_interval}",
+        "--log-format=json",
+        *[f"--nic={n}" for n in nics],
+    ]
+    with log_path.open("w") as log_file:  # ``-m`` imports the agent from the checkout (cwd)
+        return await asyncio.create_subprocess_exec(
+            *command, cwd=checkout, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file
+        )
+
+
 async def measure(args: argparse.Namespace, flush_interval: float) -> dict[str, object]:
     as_root = os.geteuid() == 0 and not args.no_netns
     setup = nic_namespace() if as_root else host_nics()
@@ -104,43 +209,50 @@ async def measure(args: argparse.Namespace, flush_interval: float) -> dict[str, 
         controller = await start_fake_controller(f"{controller_host}:0", heartbeat_interval_s=1.0)
         fake = controller.fake
         log_path = Path(tmp) / "agent.log"
-        command = [
-            *prefix,
-            sys.executable,
-            "-m",
-            "node_agent.main",
-            "--plaintext",
-            "--node=bench-n0",
-            "--listen=127.0.0.1:0",
-            f"--controller={controller.address}",
-            "--gpu-backend=sim",
-            "--gpus=8",
-            f"--telemetry-interval={1.0 / args.hz}",
-            f"--telemetry-flush-interval={flush_interval}",
-            "--log-format=json",
-            *[f"--nic={n}" for n in nics],
-        ]
-        with log_path.open("w") as log_file:
-            agent = await asyncio.create_subprocess_exec(
-                *command, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file
+        agent = await start_agent(
+            prefix, nics, controller.address, REPO, "bench-n0", args.hz, flush_interval, log_path
+        )
+        # --compare-checkout: the agent of another checkout (say, before a change), with its
+        # own fake controller, measured in the same window (whole process only: it may not
+        # answer SIGUSR1)
+        other_controller = other = None
+        if args.compare_checkout is not None:
+            other_controller = await start_fake_controller(
+                f"{controller_host}:0", heartbeat_interval_s=1.0
             )
+            other = await start_agent(
+                prefix, nics, other_controller.address, args.compare_checkout, "bench-n1",
+                args.hz, flush_interval, Path(tmp) / "other.log",
+            )  # fmt: skip
         idle = await asyncio.create_subprocess_exec(
             sys.executable,
             "-c",
             f"import time; time.sleep({args.seconds + 60})",
             stdin=subprocess.DEVNULL,
         )
+        ticker = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", TICKER, str(1.0 / args.hz), stdin=subprocess.DEVNULL
+        )
+        baselines = (idle, ticker) if other is None else (idle, ticker, other)
         try:
             deadline = time.monotonic() + 30
-            while len(fake.samples) < args.hz:  # a second of samples: started and streaming
-                if agent.returncode is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the agent did not stream:\n{log_path.read_text()}")
-                await asyncio.sleep(0.05)
+            streaming = [(agent, fake, log_path)]
+            if other is not None and other_controller is not None:
+                streaming.append((other, other_controller.fake, Path(tmp) / "other.log"))
+            for proc, receiver, path in streaming:  # a second of samples: streaming
+                while len(receiver.samples) < args.hz:
+                    if proc.returncode is not None or time.monotonic() > deadline:
+                        text = await asyncio.to_thread(path.read_text)
+                        raise SystemExit(f"an agent did not stream:\n{text}")
+                    await asyncio.sleep(0.05)
             await asyncio.sleep(1.0)  # past start-up work (first NVML/sysfs reads, imports)
+            account0 = await cpu_accounting(agent.pid, log_path, 0)
             start = time.monotonic()
-            cpu0 = {p.pid: cpu_seconds(p.pid) for p in (agent, idle)}
+            cpu0 = {p.pid: cpu_seconds(p.pid) for p in (agent, *baselines)}
+            threads0 = threads(agent.pid)
+            other0 = threads(other.pid) if other is not None else {}
             samples0 = len(fake.samples)
-            peak = {agent.pid: 0.0, idle.pid: 0.0}
+            peak = {p.pid: 0.0 for p in (agent, *baselines)}
             while (elapsed := time.monotonic() - start) < args.seconds:
                 for pid in peak:
                     peak[pid] = max(peak[pid], rss_mib(pid))
@@ -148,16 +260,21 @@ async def measure(args: argparse.Namespace, flush_interval: float) -> dict[str, 
                     print(f"\rmeasuring {elapsed:4.0f}/{args.seconds:g} s", end="", file=sys.stderr)
                 await asyncio.sleep(0.1)
             wall = time.monotonic() - start
-            cpu1 = {p.pid: cpu_seconds(p.pid) for p in (agent, idle)}
+            cpu1 = {p.pid: cpu_seconds(p.pid) for p in (agent, *baselines)}
+            threads1 = threads(agent.pid)
+            other1 = threads(other.pid) if other is not None else {}
             received = len(fake.samples) - samples0
+            account1 = await cpu_accounting(agent.pid, log_path, 1)
             print(file=sys.stderr)
         finally:
-            for proc in (agent, idle):
+            for proc in (agent, *baselines):
                 proc.terminate()
             async with asyncio.timeout(10):
-                for proc in (agent, idle):
+                for proc in (agent, *baselines):
                     await proc.wait()
             await controller.server.stop(0)
+            if other_controller is not None:
+                await other_controller.server.stop(0)
         nics_reported = len(fake.samples[-1].nics) if fake.samples else 0
 
     def row(pid: int) -> dict[str, float]:
@@ -166,7 +283,13 @@ async def measure(args: argparse.Namespace, flush_interval: float) -> dict[str, 
             "rss_mib": peak[pid],
         }
 
-    agent_row, idle_row = row(agent.pid), row(idle.pid)
+    agent_row, idle_row, ticker_row = row(agent.pid), row(idle.pid), row(ticker.pid)
+    # The accounting's window is a few ms wider than /proc's (SIGUSR1 round trips): scaled
+    # to the same wall time, in % of one core.
+    account = {k: 100.0 * (account1[k] - account0[k]) / wall for k in account0}
+    engine_pct = account["engine_simulation_cpu_s"]
+    own = agent_row["cpu_pct_of_one_core"] - engine_pct
+    per_thread = thread_rows(agent.pid, threads0, threads1, wall)
     return {
         "seconds": round(wall, 3),
         "hz": args.hz,
@@ -177,11 +300,28 @@ async def measure(args: argparse.Namespace, flush_interval: float) -> dict[str, 
         "samples_received": received,
         "samples_per_s": round(received / wall, 2),
         "clock_ticks_per_s": CLK_TCK,
-        "agent": agent_row,
+        "agent": agent_row,  # (a) the whole process
+        "engine_simulation_cpu_pct": engine_pct,  # (b), measured in the agent
+        "agent_own_cpu_pct": own,  # (a) - (b): what the target applies to
+        "gpu_simulation_cpu_pct": account["gpu_simulation_cpu_s"],  # part of (a) - (b)
+        "agent_accounted_process_cpu_pct": account["process_cpu_s"],  # cross-check of (a)
+        "wakeups_per_s": sum(float(str(r["wakeups_per_s"])) for r in per_thread),
+        "threads": per_thread,
         "idle_python": idle_row,
+        "ticking_python": ticker_row,  # the R Hz wake-up floor
         "agent_minus_idle": {k: agent_row[k] - idle_row[k] for k in agent_row},
+        "compare_checkout": None
+        if other is None
+        else {
+            "checkout": str(args.compare_checkout),
+            **row(other.pid),
+            "wakeups_per_s": sum(
+                float(str(r["wakeups_per_s"])) for r in thread_rows(other.pid, other0, other1, wall)
+            ),
+        },
         "targets": {"cpu_pct_of_one_core": TARGET_CPU_PCT, "rss_mib": TARGET_RSS_MIB},
-        "meets_targets": agent_row["cpu_pct_of_one_core"] < TARGET_CPU_PCT
+        "meets_targets": own < TARGET_CPU_PCT and agent_row["rss_mib"] < TARGET_RSS_MIB,
+        "whole_process_meets_targets": agent_row["cpu_pct_of_one_core"] < TARGET_CPU_PCT
         and agent_row["rss_mib"] < TARGET_RSS_MIB,
     }
 
@@ -189,8 +329,8 @@ async def measure(args: argparse.Namespace, flush_interval: float) -> dict[str, 
 def print_table(result: dict[str, object]) -> None:
     agent = result["agent"]
     idle = result["idle_python"]
-    delta = result["agent_minus_idle"]
-    assert isinstance(agent, dict) and isinstance(idle, dict) and isinstance(delta, dict)
+    ticker = result["ticking_python"]
+    assert isinstance(agent, dict) and isinstance(idle, dict) and isinstance(ticker, dict)
     flush = result["flush_interval_s"]
     uploads = f"uploads every {flush:g} s" if flush else "every sample uploaded at once"
     print(
@@ -198,13 +338,45 @@ def print_table(result: dict[str, object]) -> None:
         f"({result['nic_setup']}), sampling at {result['hz']} Hz, {uploads}, for "
         f"{result['seconds']} s; {result['samples_per_s']} samples/s reached the controller"
     )
-    print(f"{'process':<22}{'CPU % of one core':>20}{'peak RSS MiB':>16}")
-    for name, r in (("orl-node-agent", agent), ("idle python (baseline)", idle),
-                    ("agent - baseline", delta)):  # fmt: skip
-        print(f"{name:<22}{r['cpu_pct_of_one_core']:>20.2f}{r['rss_mib']:>16.1f}")
+    print(f"{'':<46}{'CPU % of one core':>18}{'peak RSS MiB':>14}")
+    rows: list[tuple[str, object, object]] = [
+        ("(a) orl-node-agent, whole process", agent["cpu_pct_of_one_core"], agent["rss_mib"]),
+        ("(b)   simulated engine stepping (in (a))", result["engine_simulation_cpu_pct"], None),
+        ("(a)-(b) the agent's own work", result["agent_own_cpu_pct"], agent["rss_mib"]),
+        ("        of which simulated GPU readings", result["gpu_simulation_cpu_pct"], None),
+        ("idle python (baseline)", idle["cpu_pct_of_one_core"], idle["rss_mib"]),
+        (f"python waking at {result['hz']:g} Hz (baseline)", ticker["cpu_pct_of_one_core"],
+         ticker["rss_mib"]),
+    ]  # fmt: skip
+    for name, cpu, rss in rows:
+        rss_text = f"{rss:>14.1f}" if isinstance(rss, float) else f"{'':>14}"
+        print(f"{name:<46}{cpu:>18.3f}{rss_text}")
+    other = result.get("compare_checkout")
+    if isinstance(other, dict):
+        print(
+            f"{'the agent of ' + Path(str(other['checkout'])).name + ', whole process':<46}"
+            f"{other['cpu_pct_of_one_core']:>18.3f}{other['rss_mib']:>14.1f}"
+            f"  (--compare-checkout; {other['wakeups_per_s']:.1f} wake-ups/s)"
+        )
     print(
-        f"targets: < {TARGET_CPU_PCT} % CPU, < {TARGET_RSS_MIB:g} MiB RSS (agent, absolute): "
+        f"agent's own accounting of (a): {result['agent_accounted_process_cpu_pct']:.3f} %; "
+        f"wake-ups: {result['wakeups_per_s']:.1f}/s over all threads"
+    )
+    per_thread = result["threads"]
+    assert isinstance(per_thread, list)
+    print(
+        "  per thread (CPU %, wake-ups/s): "
+        + ", ".join(
+            f"{r['thread']} {r['cpu_pct_of_one_core']:.2f} {r['wakeups_per_s']:.1f}"
+            for r in per_thread
+        )
+    )
+    print(
+        f"targets: < {TARGET_CPU_PCT} % CPU, < {TARGET_RSS_MIB:g} MiB RSS; "
+        f"the agent's own work (a)-(b): "
         + ("met" if result["meets_targets"] else "NOT met")
+        + "; the whole process (a): "
+        + ("met" if result["whole_process_meets_targets"] else "NOT met")
     )
 
 
@@ -221,6 +393,12 @@ def main() -> int:
         help="also measure an agent that uploads every sample at once (flush interval 0)",
     )
     p.add_argument("--no-netns", action="store_true", help="use host NICs even as root")
+    p.add_argument(
+        "--compare-checkout",
+        type=Path,
+        help="also run the agent of this checkout (e.g. `git archive` of an older commit, "
+        "with its stubs generated) in the same window, for before/after figures",
+    )
     p.add_argument("--json", type=Path, help="also write the result here")
     args = p.parse_args()
     result = asyncio.run(measure(args, args.flush_interval))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -137,23 +138,20 @@ async def _serve(
 ) -> int:
     metrics = shell.metrics
     gpu_count = len(await gpus.inventory())
-    engine = await open_engine(
-        config.reshard_backend,
-        SimulatedEngine(
-            gpu_count,
-            layout_for(config, gpu_count),
-            config.seed,
-            # 100 ms simulation steps (decode iterations are ~10-20 ms, integrated within a
-            # step): half the CPU of the 50 ms default, which the agent pays at every sample
-            config=SimEngineConfig(step_s=0.1),
-        ),
-        seed=config.seed,
+    sim_engine = SimulatedEngine(
+        gpu_count,
+        layout_for(config, gpu_count),
+        config.seed,
+        # 100 ms simulation steps (decode iterations are ~10-20 ms, integrated within a
+        # step): half the CPU of the 50 ms default, which the agent pays at every sample
+        config=SimEngineConfig(step_s=0.1),
     )
-    if isinstance(gpus, SimulatedGpus):
-        gpus.follow(lambda: busy_fraction(engine.stats()))
+    engine = await open_engine(config.reshard_backend, sim_engine, seed=config.seed)
     collector = Collector(
         config.node, gpus, NetlinkNics(config.nics), engine, rdma=SysfsRdma(root=shell.rdma_root)
     )
+    if isinstance(gpus, SimulatedGpus):  # the engine's figures of the sample being taken
+        gpus.follow(lambda: busy_fraction(collector.engine_stats))
     await collector.open()
     commands = CommandLog(
         observe=lambda kind, outcome: metrics.commands.labels(kind, outcome).inc()
@@ -230,6 +228,8 @@ async def _serve(
                 await collector.replace_nics(NetlinkNics(new.nics))
 
         reloader = Reloader(config, shell.reload, apply)
+        if shell.hangup is None:  # the daemon (tests inject their signals): SIGUSR1 too
+            _report_cpu_on_sigusr1(sim_engine, gpus)
         async with asyncio.TaskGroup() as tg:
             loops = [
                 tg.create_task(uplink.run()),
@@ -242,6 +242,8 @@ async def _serve(
             for task in loops:
                 task.cancel()
     finally:
+        if shell.hangup is None:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGUSR1)
         await server.stop(SHUTDOWN_GRACE_S)
         await servicer.close()
         await commands.close()
@@ -251,3 +253,21 @@ async def _serve(
             await asyncio.to_thread(stop_metrics)
     log.info("stopped")
     return EXIT_OK
+
+
+def cpu_accounting(engine: SimulatedEngine, gpus: GpuBackend) -> dict[str, float]:
+    """CPU seconds since start: the whole process, and the parts of it that simulate what a
+    real node does elsewhere (the rollout engine's generation; GPU readings stand in for
+    NVML calls the agent would make itself)."""
+    return {
+        "process_cpu_s": time.process_time(),
+        "engine_simulation_cpu_s": engine.simulation_cpu_s,
+        "gpu_simulation_cpu_s": gpus.simulation_cpu_s if isinstance(gpus, SimulatedGpus) else 0.0,
+    }
+
+
+def _report_cpu_on_sigusr1(engine: SimulatedEngine, gpus: GpuBackend) -> None:
+    """Log :func:`cpu_accounting` at each SIGUSR1 (bench/agent_overhead.py reads it)."""
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGUSR1, lambda: log.info("cpu_accounting", **cpu_accounting(engine, gpus))
+    )

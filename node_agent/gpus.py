@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from orchestrrl import errors
 from orchestrrl.logs import get_logger
@@ -53,9 +53,11 @@ class GpuInfo:
     memory_total_bytes: int
 
 
-@dataclass(frozen=True, slots=True)
-class GpuSample:
-    index: int
+class GpuSample(NamedTuple):
+    """One GPU's reading (a named tuple: built for every GPU at every sample, 10 Hz by
+    default; a frozen dataclass costs five times as much to build)."""
+
+    index: int  # type: ignore[assignment]  # the field shadows tuple.index, on purpose
     utilization: float  # 0..1
     memory_used_bytes: int
     memory_total_bytes: int
@@ -392,6 +394,9 @@ class SimulatedGpus:
         self._bias = [self._rng.uniform(0.97, 1.03) for _ in range(count)]
         self._temperature = [self._model.idle_c] * count
         self._last = clock()
+        # CPU seconds (this thread's) spent simulating readings, without reading the load
+        # (the engine accounts for its own); bench/agent_overhead.py reports it
+        self.simulation_cpu_s = 0.0
 
     async def inventory(self) -> list[GpuInfo]:
         return list(self._inventory)
@@ -399,6 +404,7 @@ class SimulatedGpus:
     async def sample(self) -> list[GpuSample]:
         m = self._model
         load = min(1.0, max(0.0, self._load()))
+        started = time.thread_time()
         now = self._clock()
         # First-order thermal lag towards the temperature the current load sustains.
         settle = 1.0 - math.exp(-max(0.0, now - self._last) / m.thermal_time_constant_s)
@@ -450,6 +456,7 @@ class SimulatedGpus:
                     0,  # xid_errors
                 )
             )
+        self.simulation_cpu_s += time.thread_time() - started
         return samples
 
     async def close(self) -> None:

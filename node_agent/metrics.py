@@ -1,14 +1,19 @@
 """Prometheus metrics of one agent (a registry per agent, served by ``--metrics-listen``).
 
-The uplink, the command log and the servicer update these as things happen; GPU and
-RDMA gauges are set from the sample that closes each telemetry upload (every flush
-interval; scrapes are rarer still). A reading a GPU cannot report is absent (its gauge
-is never set), not 0.
+The uplink, the command log and the servicer update these as things happen. GPU and
+RDMA gauges show the sample that closed the latest telemetry upload: the uplink hands
+it over (a reference, every flush interval) and the gauges are set from it only when
+the registry is collected (a scrape), so an agent nobody scrapes does no per-GPU
+Prometheus work. A reading a GPU cannot report is absent (its gauge is never set),
+not 0.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 from node_agent.gpus import GpuSample
 from node_agent.rdma import RdmaSample
@@ -19,7 +24,7 @@ RESHARD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 class AgentMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
+        r: CollectorRegistry | None = self.registry
         self.samples_sent = Counter(
             "orl_agent_telemetry_samples_sent", "Telemetry samples written to the controller",
             registry=r,
@@ -49,6 +54,8 @@ class AgentMetrics:
             "orl_agent_reshard_seconds", "Wall time of successful reshards",
             buckets=RESHARD_BUCKETS, registry=r,
         )  # fmt: skip
+        # GPU and RDMA gauges: collected through _LatestReadings (see the module docstring)
+        r = None
         self.gpu_utilization = Gauge(
             "orl_agent_gpu_utilization", "GPU utilisation 0..1", ["gpu"], registry=r
         )
@@ -101,6 +108,19 @@ class AgentMetrics:
 
         # labelled children by (metric, labels): labels() builds and looks them up each call
         self._children: dict[tuple[Gauge, tuple[str, ...]], Gauge] = {}
+        # the latest readings not yet applied to the gauges (replaced whole, never mutated)
+        self._pending_gpus: tuple[GpuSample, ...] | list[GpuSample] | None = None
+        self._pending_rdma: tuple[RdmaSample, ...] | list[RdmaSample] | None = None
+        self.registry.register(
+            _LatestReadings(
+                self,
+                (
+                    self.gpu_utilization, self.gpu_sm_clock, self.gpu_pcie, self.gpu_nvlink,
+                    self.gpu_ecc, self.gpu_xid, self.gpu_last_xid, self.rdma_bytes,
+                    self.rdma_counter, self.rdma_rate,
+                ),
+            )
+        )  # fmt: skip
 
     def _set(self, gauge: Gauge, labels: tuple[str, ...], value: float | None) -> None:
         """Set a labelled gauge; None (not reported) leaves it absent (or as it was)."""
@@ -112,6 +132,24 @@ class AgentMetrics:
         child.set(value)
 
     def observe_gpus(self, samples: tuple[GpuSample, ...] | list[GpuSample]) -> None:
+        """The GPU gauges show ``samples`` from the next collection on."""
+        self._pending_gpus = samples
+
+    def observe_rdma(self, samples: tuple[RdmaSample, ...] | list[RdmaSample]) -> None:
+        """The RDMA gauges show ``samples`` from the next collection on."""
+        self._pending_rdma = samples
+
+    def apply_pending(self) -> None:
+        """Set the GPU and RDMA gauges from the latest readings handed over (at collection,
+        in the scraping thread; a reference swap keeps it consistent with the uplink)."""
+        gpus, self._pending_gpus = self._pending_gpus, None
+        rdma, self._pending_rdma = self._pending_rdma, None
+        if gpus is not None:
+            self._apply_gpus(gpus)
+        if rdma is not None:
+            self._apply_rdma(rdma)
+
+    def _apply_gpus(self, samples: tuple[GpuSample, ...] | list[GpuSample]) -> None:
         set_ = self._set
         for s in samples:
             gpu = str(s.index)
@@ -126,7 +164,7 @@ class AgentMetrics:
             set_(self.gpu_xid, (gpu,), s.xid_errors)
             set_(self.gpu_last_xid, (gpu,), s.last_xid)
 
-    def observe_rdma(self, samples: tuple[RdmaSample, ...] | list[RdmaSample]) -> None:
+    def _apply_rdma(self, samples: tuple[RdmaSample, ...] | list[RdmaSample]) -> None:
         set_ = self._set
         for s in samples:
             port = str(s.port)
@@ -136,3 +174,21 @@ class AgentMetrics:
                 set_(self.rdma_counter, (s.device, port, name), value)
             for name, rate in s.rates.items():
                 set_(self.rdma_rate, (s.device, port, name), rate)
+
+
+class _LatestReadings:
+    """A Prometheus collector for the GPU and RDMA gauges: brings them up to the latest
+    readings, then collects them."""
+
+    def __init__(self, metrics: AgentMetrics, gauges: tuple[Gauge, ...]) -> None:
+        self._metrics = metrics
+        self._gauges = gauges
+
+    def describe(self) -> Iterator[Metric]:
+        for gauge in self._gauges:
+            yield from gauge.describe()
+
+    def collect(self) -> Iterator[Metric]:
+        self._metrics.apply_pending()
+        for gauge in self._gauges:
+            yield from gauge.collect()

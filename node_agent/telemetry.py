@@ -73,6 +73,9 @@ class Collector:
         self._wall_clock = wall_clock
         self._gpu_inventory: tuple[GpuInfo, ...] = ()
         self._nic_inventory: tuple[NicSpec, ...] = ()
+        # The engine's figures of the sample being taken (read before the GPUs, so that
+        # simulated GPUs can follow them without asking the engine a second time)
+        self.engine_stats = EngineStats(0, 0, 0.0, 0.0)
 
     async def open(self) -> None:
         self._gpu_inventory = tuple(await self._gpus.inventory())
@@ -103,16 +106,17 @@ class Collector:
         cost grows with the requests in flight, so the uplink reads it once per upload)."""
         # One after the other: tasks to overlap the worker-thread reads (NVML, RDMA sysfs)
         # would cost more CPU than they save in latency at these sizes.
+        engine = self._engine
+        stats = self.engine_stats = engine.stats()
         gpus = await self._gpus.sample()
         nics = await self._nics.sample()
         rdma = await self._rdma.sample() if self._rdma is not None else ()
-        engine = self._engine
         return Telemetry(
             node=self.node,
             timestamp=self._wall_clock(),
             gpus=tuple(gpus),
             nics=tuple(nics),
-            engine=engine.stats(),
+            engine=stats,
             engine_state=engine.state,
             tp_layout=engine.tp_layout,
             rdma=tuple(rdma),

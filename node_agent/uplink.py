@@ -10,10 +10,10 @@ Samples are uploaded in batches (``ReportTelemetryBatch``): every ``flush_interv
 message, so the per-message cost of gRPC is paid once per flush instead of once per
 sample (at 10 Hz and the default 1 s: a tenth). The sample that closes a flush also
 carries the engine's per-request progress (``has_progress``; its cost grows with the
-requests in flight) and updates the GPU and RDMA gauges of /metrics. A flush interval
-of 0 sends every sample as it is taken, each with progress. A backlog goes up in
-batches of at most ``UplinkSettings.max_batch_samples``, each ending on a sample with
-progress where it has one.
+requests in flight) and is what the GPU and RDMA gauges of /metrics show (set from it
+when scraped). A flush interval of 0 sends every sample as it is taken, each with
+progress. A backlog goes up in batches of at most ``UplinkSettings.max_batch_samples``,
+each ending on a sample with progress where it has one.
 
 The telemetry stream counts as liveness at the controller (each upload refreshes the
 node's last-seen time), so a heartbeat period in which an upload went out skips the
@@ -110,7 +110,8 @@ class TelemetryBuffer:
     """Samples waiting for the controller, oldest first; full, it drops the oldest.
 
     A sample put with ``flush=True`` closes an upload: :meth:`batch` hands out the
-    samples up to the newest such one."""
+    samples up to the newest such one. The ``samples_buffered`` gauge is updated at such
+    puts and when samples are sent (once per upload, not at every sample)."""
 
     def __init__(self, capacity: int, metrics: AgentMetrics | None = None) -> None:
         if capacity < 1:
@@ -142,10 +143,10 @@ class TelemetryBuffer:
                 self._metrics.samples_dropped.inc()
         self._items.append(sample)
         self._flush_marks.append(flush)
-        if flush:
+        if flush:  # the gauge follows the uploads: no /metrics work at every sample
             self._flushable = len(self._items)
             self._ready.set()
-        self._gauge()
+            self._gauge()
 
     async def head(self) -> Telemetry:
         """The oldest sample, waiting for one to be flushable; it stays buffered until

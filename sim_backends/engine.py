@@ -132,6 +132,9 @@ class SimulatedEngine:
         self._completed: collections.deque[int] = collections.deque(
             maxlen=None if cfg.requests_per_step > 0 else cfg.max_completed_lengths
         )
+        # CPU seconds (this thread's) spent stepping the simulation: the work a real engine
+        # does in its own processes; the agent reports it apart (bench/agent_overhead.py).
+        self.simulation_cpu_s = 0.0
 
     # -- RolloutEngine ------------------------------------------------------------------
 
@@ -421,8 +424,11 @@ class SimulatedEngine:
         step = self._config.step_s
         steps = int(elapsed / step)
         self._carry = elapsed - steps * step
-        for _ in range(steps):
-            self._step(step)
+        if steps:
+            started = time.thread_time()
+            for _ in range(steps):
+                self._step(step)
+            self.simulation_cpu_s += time.thread_time() - started
 
     def _step(self, dt: float) -> None:
         self._sim_time += dt
