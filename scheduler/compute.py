@@ -43,6 +43,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from operator import attrgetter
 
+import numpy as np
+
 from scheduler.compute_problem import (
     DEFAULT_CONFIG,
     EPS,
@@ -107,12 +109,13 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
     ``allow_reshard`` False keeps every node's layout (reactive balancing).
     """
     config = prob.config
-    n_req = len(prob.rids)
     cap = max((c.capacity_tokens for c in prob.costs.values()), default=0)
-    ctx, q, has_kv = prob.ctx, prob.q, prob.has_kv
-    fits_somewhere = [has_kv[r] or ctx[r] + q[r] <= cap for r in range(n_req)]
-    placeable = [r for r in range(n_req) if fits_somewhere[r]]
-    unplaceable = [r for r in range(n_req) if not fits_somewhere[r]]
+    has_kv = prob.has_kv
+    q_a, _, _, ctx_a = prob.arrays
+    kv_a = np.array(has_kv, dtype=np.bool_)
+    fits_a = kv_a | (ctx_a + q_a <= cap)
+    placeable: list[int] = np.flatnonzero(fits_a).tolist()
+    unplaceable: list[int] = np.flatnonzero(~fits_a).tolist()
 
     if allow_reshard and placeable:
         target, choices, _ = choose_layout(prob, placeable)
@@ -130,49 +133,71 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
     n_inst = len(new_instances)
     all_cand = n_inst <= config.all_candidates_limit
 
-    # the plan's placement: requests on surviving instances stay
+    # the plan's placement: requests on surviving instances stay (vectorised over the
+    # requests through codes: per request its current instance, per current instance
+    # its index after the plan (-1: removed) and its node)
     pl = Placement(prob, new_instances, all_cand)
-    displaced: dict[str, list[int]] = {}
-    new_queue: list[int] = []
-    staying: list[tuple[int, int]] = []
-    # per current instance: its index in the new placement (-1: removed), node and TP
     index = pl.index
-    fate = {i.id: (index.get(i.id, -1), i.node) for i in prob.state.instances}
     current = prob.current
-    for r in placeable:
-        cur = current[r]
-        if cur is None:
-            new_queue.append(r)
-            continue
-        k, node = fate[cur]
-        if k >= 0:
-            staying.append((r, k))
-        elif has_kv[r]:  # its KV is re-laid out within its resharding node
-            displaced.setdefault(node, []).append(r)
-        else:
-            new_queue.append(r)
-    pl.load(staying)
+    node_code = {n: c for c, n in enumerate(prob.nodes)}
+    old_ids = list(prob.instances)
+    none = len(old_ids)  # the code of "no instance" (queued); its entries are sentinels
+    old_code: dict[str | None, int] = {iid: c for c, iid in enumerate(old_ids)}
+    old_new = np.array([index.get(iid, -1) for iid in old_ids] + [-2], dtype=np.int64)
+    old_node = np.array(
+        [node_code[prob.instances[iid].node] for iid in old_ids] + [-1], dtype=np.int64
+    )
+    cur_all = np.array([old_code.get(c, none) for c in current], dtype=np.int64)
+    plc = np.array(placeable, dtype=np.int64)
+    cur_p = cur_all[plc]
+    k_p = old_new[cur_p]
+    stay = k_p >= 0
+    queued_p = cur_p == none
+    displaced_p = ~stay & ~queued_p & kv_a[plc]  # KV re-laid out within its resharding node
+    new_queue: list[int] = plc[~stay & ~displaced_p].tolist()
+    pl.load_arrays(plc[stay], k_p[stay])
 
     # keep: current layout, current placement, queued dispatched by LPT
     if changed:
         keep_s = keep_makespan(prob, placeable, all_cand)
     cost_fn = MoveCostFrom(prob, pl)
+    # displaced requests: LPT over their node's new instances; a node with one instance
+    # takes all that fit, at once
+    disp_r = plc[displaced_p]
+    disp_node = old_node[cur_p[displaced_p]]
+    single = np.full(len(prob.nodes) + 1, -1, dtype=np.int64)
+    for node, pool in pl.by_node.items():
+        if len(pool) == 1:
+            single[node_code[node]] = pool[0]
+    one_k = single[disp_node]
+    one = one_k >= 0
+    r1, k1 = disp_r[one], one_k[one]
+    fit1 = ctx_a[r1] + q_a[r1] <= np.array(pl.cap, dtype=np.int64)[k1]
+    pl.load_arrays(r1[fit1], k1[fit1])
+    left_by_node: dict[int, list[int]] = {}
+    for c, r in zip(disp_node[one][~fit1].tolist(), r1[~fit1].tolist(), strict=True):
+        left_by_node.setdefault(c, []).append(r)
     relaid_pairs: list[tuple[int, int]] = []
-    misfits: list[tuple[str, int]] = []
-    for node in sorted(displaced):
-        pairs, left = place_on_node(pl, displaced[node], pl.by_node[node])
+    several = disp_node[~one]
+    several_r = disp_r[~one]
+    for c in np.unique(several).tolist():
+        reqs = several_r[several == c].tolist()
+        pairs, left = place_on_node(pl, reqs, pl.by_node[prob.nodes[c]])
         relaid_pairs.extend(pairs)
-        misfits.extend((node, r) for r in left)
+        if left:
+            left_by_node.setdefault(c, []).extend(left)
     pl.load(relaid_pairs)
     # KV that fits nowhere on its node: cheapest feasible instance elsewhere, or the
     # largest instance of the node (the engine preempts) when none fits anywhere
-    for node, r in misfits:
-        ks = [k for k in range(n_inst) if pl.fits(r, k)]
-        if ks:
-            k = min(ks, key=lambda k: (pl.run_with(k, r) + cost_fn(r, k), pl.inst[k].id))
-        else:
-            k = max(pl.by_node[node], key=lambda k: (pl.cost[k].capacity_tokens, pl.inst[k].id))
-        pl.add(r, k)
+    for c in sorted(left_by_node):
+        node = prob.nodes[c]
+        for r in left_by_node[c]:
+            ks = [k for k in range(n_inst) if pl.fits(r, k)]
+            if ks:
+                k = min(ks, key=lambda k: (pl.run_with(k, r) + cost_fn(r, k), pl.inst[k].id))
+            else:
+                k = max(pl.by_node[node], key=lambda k: (pl.cost[k].capacity_tokens, pl.inst[k].id))
+            pl.add(r, k)
     left = pl.place_lpt(new_queue)
     unplaceable.extend(left)
     if not changed:
@@ -181,36 +206,43 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
 
     # predicted times, migrations, reshards
     pauses = {n: prob.node_cost(prob.current_pattern[n], target[n]) for n in changed}
+    rids = prob.rids
+    ids = pl.ids
+    node_of_instance = {i.id: i.node for i in prob.state.instances}
+    # which placed requests stay, are dispatched, re-laid out or moved: vectorised over
+    # the requests (only the moves, a few, are looked at one by one)
+    where = pl.where
+    req_a = np.fromiter(where.keys(), dtype=np.int64, count=len(where))
+    dst_a = np.fromiter(where.values(), dtype=np.int64, count=len(where))
+    order = np.argsort(req_a, kind="stable")
+    req_a, dst_a = req_a[order], dst_a[order]
+    placed_r: list[int] = req_a.tolist()
+    placed_k: list[int] = dst_a.tolist()
+    assignment = list(
+        zip(map(rids.__getitem__, placed_r), map(ids.__getitem__, placed_k), strict=True)
+    )
+    new_node = np.array([node_code[n] for n in pl.node], dtype=np.int64)
+    node_changes = np.zeros(len(prob.nodes) + 1, dtype=np.bool_)
+    node_changes[[node_code[n] for n in changed]] = True
+    cur_a = cur_all[req_a]
+    stays = old_new[cur_a] == dst_a
+    queued = cur_a == none
+    src_node = old_node[cur_a]
+    relaid_mask = ~stays & kv_a[req_a] & (src_node == new_node[dst_a]) & node_changes[src_node]
+    relaid = int(np.count_nonzero(relaid_mask))
+    dispatched = [rids[r] for r in req_a[queued].tolist()]
     migrations: list[Migration] = []
     stall = [0.0] * n_inst
     migration_total = 0.0
-    rids = prob.rids
-    ids = [i.id for i in pl.inst]
-    nodes_of = pl.node
-    where = pl.where
-    node_of_instance = {i.id: i.node for i in prob.state.instances}
-    relaid = 0
-    dispatched: list[str] = []
-    placed = sorted(where.items())  # (request, instance), by request
-    assignment = [(rids[r], ids[k]) for r, k in placed]
-    for r, k in placed:
-        cur = current[r]
-        dst_id = ids[k]
-        if cur == dst_id:
-            continue
-        rid = rids[r]
-        if cur is None:
-            dispatched.append(rid)
-            continue
+    for j in np.flatnonzero(~(stays | queued | relaid_mask)).tolist():
+        r, k = placed_r[j], placed_k[j]
+        rid, cur, dst_id = rids[r], current[r], ids[k]
+        assert cur is not None
         if not has_kv[r]:
             migrations.append(Migration(rid, cur, dst_id, MoveMethod.DISPATCH, 0.0))
             continue
-        src_node = node_of_instance[cur]
-        if src_node == nodes_of[k] and src_node in changed:
-            relaid += 1  # re-laid out by its node's reshard: the assignment says where
-            continue
         dst = pl.inst[k]
-        cost, method = prob.move(r, dst, src_node in changed)
+        cost, method = prob.move(r, dst, node_of_instance[cur] in changed)
         migrations.append(Migration(rid, cur, dst.id, method, cost))
         stall[k] += cost
         migration_total += cost

@@ -25,12 +25,14 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
+
+import numpy as np
 
 from orchestrrl import errors
 from scheduler.compute_state import ComputeState, Instance, MoveMethod, canonical_instances
-from scheduler.forecast import LengthForecast, predict_remaining
+from scheduler.forecast import LengthForecast, predict_remaining_arrays
 from scheduler.perf_model import PerfModel
 
 Pattern = tuple[int, ...]  # TP degrees of a node's instances, descending
@@ -190,6 +192,17 @@ class Problem:
     # KV bytes/token, KV heads, NVLink latency and B/s per GPU pair, network latency and B/s
     # per NIC (see PerfModel.kv_move_time)
     links: tuple[float, int, float, float, float, float]
+    # q, mi, pre and ctx as numpy arrays (float64, then int64), for the vectorised passes
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] = field(
+        default=(
+            np.zeros(0),
+            np.zeros(0, np.int64),
+            np.zeros(0, np.int64),
+            np.zeros(0, np.int64),
+        ),
+        compare=False,
+        repr=False,
+    )
 
     def feasible(self, r: int, tp: int) -> bool:
         cost = self.costs.get(tp)
@@ -310,16 +323,28 @@ def build_problem(
     config: PlannerConfig = PlannerConfig(),
 ) -> Problem:
     reqs = sorted(state.requests, key=attrgetter("id"))
-    gens = [r.generated_tokens for r in reqs]
-    means, quants = predict_remaining(
-        forecast, gens, critical_level(len(reqs), config.tail_quantile)
+    n_req = len(reqs)
+    gens = list(map(attrgetter("generated_tokens"), reqs))
+    instance_of = tuple(map(attrgetter("instance"), reqs))
+    means, quants = predict_remaining_arrays(
+        forecast, gens, critical_level(n_req, config.tail_quantile)
     )
-    ctx = tuple([r.prompt_tokens + r.generated_tokens for r in reqs])
-    has_kv = tuple([r.running and r.instance is not None for r in reqs])
-    pre = tuple([0 if kv else c for kv, c in zip(has_kv, ctx, strict=True)])
-    mi = tuple([int(x * SCALE + 0.5) for x in means])
-    m = tuple([x / SCALE for x in mi])
-    q = tuple([qq if qq > mm else mm for qq, mm in zip(quants, m, strict=True)])
+    # per-request arrays in numpy (the same float operations as the scalar forms noted)
+    prompt = np.array(list(map(attrgetter("prompt_tokens"), reqs)), dtype=np.int64)
+    ctx_a = prompt + np.array(gens, dtype=np.int64)
+    running = np.array(list(map(attrgetter("running"), reqs)), dtype=np.bool_)
+    kv_a = running & np.array([i is not None for i in instance_of], dtype=np.bool_)
+    # int(x * SCALE + 0.5) for x >= 0 (means are never negative)
+    mi_a = np.floor(means * SCALE + 0.5).astype(np.int64)
+    m_a = mi_a / SCALE
+    q_a = np.maximum(quants, m_a)  # q if q > m else m
+    ctx = tuple(ctx_a.tolist())
+    has_kv = tuple(kv_a.tolist())
+    pre_a = np.where(kv_a, 0, ctx_a)
+    pre = tuple(pre_a.tolist())
+    mi = tuple(mi_a.tolist())
+    m = tuple(m_a.tolist())
+    q = tuple(q_a.tolist())
 
     nodes = tuple(sorted(n.name for n in state.nodes))
     node_gpus = {n.name: tuple(sorted(n.gpus)) for n in state.nodes}
@@ -349,27 +374,24 @@ def build_problem(
     else:
         mean_ctx = mean_final = 1.0
     costs = tp_costs(perf, tps, mean_ctx, mean_final, config.max_num_seqs)
-    # the order (-q, -mi, index), by two stable sorts on single float keys (faster than
-    # sorting 3-tuples): by -mi first, then by -q keeps ties in the -mi, index order
-    neg_q = [-x for x in q]
-    neg_mi = [-x for x in mi]
-    by_length = sorted(range(len(reqs)), key=neg_mi.__getitem__)
-    by_length.sort(key=neg_q.__getitem__)
-    rank = [0] * len(reqs)
-    for pos, r in enumerate(by_length):
-        rank[r] = pos
+    # the order (-q, -mi, index): lexsort is stable, so ties keep the index order
+    by_length_a = np.lexsort((-mi_a, -q_a)) if n_req else np.zeros(0, dtype=np.int64)
+    rank_a = np.empty(n_req, dtype=np.int64)
+    rank_a[by_length_a] = np.arange(n_req)
+    by_length = by_length_a.tolist()
+    rank = rank_a.tolist()
     return Problem(
         state=state,
         perf=perf,
         config=config,
-        rids=tuple(r.id for r in reqs),
+        rids=tuple(map(attrgetter("id"), reqs)),
         ctx=ctx,
         has_kv=has_kv,
         q=q,
         m=m,
         mi=mi,
         pre=pre,
-        current=tuple(r.instance for r in reqs),
+        current=instance_of,
         rank=tuple(rank),
         by_length=tuple(by_length),
         costs=costs,
@@ -380,4 +402,5 @@ def build_problem(
         instances={i.id: i for i in state.instances},
         by_node=_group_by_node(state.instances, nodes),
         links=_links(perf),
+        arrays=(q_a, mi_a, pre_a, ctx_a),
     )

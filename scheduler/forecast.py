@@ -35,6 +35,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from orchestrrl import errors
 
 
@@ -361,53 +363,62 @@ def _tail_mean(
 def predict_remaining(
     forecast: LengthForecast, generated: Sequence[int], q: float
 ) -> tuple[list[float], list[float]]:
+    """Mean and ``q``-quantile of the remaining tokens for many requests at once (see
+    :func:`predict_remaining_arrays`), as lists."""
+    mean, quant = predict_remaining_arrays(forecast, generated, q)
+    return mean.tolist(), quant.tolist()
+
+
+def predict_remaining_arrays(
+    forecast: LengthForecast, generated: Sequence[int], q: float
+) -> tuple[np.ndarray, np.ndarray]:
     """Mean and ``q``-quantile of the remaining tokens for many requests at once.
 
-    The same values as ``remaining_mean``/``remaining_quantile`` per request, computed in
-    one sweep over the sorted distinct ``generated`` values and the knots.
+    The same values as ``remaining_mean``/``remaining_quantile`` per request (the same
+    float operations, so bit for bit), computed with numpy over the distinct
+    ``generated`` values: one ``searchsorted`` finds each value's knot and another the
+    first knot whose survival is at or below the quantile's target (the survival
+    function is non-increasing). The few values beyond the knots or past the survival
+    floor take the scalar path.
     """
     if not 0.0 < q < 1.0:
         raise errors.field_error("q", q, "a fraction in (0, 1)")
-    knots, surv, area = forecast.knots, forecast.survival, forecast.area
+    if len(generated) == 0:
+        return np.zeros(0), np.zeros(0)
+    knots = np.asarray(forecast.knots, dtype=np.float64)
+    surv = np.asarray(forecast.survival, dtype=np.float64)
+    area = np.asarray(forecast.area, dtype=np.float64)
     k_n = len(knots)
     cap = forecast.max_tokens
     cap_f = math.inf if cap is None else float(cap)
     total = forecast._total_area()
-    one_minus_q = 1.0 - q
-    mean_of: dict[int, float] = {}
-    quant_of: dict[int, float] = {}
-    i = 0  # knots[:i] <= g
-    j = 0  # first candidate knot for the quantile
-    for g_int in sorted(set(generated)):
-        g = float(g_int) if g_int > 0 else 0.0
-        if g >= cap_f:
-            mean_of[g_int] = quant_of[g_int] = 0.0
-            continue
-        while i < k_n and knots[i] <= g:
-            i += 1
-        if i >= k_n:  # beyond every knot: the tail
-            mean_of[g_int] = forecast.remaining_mean(g_int)
-            quant_of[g_int] = forecast.remaining_quantile(g_int, q)
-            continue
-        if i == 0:
-            s_g = 1.0
-            integral = g
-        else:
-            s_g = surv[i - 1]
-            integral = area[i - 1] + s_g * (g - knots[i - 1])
-        if s_g <= 1e-12:
-            mean_of[g_int] = forecast._tail_remaining_mean(g)
-            quant_of[g_int] = forecast.remaining_quantile(g_int, q)
-            continue
-        mean = (total - integral) / s_g
-        mean_of[g_int] = mean if mean > 0.0 else 0.0
-        target = one_minus_q * s_g
-        if j < i:
-            j = i
-        while j < k_n and surv[j] > target:
-            j += 1
-        if j < k_n:
-            quant_of[g_int] = (knots[j] if knots[j] < cap_f else cap_f) - g
-        else:
-            quant_of[g_int] = forecast.remaining_quantile(g_int, q)
-    return [mean_of[g] for g in generated], [quant_of[g] for g in generated]
+    gen = np.asarray(generated, dtype=np.int64)
+    uniq, inverse = np.unique(gen, return_inverse=True)
+    g = np.maximum(uniq, 0).astype(np.float64)
+    i = np.searchsorted(knots, g, side="right")  # knots[:i] <= g
+    inside = i > 0
+    prev = np.maximum(i - 1, 0)
+    s_g = np.where(inside, surv[prev] if k_n else 1.0, 1.0)
+    integral = np.where(inside, (area[prev] if k_n else 0.0) + s_g * (g - knots[prev]), g)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mean = np.maximum((total - integral) / s_g, 0.0)
+    target = (1.0 - q) * s_g
+    # first knot with survival <= target (any knot before i has survival >= s_g > target)
+    j = np.searchsorted(-surv, -target, side="left")
+    jc = np.minimum(j, max(k_n - 1, 0))
+    quant = np.minimum(knots[jc] if k_n else g, cap_f) - g
+    capped = g >= cap_f
+    mean[capped] = 0.0
+    quant[capped] = 0.0
+    # the scalar path: beyond every knot, or past the survival floor, or no knot below
+    # the quantile's target
+    slow = ~capped & ((i >= k_n) | (s_g <= 1e-12) | (j >= k_n))
+    for u in np.flatnonzero(slow).tolist():
+        g_int = int(uniq[u])
+        beyond = bool(i[u] >= k_n)
+        if beyond:
+            mean[u] = forecast.remaining_mean(g_int)
+        elif float(s_g[u]) <= 1e-12:
+            mean[u] = forecast._tail_remaining_mean(float(g[u]))
+        quant[u] = forecast.remaining_quantile(g_int, q)
+    return mean[inverse], quant[inverse]

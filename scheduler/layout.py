@@ -14,13 +14,16 @@ one is never below the chosen layout's own makespan: re-planning keeps it.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, combinations, combinations_with_replacement, product
+from itertools import combinations, combinations_with_replacement, product
+
+import numpy as np
 
 from orchestrrl import errors
-from scheduler.compute_problem import EPS, Pattern, Problem, TpCost, pattern_label
+from scheduler.compute_problem import EPS, SCALE, Pattern, Problem, TpCost, pattern_label
 from scheduler.compute_state import Instance
 from scheduler.placement import Placement
 
@@ -41,13 +44,27 @@ def _exact_makespan(prob: Problem, tps: Sequence[int], reqs: Sequence[int]) -> f
 
 @dataclass(frozen=True)
 class _Sorted:
-    """Requests sorted by q descending, with prefix sums (for the fluid estimate)."""
+    """Requests sorted by q descending, with prefix sums (for the fluid estimate) and
+    prefix maxima of ``m`` and ``pre`` (bounds for its regime check)."""
 
     order: tuple[int, ...]
     q: tuple[float, ...]
     pm: tuple[float, ...]  # prefix sums of m
     pq: tuple[float, ...]
     pp: tuple[float, ...]  # prefix sums of pre
+    m_max: tuple[float, ...]  # m_max[i]: the largest m among the first i + 1
+    pre_max: tuple[float, ...]
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray]  # q, m, pre in that order
+
+    def own_max(self, cost: TpCost, lo: int, hi: int) -> float:
+        """The longest own time ``a q + c m + p pre`` of requests ``lo..hi-1`` on ``cost``."""
+        q, m, pre = self.arrays
+        own = (
+            cost.iteration_s * q[lo:hi]
+            + cost.per_sequence_s * m[lo:hi]
+            + cost.prefill_per_token_s * pre[lo:hi]
+        )
+        return float(own.max())
 
 
 def _sorted_requests(prob: Problem, reqs: Sequence[int]) -> _Sorted:
@@ -56,17 +73,42 @@ def _sorted_requests(prob: Problem, reqs: Sequence[int]) -> _Sorted:
     else:
         wanted = set(reqs)
         order = [r for r in prob.by_length if r in wanted]
-    q, m, pre = prob.q, prob.m, prob.pre
-    qo = [q[r] for r in order]
-    pm = [0.0, *accumulate([m[r] for r in order])]
-    pq = [0.0, *accumulate(qo)]
-    pp = [0.0, *accumulate([float(pre[r]) for r in order])]
-    return _Sorted(tuple(order), tuple(qo), tuple(pm), tuple(pq), tuple(pp))
+    idx = np.array(order, dtype=np.int64)
+    q_all, mi_all, pre_all, _ = prob.arrays
+    q = q_all[idx]
+    m = mi_all[idx] / SCALE  # == prob.m
+    pre = pre_all[idx].astype(np.float64)
+    # cumsum adds in order, as itertools.accumulate does: the same sums
+    zero = np.zeros(1)
+    pm = np.concatenate((zero, np.cumsum(m)))
+    pq = np.concatenate((zero, np.cumsum(q)))
+    pp = np.concatenate((zero, np.cumsum(pre)))
+    return _Sorted(
+        tuple(order),
+        tuple(q.tolist()),
+        tuple(pm.tolist()),
+        tuple(pq.tolist()),
+        tuple(pp.tolist()),
+        tuple(np.maximum.accumulate(m).tolist()),
+        tuple(np.maximum.accumulate(pre).tolist()),
+        (q, m, pre),
+    )
 
 
-def _fluid_makespan(prob: Problem, counts: Mapping[int, int], s: _Sorted) -> float:
-    """The longest requests one per instance on the fastest instances; the rest spread
-    over every instance in proportion to its throughput."""
+def _fluid_makespan(
+    prob: Problem, counts: Mapping[int, int], s: _Sorted, *, closed_form: bool = True
+) -> float:
+    """The longest requests one per instance on the fastest instances; the rest (the
+    bulk) spread over every instance as a divisible load, so that all finish together.
+
+    An instance of TP ``t`` with its own request ``i`` and a share ``x`` of the bulk
+    (``W_m`` expected tokens, ``W_p`` tokens to prefill) runs, by the instance model,
+    ``a * max(q_i, (m_i + x W_m) / slots) + c (m_i + x W_m) + p (pre_i + x W_p)``: its
+    own critical path and the bulk's iterations overlap (continuous batching), so the
+    larger of the two counts, not their sum. The shares solve ``sum x = 1`` at a common
+    finish ``T`` (an instance whose own request alone outlasts ``T`` takes none).
+    ``closed_form`` False always takes the general sweep (tests compare the two).
+    """
     n_req = len(s.order)
     if n_req == 0:
         return 0.0
@@ -78,7 +120,7 @@ def _fluid_makespan(prob: Problem, counts: Mapping[int, int], s: _Sorted) -> flo
         return math.inf
     tail = 0.0
     start = 0
-    blocks: list[tuple[TpCost, int, float]] = []  # (cost, instances, sum of own times)
+    blocks: list[tuple[TpCost, int, float, int]] = []  # (cost, instances, own sum, first)
     for cost, n in types:
         end = min(n_req, start + n)
         if end > start:
@@ -92,24 +134,191 @@ def _fluid_makespan(prob: Problem, counts: Mapping[int, int], s: _Sorted) -> flo
             )
         else:
             own_sum = 0.0
-        blocks.append((cost, n, own_sum))
+        blocks.append((cost, n, own_sum, start))
         start = end
     if start >= n_req:
         return tail
     work_m = s.pm[n_req] - s.pm[start]
     work_p = s.pp[n_req] - s.pp[start]
-    # each instance of type t does a share of the bulk at cost D_t per whole bulk
-    num = 1.0
-    den = 0.0
-    for cost, n, own_sum in blocks:
-        d = (cost.per_sequence_s + cost.iteration_s / cost.slots) * work_m
-        d += cost.prefill_per_token_s * work_p
-        if d <= 0:
+    if work_m <= 0 and work_p <= 0:
+        return tail
+    # The usual case has a closed form: every instance either takes no share (its own
+    # request alone outlasts T) or stays in the own-critical-path regime (its q_i covers
+    # its iterations), where a share x costs B_t x with B_t = c W_m + p W_p. Blocks whose
+    # smallest own time (>= a q_min) reaches T drop out; the rest give T; the result is
+    # exact when bounds over each block confirm both regimes, else the general sweep.
+    active = [True] * len(blocks)
+    b1s = [c.per_sequence_s * work_m + c.prefill_per_token_s * work_p for c, _, _, _ in blocks]
+    t1 = math.inf
+    for _ in range(len(blocks) + 1):
+        num, den = 1.0, 0.0
+        for (_, n, own_sum, _), b1, on in zip(blocks, b1s, active, strict=True):
+            if on and b1 > 0:
+                num += own_sum / b1
+                den += n / b1
+        t1 = num / den if den > 0 else math.inf
+        dropped = False
+        for j, (cost, n, _, lo) in enumerate(blocks):
+            if active[j] and cost.iteration_s * s.q[lo + n - 1] >= t1:
+                active[j] = False
+                dropped = True
+        if not dropped:
+            break
+    if closed_form and math.isfinite(t1) and all(b1 > 0 for b1 in b1s):
+        exact = True
+        for (cost, n, _, lo), b1, on in zip(blocks, b1s, active, strict=True):
+            a = cost.iteration_s
+            hi = lo + n
+            q_min = s.q[hi - 1]
+            if not on:
+                exact = a * q_min >= t1
+            else:
+                m_max = s.m_max[hi - 1]  # over the first hi: a bound for the block
+                exact = (_own_bound(cost, s, lo, hi) <= t1 or s.own_max(cost, lo, hi) <= t1) and (
+                    work_m <= 0 or t1 <= a * q_min + b1 * (cost.slots * q_min - m_max) / work_m
+                )
+            if not exact:
+                break
+        if exact:
+            # the blocks taking no share finish with their longest own request (looked up
+            # only when its bound could matter)
+            finish = max(tail, t1)
+            for (cost, n, _, lo), on in zip(blocks, active, strict=True):
+                if not on and _own_bound(cost, s, lo, lo + n) > finish:
+                    finish = max(finish, s.own_max(cost, lo, lo + n))
+            return finish
+        t2 = _fluid_own_regime(blocks, b1s, s, work_m)
+        if t2 is not None:
+            return max(tail, t2)
+    return max(tail, _fluid_sweep(blocks, s, work_m, work_p))
+
+
+def _own_bound(cost: TpCost, s: _Sorted, lo: int, hi: int) -> float:
+    """An upper bound of the own times of requests ``lo..hi-1`` (q is sorted descending;
+    m and pre by their maxima over the first ``hi``)."""
+    return (
+        cost.iteration_s * s.q[lo]
+        + cost.per_sequence_s * s.m_max[hi - 1]
+        + cost.prefill_per_token_s * s.pre_max[hi - 1]
+    )
+
+
+def _fluid_own_regime(
+    blocks: Sequence[tuple[TpCost, int, float, int]],
+    b1s: Sequence[float],
+    s: _Sorted,
+    work_m: float,
+) -> float | None:
+    """The common finish when every instance that takes a share stays in the own
+    regime but some blocks are mixed (some of their instances take none): ``F(T) = sum_i
+    max(0, T - own_i) / B_t`` is piecewise linear, solved exactly over each block's
+    sorted own times. None when the own regime cannot be confirmed (then the sweep)."""
+    q_a, m_a, pre_a = s.arrays
+    owns: list[list[float]] = []
+    prefix: list[list[float]] = []
+    arrays: list[np.ndarray] = []
+    for cost, n, _, lo in blocks:
+        own = np.sort(
+            cost.iteration_s * q_a[lo : lo + n]
+            + cost.per_sequence_s * m_a[lo : lo + n]
+            + cost.prefill_per_token_s * pre_a[lo : lo + n]
+        )
+        arrays.append(own)
+        owns.append(own.tolist())
+        prefix.append([0.0, *np.cumsum(own).tolist()])
+    inv = [1.0 / b1 for b1 in b1s]
+
+    def taking_part(t: float) -> list[int]:
+        return [bisect_right(own, t) for own in owns]  # own time <= t
+
+    def value(t: float, counts: Sequence[int]) -> float:
+        # F(T) = sum_b (c_b T - S_b) / B_b with c_b instances of block b taking part
+        return sum((c * t - prefix[b][c]) * inv[b] for b, c in enumerate(counts))
+
+    # the largest breakpoint where F < 1 (F is increasing), then the root past it, with
+    # the instances taking part there
+    points: list[float] = np.sort(np.concatenate(arrays)).tolist()
+    lo_i, hi_i = 0, len(points)  # F(points[j]) < 1 for j < lo_i; >= 1 from hi_i
+    while lo_i < hi_i:
+        mid = (lo_i + hi_i) // 2
+        if value(points[mid], taking_part(points[mid])) < 1.0:
+            lo_i = mid + 1
+        else:
+            hi_i = mid
+    if lo_i == 0:
+        return None  # F >= 1 at the first own time: degenerate, leave it to the sweep
+    counts = taking_part(points[lo_i - 1])
+    num = 1.0 + sum(prefix[b][c] * inv[b] for b, c in enumerate(counts))
+    den = sum(c * inv[b] for b, c in enumerate(counts))
+    t = num / den if den > 0 else math.inf
+    if not math.isfinite(t):
+        return None
+    for (cost, n, _, lo), b1, c in zip(blocks, b1s, counts, strict=True):
+        if c == 0 or work_m <= 0:
             continue
-        num += own_sum / d
-        den += n / d
-    bulk = num / den if den > 0 else math.inf
-    return max(tail, bulk)
+        hi = lo + n
+        q_min, m_max = s.q[hi - 1], s.m_max[hi - 1]
+        if t > cost.iteration_s * q_min + b1 * (cost.slots * q_min - m_max) / work_m:
+            return None  # an instance may reach its iteration-bound regime
+    return max(t, points[-1])  # instances taking no share finish with their own request
+
+
+def _fluid_sweep(
+    blocks: Sequence[tuple[TpCost, int, float, int]], s: _Sorted, work_m: float, work_p: float
+) -> float:
+    """The common finish ``T`` of the fluid bulk in general: ``sum_i x_i(T) = 1`` with
+    each instance's share piecewise linear in ``T`` (none until its own time, then the
+    own-critical-path regime, then the iteration-bound regime), found by sorting the
+    breakpoints."""
+    q_a, m_a, pre_a = s.arrays
+    times: list[np.ndarray] = []
+    slopes: list[np.ndarray] = []
+    jumps: list[np.ndarray] = []
+    own_of: list[np.ndarray] = []
+    for cost, n, _, lo in blocks:
+        a, c, p = cost.iteration_s, cost.per_sequence_s, cost.prefill_per_token_s
+        q, m, pre = q_a[lo : lo + n], m_a[lo : lo + n], pre_a[lo : lo + n]
+        own = a * q + c * m + p * pre
+        own_of.append(own)
+        b1 = c * work_m + p * work_p
+        d = (a / cost.slots + c) * work_m + p * work_p
+        if work_m > 0:
+            x_star = np.maximum(0.0, (cost.slots * q - m) / work_m)
+        else:
+            x_star = np.full(len(q), np.inf)
+        inv_d = 1.0 / d if d > 0 else 0.0
+        if b1 > 0:
+            t_star = own + b1 * x_star
+            finite = np.isfinite(t_star)
+            times += [own, t_star[finite]]
+            slopes += [np.full(len(q), 1.0 / b1), np.full(int(finite.sum()), inv_d - 1.0 / b1)]
+            jumps += [np.zeros(len(q)), np.zeros(int(finite.sum()))]
+        else:  # the own regime costs nothing: the share jumps to x* at the own time
+            times.append(own)
+            slopes.append(np.full(len(q), inv_d))
+            jumps.append(np.where(np.isfinite(x_star), x_star, 1.0))
+    t = np.concatenate(times)
+    own_max = max((float(x.max()) for x in own_of if len(x)), default=0.0)
+    order = np.argsort(t, kind="stable")
+    t = t[order]
+    slope_after = np.cumsum(np.concatenate(slopes)[order])
+    jump = np.concatenate(jumps)[order]
+    gaps = np.diff(t, prepend=t[0])
+    slope_before = np.concatenate((np.zeros(1), slope_after[:-1]))
+    value_after = np.cumsum(slope_before * gaps + jump)
+    hit = np.flatnonzero(value_after >= 1.0)
+    if len(hit) == 0:
+        last_slope = float(slope_after[-1])
+        if last_slope <= 0:
+            return math.inf
+        return max(own_max, float(t[-1]) + (1.0 - float(value_after[-1])) / last_slope)
+    k = int(hit[0])
+    before = float(value_after[k] - jump[k])
+    if k > 0 and before >= 1.0:
+        finish = float(t[k - 1]) + (1.0 - float(value_after[k - 1])) / float(slope_before[k])
+    else:
+        finish = float(t[k])
+    return max(own_max, finish)  # instances taking no share finish with their own request
 
 
 def _bottleneck_transport(

@@ -13,6 +13,8 @@ from bisect import bisect_left, insort
 from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
+import numpy as np
+
 from scheduler.compute_problem import SCALE, MoveCost, Problem
 from scheduler.compute_state import Instance
 
@@ -34,6 +36,10 @@ class Placement:
         self.c = [c.per_sequence_s for c in costs]
         self.p = [c.prefill_per_token_s for c in costs]
         self.inv_slots = [1.0 / c.slots for c in costs]
+        self._a_a = np.array(self.a, dtype=np.float64)
+        self._c_a = np.array(self.c, dtype=np.float64)
+        self._p_a = np.array(self.p, dtype=np.float64)
+        self._inv_slots_a = np.array(self.inv_slots, dtype=np.float64)
         self.node = [inst.node for inst in self.inst]
         self.ids = [inst.id for inst in self.inst]
         self.cap = [c.capacity_tokens for c in costs]
@@ -84,32 +90,71 @@ class Placement:
             iters = qmax
         return self.a[k] * iters + self.c[k] * m + self.p[k] * sum_pre
 
-    def load(self, pairs: Iterable[tuple[int, int]]) -> None:
-        """Place many requests at once (request, instance), then rebuild the heaps."""
-        prob = self.prob
-        touched: set[int] = set()
-        q, mi, pre = prob.q, prob.mi, prob.pre
-        members, qs, sum_m, sum_pre, where = (
-            self.members,
-            self.qs,
-            self.sum_m,
-            self.sum_pre,
-            self.where,
-        )
-        for r, k in pairs:
-            members[k].add(r)
-            qs[k].append(q[r])
-            sum_m[k] += mi[r]
-            sum_pre[k] += pre[r]
-            where[r] = k
-            touched.add(k)
-        for k in touched:
+    def _attach(self, r_a: np.ndarray, k_a: np.ndarray) -> np.ndarray:
+        """Record requests ``r_a`` on instances ``k_a`` (where, members, the sorted q
+        lists), grouped by instance with one sort; returns the instances touched."""
+        q_a = self.prob.arrays[0][r_a]
+        self.where.update(zip(r_a.tolist(), k_a.tolist(), strict=True))
+        order = np.lexsort((q_a, k_a))  # by instance, then q ascending
+        touched_a, first = np.unique(k_a[order], return_index=True)
+        bounds = [*first.tolist()[1:], len(r_a)]
+        r_list: list[int] = r_a[order].tolist()
+        q_list: list[float] = q_a[order].tolist()
+        members, qs = self.members, self.qs
+        lo = 0
+        for k, hi in zip(touched_a.tolist(), bounds, strict=True):
+            members[k].update(r_list[lo:hi])
             qk = qs[k]
-            qk.sort()
-            self.run[k] = self._eval(k, qk[-1], sum_m[k], sum_pre[k])
-            self.ver[k] += 1
-        if touched:
-            self._stale = True
+            if qk:
+                qk.extend(q_list[lo:hi])
+                qk.sort()
+            else:
+                qs[k] = q_list[lo:hi]
+            lo = hi
+        return touched_a
+
+    def load(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Place many requests at once (request, instance), then rebuild the heaps.
+
+        Vectorised: the pairs are grouped by instance with one sort, the totals added
+        with numpy (exact integers), and the touched instances re-evaluated together
+        (the same float operations as ``_eval``)."""
+        pairs = list(pairs)
+        if pairs:
+            rs, ks = zip(*pairs, strict=True)
+            self.load_arrays(np.array(rs, dtype=np.int64), np.array(ks, dtype=np.int64))
+
+    def load_arrays(self, r_a: np.ndarray, k_a: np.ndarray) -> None:
+        """``load`` of the pairs ``(r_a[i], k_a[i])``."""
+        if len(r_a) == 0:
+            return
+        _, mi_all, pre_all, _ = self.prob.arrays
+        touched_a = self._attach(r_a, k_a)
+        touched: list[int] = touched_a.tolist()
+        qs = self.qs
+        n = len(self.inst)
+        add_m = np.zeros(n, dtype=np.int64)
+        add_pre = np.zeros(n, dtype=np.int64)
+        np.add.at(add_m, k_a, mi_all[r_a])
+        np.add.at(add_pre, k_a, pre_all[r_a])
+        sum_m = np.array(self.sum_m, dtype=np.int64) + add_m
+        sum_pre = np.array(self.sum_pre, dtype=np.int64) + add_pre
+        self.sum_m = sum_m.tolist()
+        self.sum_pre = sum_pre.tolist()
+        # _eval for the touched instances at once
+        sm = sum_m[touched_a]
+        sp = sum_pre[touched_a]
+        qmax = np.array([qs[k][-1] for k in touched], dtype=np.float64)
+        m = sm / SCALE
+        iters = np.maximum(m * self._inv_slots_a[touched_a], qmax)
+        value = self._a_a[touched_a] * iters + self._c_a[touched_a] * m
+        value = value + self._p_a[touched_a] * sp
+        value = np.where((sm <= 0) & (sp <= 0) & (qmax <= 0), 0.0, value)
+        run, ver = self.run, self.ver
+        for k, v in zip(touched, value.tolist(), strict=True):
+            run[k] = v
+            ver[k] += 1
+        self._stale = True
 
     def add(self, r: int, k: int) -> None:
         prob = self.prob
@@ -265,7 +310,8 @@ class Placement:
     def _lpt_by_type(self, order: Sequence[int]) -> list[int]:
         """LPT where the candidates are the least-loaded instance of each TP degree
         (instances of one degree are interchangeable); one heap per degree, updated in
-        place, and the shared heaps rebuilt once at the end."""
+        place, and the shared heaps rebuilt once at the end. A uniform layout (one
+        degree) takes the batched form, ``_lpt_uniform``: the same assignment."""
         prob = self.prob
         q, mi, pre, ctx = prob.q, prob.mi, prob.pre, prob.ctx
         heaps = {
@@ -281,6 +327,17 @@ class Placement:
         heapreplace = heapq.heapreplace
         left: list[int] = []
         touched: set[int] = set()
+        if len(typed) == 1 and typed[0][2]:
+            # one TP degree (a uniform layout): LPT in batches (see _lpt_uniform)
+            _t, cap, _heap = typed[0]
+            r_a, k_a, left = _lpt_uniform(
+                prob, order, cap, (a_[0], c_[0], p_[0], inv[0]), qmax, sum_m, sum_pre, run
+            )
+            if len(r_a):
+                for k in self._attach(r_a, k_a).tolist():
+                    self.ver[k] += 1
+                self._stale = True
+            return left
         for r in order:
             qr, mr, pr = q[r], mi[r], pre[r]
             need = ctx[r] + qr
@@ -481,30 +538,35 @@ class MoveCostFrom:
 
 def keep_makespan(prob: Problem, placeable: Sequence[int], all_cand: bool) -> float:
     """Makespan if nothing changes: current placement, queued requests by LPT."""
-    queued = [r for r in placeable if prob.current[r] is None]
-    if not queued:
-        qmax: dict[str, float] = {}
-        sum_m: dict[str, int] = {}
-        sum_pre: dict[str, int] = {}
-        q, mi, pre, current = prob.q, prob.mi, prob.pre, prob.current
-        for r in placeable:
-            cur = current[r]
-            assert cur is not None
-            if cur in sum_m:
-                if q[r] > qmax[cur]:
-                    qmax[cur] = q[r]
-                sum_m[cur] += mi[r]
-                sum_pre[cur] += pre[r]
-            else:
-                qmax[cur], sum_m[cur], sum_pre[cur] = q[r], mi[r], pre[r]
-        return max(
-            (
-                prob.costs[len(prob.instances[i].gpus)].run(qmax[i], sum_m[i] / SCALE, sum_pre[i])
-                for i in sum_m
-            ),
-            default=0.0,
-        )
     instances = sorted(prob.state.instances, key=attrgetter("id"))
+    n = len(instances)
+    index: dict[str | None, int] = {inst.id: k for k, inst in enumerate(instances)}
+    plc = np.array(placeable, dtype=np.int64)
+    # per request its current instance's index by id (n: queued)
+    cur = np.array([index.get(c, n) for c in prob.current], dtype=np.int64)[plc]
+    is_queued = cur == n
+    queued: list[int] = plc[is_queued].tolist()
+    if not queued:
+        # the instance model (TpCost.run) per instance, vectorised: the same operations
+        q_all, mi_all, pre_all, _ = prob.arrays
+        qmax = np.full(n, -np.inf)
+        np.maximum.at(qmax, cur, q_all[plc])
+        sum_m = np.zeros(n, dtype=np.int64)
+        sum_pre = np.zeros(n, dtype=np.int64)
+        np.add.at(sum_m, cur, mi_all[plc])
+        np.add.at(sum_pre, cur, pre_all[plc])
+        present = np.bincount(cur, minlength=n) > 0
+        costs = [prob.costs[len(inst.gpus)] for inst in instances]
+        a = np.array([c.iteration_s for c in costs])
+        c_ = np.array([c.per_sequence_s for c in costs])
+        p = np.array([c.prefill_per_token_s for c in costs])
+        slots = np.array([c.slots for c in costs], dtype=np.float64)
+        m = sum_m / SCALE
+        iters = np.maximum(qmax, m / slots)
+        run = a * iters + c_ * m
+        run = run + p * sum_pre
+        run = np.where((m <= 0) & (sum_pre <= 0) & (qmax <= 0), 0.0, run)
+        return float(run[present].max()) if present.any() else 0.0
     if all_cand:
         keep = Placement(prob, instances, all_cand)
         keep.load((r, keep.index[c]) for r in placeable if (c := prob.current[r]) is not None)
@@ -520,24 +582,27 @@ def _lpt_makespan(
     degree, as ``Placement._lpt_by_type``), keeping only what the makespan needs: the
     same arithmetic and tie-breaks, without the bookkeeping of members and heaps."""
     n = len(instances)
-    index = {inst.id: k for k, inst in enumerate(instances)}
+    index: dict[str | None, int] = {inst.id: k for k, inst in enumerate(instances)}
     tp = [len(inst.gpus) for inst in instances]
     costs = {t: prob.costs[t] for t in set(tp)}
-    q, mi, pre, ctx, current = prob.q, prob.mi, prob.pre, prob.ctx, prob.current
-    qmax = [0.0] * n
-    sum_m = [0] * n
-    sum_pre = [0] * n
-    count = [0] * n
-    for r in placeable:
-        c = current[r]
-        if c is None:
-            continue
-        k = index[c]
-        if count[k] == 0 or q[r] > qmax[k]:
-            qmax[k] = q[r]
-        count[k] += 1
-        sum_m[k] += mi[r]
-        sum_pre[k] += pre[r]
+    q, mi, pre, ctx = prob.q, prob.mi, prob.pre, prob.ctx
+    # the placed requests' totals per instance, vectorised (exact integers; max of q)
+    q_all, mi_all, pre_all, _ = prob.arrays
+    cur_all = np.array([index.get(c, n) for c in prob.current], dtype=np.int64)
+    plc = np.array(placeable, dtype=np.int64)
+    on = cur_all[plc] < n
+    r_on = plc[on]
+    k_on = cur_all[r_on]
+    qmax_a = np.zeros(n)
+    np.maximum.at(qmax_a, k_on, q_all[r_on])  # q >= 0: the same as starting from the first
+    sum_m_a = np.zeros(n, dtype=np.int64)
+    sum_pre_a = np.zeros(n, dtype=np.int64)
+    np.add.at(sum_m_a, k_on, mi_all[r_on])
+    np.add.at(sum_pre_a, k_on, pre_all[r_on])
+    qmax: list[float] = qmax_a.tolist()
+    sum_m: list[int] = sum_m_a.tolist()
+    sum_pre: list[int] = sum_pre_a.tolist()
+    count: list[int] = np.bincount(k_on, minlength=n).tolist()
     a_ = [costs[t].iteration_s for t in tp]
     c_ = [costs[t].per_sequence_s for t in tp]
     p_ = [costs[t].prefill_per_token_s for t in tp]
@@ -559,7 +624,13 @@ def _lpt_makespan(
         for t in types
     ]
     heapreplace = heapq.heapreplace
-    for r in sorted(queued, key=prob.rank.__getitem__):
+    order = sorted(queued, key=prob.rank.__getitem__)
+    if len(typed) == 1 and typed[0][1]:
+        # one TP degree (a uniform layout): LPT in batches (see _lpt_uniform)
+        cap = typed[0][0]
+        _lpt_uniform(prob, order, cap, (a_[0], c_[0], p_[0], inv[0]), qmax, sum_m, sum_pre, run)
+        return max(run, default=0.0)
+    for r in order:
         qr, mr, pr = q[r], mi[r], pre[r]
         need = ctx[r] + qr
         best_run = math.inf
@@ -633,3 +704,111 @@ def place_on_node(
         sum_pre[k] += pr
         out.append((r, k))
     return out, left
+
+
+def _lpt_uniform(
+    prob: Problem,
+    order: Sequence[int],
+    cap: int,
+    coef: tuple[float, float, float, float],
+    qmax: list[float],
+    sum_m: list[int],
+    sum_pre: list[int],
+    run: list[float],
+) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """LPT of ``order`` (already longest first) over instances of one TP degree (every
+    instance ``0..n-1``, same coefficients ``a, c, p, 1/slots``), updating the totals in
+    place; returns the (request, instance) assignment in LPT order and the requests no
+    instance can hold.
+
+    The same result as one heap step per request (each request to the instance with the
+    smallest ``(run, index)``), computed in batches: with the instances sorted by
+    ``(run, index)``, requests ``1..J`` go to instances ``1..J`` in that order exactly
+    when each instance's run stays below every run updated before it in the batch, so
+    each batch evaluates up to ``n`` requests with numpy and keeps its valid prefix
+    (always at least one). A batch that keeps few falls back to the heap for a while.
+    """
+    q_all, mi_all, pre_all, ctx_all = prob.arrays
+    a, c, p, inv = coef
+    req = np.array(order, dtype=np.int64)
+    fit = ctx_all[req] + q_all[req] <= cap
+    left: list[int] = req[~fit].tolist()
+    req = req[fit]
+    n = len(run)
+    qm_s = np.array(qmax, dtype=np.float64)
+    sm_s = np.array(sum_m, dtype=np.int64)
+    sp_s = np.array(sum_pre, dtype=np.int64)
+    run_s = np.array(run, dtype=np.float64)
+    out_r: list[np.ndarray] = []
+    out_k: list[np.ndarray] = []
+    pos = 0
+    total = len(req)
+    while pos < total:
+        b = min(n, total - pos)
+        ks = np.argsort(run_s, kind="stable")[:b]  # by (run, index): ties keep index order
+        rs = req[pos : pos + b]
+        qm = np.maximum(qm_s[ks], q_all[rs])
+        sm = sm_s[ks] + mi_all[rs]
+        sp = sp_s[ks] + pre_all[rs]
+        m = sm / SCALE
+        iters = np.maximum(m * inv, qm)
+        value = a * iters + c * m
+        value = value + p * sp
+        value = np.where((sm <= 0) & (sp <= 0) & (qm <= 0), 0.0, value)
+        if b > 1:
+            # instance i of the batch is the next pick if its run is below every value
+            # set before it (strictly: a tie would compare indices, so stop there)
+            ok = run_s[ks[1:]] < np.minimum.accumulate(value)[:-1]
+            j = b if ok.all() else 1 + int(np.argmin(ok))
+        else:
+            j = 1
+        take = ks[:j]
+        qm_s[take] = qm[:j]
+        sm_s[take] = sm[:j]
+        sp_s[take] = sp[:j]
+        run_s[take] = value[:j]
+        out_r.append(rs[:j])
+        out_k.append(take)
+        pos += j
+        if j < 16 and pos < total:
+            # the loads are close: a stretch of single heap steps, then batches again
+            stop = min(total, pos + 4 * n)
+            heap = sorted(zip(run_s.tolist(), range(n), strict=True))
+            qm_l, sm_l, sp_l = qm_s.tolist(), sm_s.tolist(), sp_s.tolist()
+            rs_l: list[int] = req[pos:stop].tolist()
+            ks_l: list[int] = []
+            q, mi, pre = prob.q, prob.mi, prob.pre
+            heapreplace = heapq.heapreplace
+            for r in rs_l:
+                k = heap[0][1]
+                qr = q[r]
+                qmk = qm_l[k] if qm_l[k] > qr else qr
+                smk = sm_l[k] + mi[r]
+                spk = sp_l[k] + pre[r]
+                if smk <= 0 and spk <= 0 and qmk <= 0:
+                    v = 0.0
+                else:
+                    mm = smk / SCALE
+                    it = mm * inv
+                    if qmk > it:
+                        it = qmk
+                    v = a * it + c * mm + p * spk
+                qm_l[k], sm_l[k], sp_l[k] = qmk, smk, spk
+                heapreplace(heap, (v, k))
+                ks_l.append(k)
+            for v, k in heap:
+                run_s[k] = v
+            qm_s = np.array(qm_l, dtype=np.float64)
+            sm_s = np.array(sm_l, dtype=np.int64)
+            sp_s = np.array(sp_l, dtype=np.int64)
+            out_r.append(req[pos:stop])
+            out_k.append(np.array(ks_l, dtype=np.int64))
+            pos = stop
+    qmax[:] = qm_s.tolist()
+    sum_m[:] = sm_s.tolist()
+    sum_pre[:] = sp_s.tolist()
+    run[:] = run_s.tolist()
+    empty = np.zeros(0, dtype=np.int64)
+    r_out = np.concatenate(out_r) if out_r else empty
+    k_out = np.concatenate(out_k) if out_k else empty
+    return r_out, k_out, left
