@@ -45,6 +45,10 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 
+# gRPC core's default soft limit of calls waiting for the server to pick them up.
+PENDING_REQUESTS_DEFAULT = 1000
+
+
 def parse_address(value: str, field: str) -> tuple[str, int]:
     """Parse ``host:port`` (``[v6]:port`` for IPv6); port 0 means 'any free port'."""
     host, sep, port_text = value.rpartition(":")
@@ -131,16 +135,36 @@ class RunningServer:
         await self.server.stop(grace)
 
 
+def server_options(clients: int) -> list[tuple[str, Any]]:
+    """Channel options of a server that ``clients`` peers may call at one instant."""
+    options = list(CHANNEL_OPTIONS)
+    if 2 * clients > PENDING_REQUESTS_DEFAULT:
+        options += [
+            ("grpc.server.max_pending_requests", 2 * clients),
+            ("grpc.server.max_pending_requests_hard_limit", 4 * clients),
+        ]
+    return options
+
+
 async def start_server(
     listen: str,
     register: Callable[[grpc.aio.Server], None],
     service_names: Iterable[str],
     tls: TlsConfig | None = None,
+    clients: int = 0,
 ) -> RunningServer:
     """Start a grpc.aio server with the standard health service and reflection;
-    mutual TLS when ``tls`` is given, plaintext otherwise."""
+    mutual TLS when ``tls`` is given, plaintext otherwise.
+
+    ``clients``: how many peers may open calls at one instant (the controller: every
+    agent after a restart). gRPC core starts refusing new calls at random (CANCELLED)
+    once more than 1000 wait to be picked up by the server (``max_pending_requests``,
+    random early detection up to a hard limit of 3000); the asyncio server picks them up
+    one at a time, so a storm of a few thousand agents' streams loses some. The limits
+    are raised to twice ``clients`` (soft) and four times (hard) when that is above the
+    defaults."""
     host, _ = parse_address(listen, "listen")
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=server_options(clients))
     register(server)
     names = tuple(service_names)
     health_servicer = health.aio.HealthServicer()
