@@ -355,16 +355,23 @@ def build_problem(
     for n in nodes:
         by_size.setdefault(len(node_gpus[n]), set()).add(current_pattern[n])
     allowed = {g: allowed_tps(perf, g, config) for g in by_size}
+    # a node's options depend only on its size and current pattern: built once per pair
+    seen_options: dict[tuple[int, Pattern], tuple[Pattern, ...]] = {}
     for n in nodes:
         g = len(node_gpus[n])
-        uniform = [tuple([t] * (g // t)) for t in allowed[g]]
-        extra = sorted(by_size[g], reverse=True)
-        pats: list[Pattern] = [current_pattern[n]]
-        for p in [*uniform, *extra]:
-            if p not in pats:
-                pats.append(p)
-        options[n] = tuple(pats)
-        tps.update(t for p in pats for t in p)
+        key = (g, current_pattern[n])
+        opts = seen_options.get(key)
+        if opts is None:
+            uniform = [tuple([t] * (g // t)) for t in allowed[g]]
+            extra = sorted(by_size[g], reverse=True)
+            pats: list[Pattern] = [current_pattern[n]]
+            for p in [*uniform, *extra]:
+                if p not in pats:
+                    pats.append(p)
+            opts = tuple(pats)
+            seen_options[key] = opts
+            tps.update(t for p in pats for t in p)
+        options[n] = opts
 
     if reqs:
         total_ctx = math.fsum(ctx)

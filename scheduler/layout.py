@@ -14,10 +14,9 @@ one is never below the chosen layout's own makespan: re-planning keeps it.
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import combinations, combinations_with_replacement, product
 
 import numpy as np
@@ -55,16 +54,22 @@ class _Sorted:
     m_max: tuple[float, ...]  # m_max[i]: the largest m among the first i + 1
     pre_max: tuple[float, ...]
     arrays: tuple[np.ndarray, np.ndarray, np.ndarray]  # q, m, pre in that order
+    # own times per TP cost, filled on first use (elementwise, so a slice of it equals
+    # the same formula on the slice)
+    owns: dict[TpCost, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
+
+    def own_all(self, cost: TpCost) -> np.ndarray:
+        """The own time ``a q + c m + p pre`` of every request on ``cost``."""
+        own = self.owns.get(cost)
+        if own is None:
+            q, m, pre = self.arrays
+            own = cost.iteration_s * q + cost.per_sequence_s * m + cost.prefill_per_token_s * pre
+            self.owns[cost] = own
+        return own
 
     def own_max(self, cost: TpCost, lo: int, hi: int) -> float:
         """The longest own time ``a q + c m + p pre`` of requests ``lo..hi-1`` on ``cost``."""
-        q, m, pre = self.arrays
-        own = (
-            cost.iteration_s * q[lo:hi]
-            + cost.per_sequence_s * m[lo:hi]
-            + cost.prefill_per_token_s * pre[lo:hi]
-        )
-        return float(own.max())
+        return float(self.own_all(cost)[lo:hi].max())
 
 
 def _sorted_requests(prob: Problem, reqs: Sequence[int]) -> _Sorted:
@@ -213,42 +218,41 @@ def _fluid_own_regime(
     regime but some blocks are mixed (some of their instances take none): ``F(T) = sum_i
     max(0, T - own_i) / B_t`` is piecewise linear, solved exactly over each block's
     sorted own times. None when the own regime cannot be confirmed (then the sweep)."""
-    q_a, m_a, pre_a = s.arrays
-    owns: list[list[float]] = []
-    prefix: list[list[float]] = []
-    arrays: list[np.ndarray] = []
+    owns: list[np.ndarray] = []
+    prefix: list[np.ndarray] = []
+    zero = np.zeros(1)
     for cost, n, _, lo in blocks:
-        own = np.sort(
-            cost.iteration_s * q_a[lo : lo + n]
-            + cost.per_sequence_s * m_a[lo : lo + n]
-            + cost.prefill_per_token_s * pre_a[lo : lo + n]
-        )
-        arrays.append(own)
-        owns.append(own.tolist())
-        prefix.append([0.0, *np.cumsum(own).tolist()])
+        own = np.sort(s.own_all(cost)[lo : lo + n])
+        owns.append(own)
+        prefix.append(np.concatenate((zero, np.cumsum(own))))
     inv = [1.0 / b1 for b1 in b1s]
 
     def taking_part(t: float) -> list[int]:
-        return [bisect_right(own, t) for own in owns]  # own time <= t
+        # own time <= t (searchsorted "right" == bisect_right)
+        return [int(own.searchsorted(t, "right")) for own in owns]
+
+    def pre_sum(b: int, c: int) -> float:
+        return float(prefix[b][c])
 
     def value(t: float, counts: Sequence[int]) -> float:
         # F(T) = sum_b (c_b T - S_b) / B_b with c_b instances of block b taking part
-        return sum((c * t - prefix[b][c]) * inv[b] for b, c in enumerate(counts))
+        return sum((c * t - pre_sum(b, c)) * inv[b] for b, c in enumerate(counts))
 
     # the largest breakpoint where F < 1 (F is increasing), then the root past it, with
     # the instances taking part there
-    points: list[float] = np.sort(np.concatenate(arrays)).tolist()
+    points = np.sort(np.concatenate(owns))
     lo_i, hi_i = 0, len(points)  # F(points[j]) < 1 for j < lo_i; >= 1 from hi_i
     while lo_i < hi_i:
         mid = (lo_i + hi_i) // 2
-        if value(points[mid], taking_part(points[mid])) < 1.0:
+        point = float(points[mid])
+        if value(point, taking_part(point)) < 1.0:
             lo_i = mid + 1
         else:
             hi_i = mid
     if lo_i == 0:
         return None  # F >= 1 at the first own time: degenerate, leave it to the sweep
-    counts = taking_part(points[lo_i - 1])
-    num = 1.0 + sum(prefix[b][c] * inv[b] for b, c in enumerate(counts))
+    counts = taking_part(float(points[lo_i - 1]))
+    num = 1.0 + sum(pre_sum(b, c) * inv[b] for b, c in enumerate(counts))
     den = sum(c * inv[b] for b, c in enumerate(counts))
     t = num / den if den > 0 else math.inf
     if not math.isfinite(t):
@@ -260,7 +264,7 @@ def _fluid_own_regime(
         q_min, m_max = s.q[hi - 1], s.m_max[hi - 1]
         if t > cost.iteration_s * q_min + b1 * (cost.slots * q_min - m_max) / work_m:
             return None  # an instance may reach its iteration-bound regime
-    return max(t, points[-1])  # instances taking no share finish with their own request
+    return max(t, float(points[-1]))  # instances taking no share finish with their own request
 
 
 def _fluid_sweep(
