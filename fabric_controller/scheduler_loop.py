@@ -248,26 +248,17 @@ class ComputeScheduler:
         after = "+".join(f"TP{t}" for t in cmd.layout)
         try:
             reply = await self.clients(cmd.node, address).reshard(cmd.command_id, cmd.layout)
+            ok, outcome = True, f": {reply.message}"
         except errors.OrlError as exc:
-            return self._record(
-                ActionRecord(
-                    self._wall(),
-                    "reshard",
-                    cmd.node,
-                    cmd.command_id,
-                    False,
-                    f"{before} -> {after} failed: {exc}",
-                    time.monotonic() - started,
-                )
-            )
+            ok, outcome = False, f" failed: {exc}"
         return self._record(
             ActionRecord(
                 self._wall(),
                 "reshard",
                 cmd.node,
                 cmd.command_id,
-                True,
-                f"{before} -> {after}: {reply.message}",
+                ok,
+                f"{before} -> {after}{outcome}",
                 time.monotonic() - started,
             )
         )

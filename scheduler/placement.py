@@ -313,7 +313,7 @@ class Placement:
         place, and the shared heaps rebuilt once at the end. A uniform layout (one
         degree) takes the batched form, ``_lpt_uniform``: the same assignment."""
         prob = self.prob
-        q, mi, pre, ctx = prob.q, prob.mi, prob.pre, prob.ctx
+        q = prob.q
         heaps = {
             t: sorted((self.run[k], k) for k in range(len(self.tp)) if self.tp[k] == t)
             for t in self.types
@@ -322,14 +322,10 @@ class Placement:
         qmax = [qs[-1] if qs else 0.0 for qs in self.qs]
         sum_m, sum_pre, members, run = self.sum_m, self.sum_pre, self.members, self.run
         a_, c_, p_, inv = self.a, self.c, self.p, self.inv_slots
-        typed = [(t, caps[t], heaps[t]) for t in self.types]
-        qs_, where = self.qs, self.where
-        heapreplace = heapq.heapreplace
-        left: list[int] = []
-        touched: set[int] = set()
-        if len(typed) == 1 and typed[0][2]:
+        typed = [(caps[t], heaps[t]) for t in self.types]
+        if len(typed) == 1 and typed[0][1]:
             # one TP degree (a uniform layout): LPT in batches (see _lpt_uniform)
-            _t, cap, _heap = typed[0]
+            cap = typed[0][0]
             r_a, k_a, left = _lpt_uniform(
                 prob, order, cap, (a_[0], c_[0], p_[0], inv[0]), qmax, sum_m, sum_pre, run
             )
@@ -338,44 +334,15 @@ class Placement:
                     self.ver[k] += 1
                 self._stale = True
             return left
-        for r in order:
-            qr, mr, pr = q[r], mi[r], pre[r]
-            need = ctx[r] + qr
-            best_run = math.inf
-            best_k = -1
-            best_heap: list[tuple[float, int]] = []
-            for _t, cap, heap in typed:
-                if need > cap or not heap:
-                    continue
-                k = heap[0][1]
-                qm = qmax[k] if qmax[k] > qr else qr
-                # Placement._eval, inlined (this loop runs once per queued request)
-                sm = sum_m[k] + mr
-                sp = sum_pre[k] + pr
-                if sm <= 0 and sp <= 0 and qm <= 0:
-                    value = 0.0
-                else:
-                    m = sm / SCALE
-                    iters = m * inv[k]
-                    if qm > iters:
-                        iters = qm
-                    value = a_[k] * iters + c_[k] * m + p_[k] * sp
-                if value < best_run or (value == best_run and k < best_k):
-                    best_run, best_k, best_heap = value, k, heap
-            if best_k < 0:
-                left.append(r)
-                continue
-            k = best_k
+        placed: list[tuple[int, int]] = []
+        left = _lpt_typed(prob, order, typed, (a_, c_, p_, inv), qmax, sum_m, sum_pre, run, placed)
+        qs_, where = self.qs, self.where
+        touched: set[int] = set()
+        for r, k in placed:
             members[k].add(r)
-            qs_[k].append(qr)
-            if qr > qmax[k]:
-                qmax[k] = qr
-            sum_m[k] += mr
-            sum_pre[k] += pr
-            run[k] = best_run
+            qs_[k].append(q[r])
             where[r] = k
             touched.add(k)
-            heapreplace(best_heap, (best_run, k))
         for k in touched:
             self.qs[k].sort()
             self.ver[k] += 1
@@ -585,7 +552,6 @@ def _lpt_makespan(
     index: dict[str | None, int] = {inst.id: k for k, inst in enumerate(instances)}
     tp = [len(inst.gpus) for inst in instances]
     costs = {t: prob.costs[t] for t in set(tp)}
-    q, mi, pre, ctx = prob.q, prob.mi, prob.pre, prob.ctx
     # the placed requests' totals per instance, vectorised (exact integers; max of q)
     q_all, mi_all, pre_all, _ = prob.arrays
     cur_all = np.array([index.get(c, n) for c in prob.current], dtype=np.int64)
@@ -623,13 +589,35 @@ def _lpt_makespan(
         (costs[t].capacity_tokens, sorted((run[k], k) for k in range(n) if tp[k] == t))
         for t in types
     ]
-    heapreplace = heapq.heapreplace
     order = sorted(queued, key=prob.rank.__getitem__)
     if len(typed) == 1 and typed[0][1]:
         # one TP degree (a uniform layout): LPT in batches (see _lpt_uniform)
         cap = typed[0][0]
         _lpt_uniform(prob, order, cap, (a_[0], c_[0], p_[0], inv[0]), qmax, sum_m, sum_pre, run)
-        return max(run, default=0.0)
+    else:
+        _lpt_typed(prob, order, typed, (a_, c_, p_, inv), qmax, sum_m, sum_pre, run)
+    return max(run, default=0.0)
+
+
+def _lpt_typed(
+    prob: Problem,
+    order: Sequence[int],
+    typed: Sequence[tuple[int, list[tuple[float, int]]]],
+    coeffs: tuple[Sequence[float], Sequence[float], Sequence[float], Sequence[float]],
+    qmax: list[float],
+    sum_m: list[int],
+    sum_pre: list[int],
+    run: list[float],
+    placed: list[tuple[int, int]] | None = None,
+) -> list[int]:
+    """LPT of ``order`` where the candidates are the least-loaded instance of each TP
+    degree: ``typed`` holds (KV capacity in tokens, heap of (run, instance)) per degree.
+    Updates the per-instance totals and heaps in place, appends (request, instance) to
+    ``placed`` when given, and returns the requests that fit nowhere."""
+    q, mi, pre, ctx = prob.q, prob.mi, prob.pre, prob.ctx
+    a_, c_, p_, inv = coeffs
+    heapreplace = heapq.heapreplace
+    left: list[int] = []
     for r in order:
         qr, mr, pr = q[r], mi[r], pre[r]
         need = ctx[r] + qr
@@ -641,6 +629,7 @@ def _lpt_makespan(
                 continue
             k = heap[0][1]
             qm = qmax[k] if qmax[k] > qr else qr
+            # Placement._eval, inlined (this loop runs once per queued request)
             sm = sum_m[k] + mr
             sp = sum_pre[k] + pr
             if sm <= 0 and sp <= 0 and qm <= 0:
@@ -654,6 +643,7 @@ def _lpt_makespan(
             if value < best_run or (value == best_run and k < best_k):
                 best_run, best_k, best_heap = value, k, heap
         if best_k < 0:
+            left.append(r)
             continue
         k = best_k
         if qr > qmax[k]:
@@ -662,7 +652,9 @@ def _lpt_makespan(
         sum_pre[k] += pr
         run[k] = best_run
         heapreplace(best_heap, (best_run, k))
-    return max(run, default=0.0)
+        if placed is not None:
+            placed.append((r, k))
+    return left
 
 
 def place_on_node(
