@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from node_agent.engine import EngineProgress, EngineState, EngineStats, ReshardResult
 from node_agent.gpus import GpuSample
@@ -35,26 +35,32 @@ def status_to_pb(status: NodeStatus) -> node_agent_pb2.NodeStatus:
 
 
 def telemetry_to_pb(sample: Telemetry) -> node_agent_pb2.TelemetrySample:
-    return node_agent_pb2.TelemetrySample(
+    """Sub-messages are built in place (``repeated.add``): a message built on its own and
+    then handed to its parent is copied, which for the 8 GPUs and 8 NICs of every sample
+    (10 Hz) costs a third of the conversion."""
+    message = node_agent_pb2.TelemetrySample(
         node=sample.node,
         timestamp=sample.timestamp,
-        gpus=[gpu_sample_to_pb(g) for g in sample.gpus],
-        nics=[
-            node_agent_pb2.NicSample(
-                name=n.name,
-                rx_bytes=n.rx_bytes,
-                tx_bytes=n.tx_bytes,
-                rx_gbps=n.rx_gbps,
-                tx_gbps=n.tx_gbps,
-                oper_up=n.oper_up,
-            )
-            for n in sample.nics
-        ],
-        engine=engine_stats_to_pb(sample.engine, sample.progress),
         engine_state=ENGINE_STATE_PB[sample.engine_state],
         tp_layout=sample.tp_layout,
-        rdma=[rdma_sample_to_pb(r) for r in sample.rdma],
     )
+    _fill_engine(message.engine, sample.engine, sample.progress)
+    add_gpu = message.gpus.add
+    for g in sample.gpus:
+        _add_gpu(add_gpu, g)
+    add_nic = message.nics.add
+    for name, rx_bytes, tx_bytes, rx_gbps, tx_gbps, oper_up in sample.nics:
+        add_nic(
+            name=name,
+            rx_bytes=rx_bytes,
+            tx_bytes=tx_bytes,
+            rx_gbps=rx_gbps,
+            tx_gbps=tx_gbps,
+            oper_up=oper_up,
+        )
+    if sample.rdma:
+        message.rdma.extend([rdma_sample_to_pb(r) for r in sample.rdma])
+    return message
 
 
 def telemetry_batch_to_pb(samples: Sequence[Telemetry]) -> node_agent_pb2.TelemetryBatch:
@@ -66,7 +72,14 @@ def telemetry_batch_to_pb(samples: Sequence[Telemetry]) -> node_agent_pb2.Teleme
 
 def gpu_sample_to_pb(g: GpuSample) -> node_agent_pb2.GpuSample:
     """A metric the GPU does not report (None) stays unset in the message."""
-    return node_agent_pb2.GpuSample(
+    return _add_gpu(node_agent_pb2.GpuSample, g)
+
+
+def _add_gpu(
+    new: Callable[..., node_agent_pb2.GpuSample], g: GpuSample
+) -> node_agent_pb2.GpuSample:
+    """``g`` built by ``new``: the message class, or a repeated field's ``add``."""
+    return new(
         index=g.index,
         utilization=g.utilization,
         memory_used_bytes=g.memory_used_bytes,
@@ -111,31 +124,32 @@ def engine_stats_to_pb(
     stats: EngineStats, progress: EngineProgress | None = None
 ) -> node_agent_pb2.EngineSample:
     """The aggregates, and with ``progress`` every request of the step (has_progress)."""
-    sample = node_agent_pb2.EngineSample(
-        queued_requests=stats.queued_requests,
-        running_requests=stats.running_requests,
-        tokens_per_s=stats.tokens_per_s,
-        kv_cache_usage=stats.kv_cache_usage,
-        step=stats.step,
-    )
+    sample = node_agent_pb2.EngineSample()
+    _fill_engine(sample, stats, progress)
+    return sample
+
+
+def _fill_engine(
+    sample: node_agent_pb2.EngineSample, stats: EngineStats, progress: EngineProgress | None
+) -> None:
+    sample.queued_requests = stats.queued_requests
+    sample.running_requests = stats.running_requests
+    sample.tokens_per_s = stats.tokens_per_s
+    sample.kv_cache_usage = stats.kv_cache_usage
+    sample.step = stats.step
     if progress is not None:
         sample.has_progress = True
         sample.step = progress.step
-        new = node_agent_pb2.RequestProgress
-        sample.requests.extend(
-            [
-                new(
-                    request_id=r.request_id,
-                    instance=r.instance,
-                    prompt_tokens=r.prompt_tokens,
-                    generated_tokens=r.generated_tokens,
-                    max_tokens=r.max_tokens,
-                )
-                for r in progress.requests
-            ]
-        )
+        add = sample.requests.add  # in place: no copy per request (see telemetry_to_pb)
+        for request_id, instance, prompt_tokens, generated_tokens, max_tokens in progress.requests:
+            add(
+                request_id=request_id,
+                instance=instance,
+                prompt_tokens=prompt_tokens,
+                generated_tokens=generated_tokens,
+                max_tokens=max_tokens,
+            )
         sample.completed_lengths.extend(progress.completed_lengths)
-    return sample
 
 
 def engine_state_to_pb(

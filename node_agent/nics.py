@@ -110,8 +110,8 @@ class _NicRates:
         self._root = root  # sysfs: link speeds (and counters, for SysfsNics)
         self._clock = clock
         self._specs: list[NicSpec] = []
-        self._previous: dict[str, tuple[float, _Counters]] = {}
-        self._rates: dict[str, tuple[float, float]] = {}
+        # per NIC: (time, rx_bytes, tx_bytes, rx_gbps, tx_gbps) of its latest reading
+        self._previous: dict[str, tuple[float, int, int, float, float]] = {}
         self._missing: set[str] = set()
 
     def inventory(self) -> list[NicSpec]:
@@ -145,19 +145,20 @@ class _NicRates:
                     effect="reported as down with zero counters until it appears",
                 )
             self._previous.pop(name, None)
-            self._rates.pop(name, None)
             return NicSample(name, 0, 0, 0.0, 0.0, False)
         if name in self._missing:
             self._missing.discard(name)
             log.info("nic_present", nic=name)
-        rx_gbps, tx_gbps = self._rates.get(name, (0.0, 0.0))
+        rx_gbps = tx_gbps = 0.0
         previous = self._previous.get(name)
-        if previous is not None and now > previous[0]:
-            elapsed = now - previous[0]
-            rx_gbps = _gbps(counters.rx_bytes - previous[1].rx_bytes, elapsed)
-            tx_gbps = _gbps(counters.tx_bytes - previous[1].tx_bytes, elapsed)
-        self._previous[name] = (now, counters)
-        self._rates[name] = (rx_gbps, tx_gbps)
+        if previous is not None:
+            if now > previous[0]:
+                elapsed = now - previous[0]
+                rx_gbps = _gbps(counters.rx_bytes - previous[1], elapsed)
+                tx_gbps = _gbps(counters.tx_bytes - previous[2], elapsed)
+            else:  # no time passed: the rates of the previous reading stand
+                rx_gbps, tx_gbps = previous[3], previous[4]
+        self._previous[name] = (now, counters.rx_bytes, counters.tx_bytes, rx_gbps, tx_gbps)
         return NicSample(
             name, counters.rx_bytes, counters.tx_bytes, rx_gbps, tx_gbps, counters.oper_up
         )
@@ -240,6 +241,7 @@ IF_STATS_MSG = struct.Struct("=BBHiI")  # family, pad, pad, ifindex, filter_mask
 RTATTR = struct.Struct("=HH")  # length, type
 STATS64_HEAD = struct.Struct("=QQQQ")  # rx_packets, tx_packets, rx_bytes, tx_bytes
 ERROR_CODE = struct.Struct("=i")
+SEQ, SEQ_OFFSET = struct.Struct("=I"), 8  # nlmsghdr.nlmsg_seq
 
 
 class LinkInfo(NamedTuple):
@@ -317,6 +319,19 @@ def parse_stats(buf: bytes | bytearray, start: int, end: int) -> tuple[int, int,
 # One unpack for a whole RTM_NEWSTATS message whose first attribute is IFLA_STATS_LINK_64
 # (the only one requested): header, if_stats_msg, rtattr, the first four u64 of the stats.
 STATS_MESSAGE = struct.Struct("=IHHIIBBHiIHHQQQQ")
+FIRST_LENGTH = struct.Struct("=I")
+_STATS_RUNS: dict[int, struct.Struct] = {}
+
+
+def _stats_run(length: int) -> struct.Struct:
+    """STATS_MESSAGE padded to a whole message of ``length`` bytes (the size of
+    ``rtnl_link_stats64`` depends on the kernel), for ``iter_unpack``."""
+    run = _STATS_RUNS.get(length)
+    if run is None:
+        run = _STATS_RUNS[length] = struct.Struct(
+            f"{STATS_MESSAGE.format}{length - STATS_MESSAGE.size}x"
+        )
+    return run
 
 
 def read_stats_datagram(
@@ -325,20 +340,32 @@ def read_stats_datagram(
     """Put ``ifindex -> (rx_bytes, tx_bytes)`` of one datagram of a stats dump into ``out``;
     True when it ended the dump (NLMSG_DONE). OSError for an NLMSG_ERROR answer."""
     offset = 0
-    while offset + NLMSGHDR.size <= size:
+    whole, head = STATS_MESSAGE.size, NLMSGHDR.size
+    # The common case: the datagram opens with a run of RTM_NEWSTATS messages of one length
+    # (every interface answers the same attribute), read in one pass of a single unpack.
+    length = FIRST_LENGTH.unpack_from(buf)[0] if size >= whole else 0
+    if length >= whole and not length & 3:
+        run = _stats_run(length)
+        for f in run.iter_unpack(buf[: size - size % length]):
+            if (
+                f[0] != length
+                or f[1] != RTM_NEWSTATS
+                or f[3] != seq
+                or f[11] & NLA_TYPE_MASK != IFLA_STATS_LINK_64
+            ):
+                break  # something else: the general loop below takes it from here
+            out[f[8]] = (f[14], f[15])
+            offset += length
+    while offset + head <= size:
         length, kind, _flags, mseq, _pid = NLMSGHDR.unpack_from(buf, offset)
-        if length < NLMSGHDR.size or offset + length > size:
+        if length < head or offset + length > size:
             return False
         if mseq == seq:
             if kind == RTM_NEWSTATS:
-                fields = (
-                    STATS_MESSAGE.unpack_from(buf, offset) if length >= STATS_MESSAGE.size else None
-                )
+                fields = STATS_MESSAGE.unpack_from(buf, offset) if length >= whole else None
                 if fields is not None and fields[11] & NLA_TYPE_MASK == IFLA_STATS_LINK_64:
                     out[fields[8]] = (fields[14], fields[15])
-                elif (
-                    parsed := parse_stats(buf, offset + NLMSGHDR.size, offset + length)
-                ) is not None:
+                elif (parsed := parse_stats(buf, offset + head, offset + length)) is not None:
                     out[parsed[0]] = (parsed[1], parsed[2])
             elif kind == NLMSG_DONE:
                 return True
@@ -387,6 +414,8 @@ class NetlinkNics(SysfsNics):
         self._links: dict[str, tuple[int, bool]] = {}  # name -> (ifindex, oper up)
         self._names: dict[int, str] = {}
         self._counters: dict[int, tuple[int, int]] = {}  # ifindex -> rx, tx bytes (reused)
+        self._stats_request = bytearray(stats_dump_request(0))  # renumbered at each send
+        self._names_wanted = [name for name, _ in self._nics]
 
     async def open(self) -> list[NicSpec]:
         specs = await super().open()
@@ -417,44 +446,72 @@ class NetlinkNics(SysfsNics):
     async def sample(self) -> list[NicSample]:
         if self._sock is None:
             return await super().sample()
-        async with self._lock:
-            if self._links_stale:
-                await self._read_links()
-            self._counters.clear()
-            await self._dump(stats_dump_request, self._on_stats)
-            now = self._clock()
-            out = []
-            links, readings, previous = self._links, self._counters, self._previous
-            for name, _ in self._nics:
-                link = links.get(name)
-                counters = readings.get(link[0]) if link is not None else None
-                before = previous.get(name)
-                if (
-                    counters is None
-                    or link is None
-                    or before is None
-                    or name in self._missing
-                    or now <= before[0]
-                ):
-                    out.append(
-                        self._to_sample(
-                            name,
-                            None
-                            if counters is None or link is None
-                            else _Counters(counters[0], counters[1], link[1]),
-                            now,
-                        )
+        lock = self._lock
+        if self._links_stale or lock.locked():
+            async with lock:  # after the reading in progress: one at a time keeps rates ordered
+                if self._links_stale:
+                    await self._read_links()
+                return await self._read_stats(holding_lock=True)
+        # Nothing else is reading, and the dump normally completes without awaiting (no
+        # other reading can come in between): no lock to take at every sample.
+        return await self._read_stats(holding_lock=False)
+
+    async def _read_stats(self, holding_lock: bool) -> list[NicSample]:
+        """One stats dump, then the samples; a dump the kernel has not fully answered yet
+        is awaited under the lock (taken here unless the caller holds it)."""
+        self._counters.clear()
+        seq = self._next_seq()
+        request = self._stats_request  # built once: only its sequence number changes
+        SEQ.pack_into(request, SEQ_OFFSET, seq)
+        assert self._sock is not None
+        self._sock.send(request)
+        if not self._receive_ready(self._on_stats, seq):
+            if holding_lock:
+                await self._receive(self._on_stats, seq)
+            else:
+                async with self._lock:
+                    await self._receive(self._on_stats, seq)
+        return self._nic_samples()
+
+    def _nic_samples(self) -> list[NicSample]:
+        """The NICs' samples from the counters of the dump just read."""
+        now = self._clock()
+        out = []
+        links, readings, previous, missing = (
+            self._links,
+            self._counters,
+            self._previous,
+            self._missing,
+        )
+        for name in self._names_wanted:
+            link = links.get(name)
+            counters = readings.get(link[0]) if link is not None else None
+            before = previous.get(name)
+            if (
+                counters is None
+                or link is None
+                or before is None
+                or (missing and name in missing)
+                or now <= before[0]
+            ):
+                out.append(
+                    self._to_sample(
+                        name,
+                        None
+                        if counters is None or link is None
+                        else _Counters(counters[0], counters[1], link[1]),
+                        now,
                     )
-                    continue
-                # the common case inline (same figures as _to_sample): at 10 Hz per NIC
-                rx, tx = counters
-                elapsed = now - before[0]
-                rx_gbps = max(0, rx - before[1].rx_bytes) * 8 / elapsed / 1e9
-                tx_gbps = max(0, tx - before[1].tx_bytes) * 8 / elapsed / 1e9
-                previous[name] = (now, _Counters(rx, tx, link[1]))
-                self._rates[name] = (rx_gbps, tx_gbps)
-                out.append(NicSample(name, rx, tx, rx_gbps, tx_gbps, link[1]))
-            return out
+                )
+                continue
+            # the common case inline (same figures as _to_sample): at 10 Hz per NIC
+            rx, tx = counters
+            elapsed = now - before[0]
+            rx_gbps = max(0, rx - before[1]) * 8 / elapsed / 1e9
+            tx_gbps = max(0, tx - before[2]) * 8 / elapsed / 1e9
+            previous[name] = (now, rx, tx, rx_gbps, tx_gbps)
+            out.append(NicSample(name, rx, tx, rx_gbps, tx_gbps, link[1]))
+        return out
 
     def _on_stats(self, size: int, seq: int) -> bool:
         return read_stats_datagram(self._buf, size, seq, self._counters)
@@ -515,18 +572,37 @@ class NetlinkNics(SysfsNics):
         self, request: Callable[[int], bytes], handle: Callable[[int, int], bool]
     ) -> None:
         """Send a dump request and feed each datagram of the answer (in ``self._buf``) to
-        ``handle(size, seq)`` until it says the dump is done. The kernel has the answer
-        ready when send returns, so recv does not wait; should it, the event loop waits
-        for the socket instead of blocking."""
+        ``handle(size, seq)`` until it says the dump is done."""
         assert self._sock is not None
-        sock = self._sock
+        seq = self._next_seq()
+        self._sock.send(request(seq))
+        if not self._receive_ready(handle, seq):
+            await self._receive(handle, seq)
+
+    def _next_seq(self) -> int:
         self._seq = (self._seq + 1) & 0xFFFFFFFF
-        seq = self._seq
-        sock.send(request(seq))
+        return self._seq
+
+    def _receive_ready(self, handle: Callable[[int, int], bool], seq: int) -> bool:
+        """Feed the datagrams already queued on the socket to ``handle``; True once it says
+        the dump is done. The kernel has the answer ready when send returns, so this
+        normally finishes the dump without a coroutine or a wait."""
+        assert self._sock is not None
+        sock, buf = self._sock, self._buf
         while True:
             try:
-                size = sock.recv_into(self._buf)
+                size = sock.recv_into(buf)
             except BlockingIOError:
-                size = await asyncio.get_running_loop().sock_recv_into(sock, self._buf)
+                return False
             if handle(size, seq):
+                return True
+
+    async def _receive(self, handle: Callable[[int, int], bool], seq: int) -> None:
+        """The rest of a dump the kernel had not answered yet: the event loop waits for the
+        socket instead of blocking."""
+        assert self._sock is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            size = await loop.sock_recv_into(self._sock, self._buf)
+            if handle(size, seq) or self._receive_ready(handle, seq):
                 return

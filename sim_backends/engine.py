@@ -148,20 +148,25 @@ class SimulatedEngine:
 
     @property
     def tp_layout(self) -> tuple[int, ...]:
-        return tuple(i.tp for i in self._instances)
+        return self._layout
 
     def stats(self) -> EngineStats:
         self._advance()
-        used = sum(i.kv_used_tokens for i in self._instances)
-        capacity = sum(i.kv_capacity_tokens for i in self._instances)
-        tokens_per_s = 0.0
-        if self._state is not EngineState.RESHARDING and not self._paused:
-            tokens_per_s = sum(
-                (len(i.running) / self._iteration_s(i) for i in self._instances if i.running), 0.0
-            )
+        # one pass over the instances (read at every telemetry sample); the sums are taken
+        # in the same order as before, so the figures are the same to the last bit
+        used = capacity = tokens_per_s = 0.0
+        running = 0
+        decoding = self._state is not EngineState.RESHARDING and not self._paused
+        for i in self._instances:
+            used += i.kv_used_tokens
+            capacity += i.kv_capacity_tokens
+            if i.running:
+                running += len(i.running)
+                if decoding:
+                    tokens_per_s += len(i.running) / self._iteration_s(i)
         return EngineStats(
             queued_requests=len(self._queue),
-            running_requests=sum(len(i.running) for i in self._instances),
+            running_requests=running,
             tokens_per_s=tokens_per_s,
             kv_cache_usage=min(1.0, used / capacity) if capacity > 0 else 0.0,
             step=self._step_index,
@@ -361,11 +366,14 @@ class SimulatedEngine:
             )
 
     def _build(self, layout: Sequence[int]) -> list[_Instance]:
+        """The instances of ``layout`` (empty); also sets :attr:`tp_layout` (read at every
+        telemetry sample, so kept rather than rebuilt)."""
         cfg = self._config
         instances = []
         for tp in layout:
             pool = tp * cfg.hbm_bytes_per_gpu * cfg.memory_fraction - cfg.weight_bytes
             instances.append(_Instance(tp, max(0.0, pool / cfg.kv_bytes_per_token)))
+        self._layout = tuple(i.tp for i in instances)
         return instances
 
     def _relayout(self, layout: Sequence[int]) -> None:

@@ -1,12 +1,18 @@
-"""NetlinkNics against this machine's kernel: the counters and state sysfs shows."""
+"""NetlinkNics against this machine's kernel (the counters and state sysfs shows), and
+against a stand-in kernel that answers late."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import struct
 from pathlib import Path
 
 import pytest
 
+from node_agent import nics
 from node_agent.nics import NetlinkNics
+from tests.helpers import FakeClock
 
 pytestmark = pytest.mark.component
 
@@ -46,3 +52,52 @@ async def test_counters_and_state_match_sysfs() -> None:
         assert all(s.rx_gbps >= 0 and s.tx_gbps >= 0 for s in again)
     finally:
         reader.close()
+
+
+class LateKernel:
+    """One end of a datagram socketpair standing in for rtnetlink: answers each stats dump
+    request from the event loop (after ``send`` has returned), in two datagrams, with
+    counters that grow by 1 GB per dump."""
+
+    def __init__(self, ifindex: int) -> None:
+        self.agent, self.kernel = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.agent.setblocking(False)
+        self.ifindex = ifindex
+        self.dumps = 0
+        asyncio.get_running_loop().add_reader(self.kernel, self._answer)
+
+    def _answer(self) -> None:
+        seq = struct.unpack_from("=IHHII", self.kernel.recv(64))[3]
+        self.dumps += 1
+        counters = struct.pack("=QQQQ", 0, 0, self.dumps * 10**9, 0) + b"\0" * 160
+        stats = struct.pack("=BBHiI", 0, 0, 0, self.ifindex, 1)
+        attr = struct.pack("=HH", 4 + len(counters), nics.IFLA_STATS_LINK_64) + counters
+        body = stats + attr
+        self.kernel.send(struct.pack("=IHHII", 16 + len(body), nics.RTM_NEWSTATS, 2, seq, 0) + body)
+        done = struct.pack("=IHHIIi", 20, nics.NLMSG_DONE, 2, seq, 0, 0)
+        asyncio.get_running_loop().call_soon(self.kernel.send, done)  # the rest comes later
+
+    def close(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.kernel)
+        self.agent.close()
+        self.kernel.close()
+
+
+async def test_a_dump_the_kernel_answers_late_is_awaited_and_readings_stay_ordered() -> None:
+    clock = FakeClock(100.0)
+    reader = NetlinkNics([("eth0", 100.0)], clock=clock)
+    kernel = LateKernel(ifindex=2)
+    reader._sock = kernel.agent  # the socket open() would have made
+    reader._links = {"eth0": (2, True)}
+    try:
+        [first] = await reader.sample()
+        assert (first.rx_bytes, first.rx_gbps, first.oper_up) == (10**9, 0.0, True)
+        clock.now += 1.0
+        # two readings at once: the second waits for the first (rates from ordered deltas)
+        second, third = await asyncio.gather(reader.sample(), reader.sample())
+        assert [s.rx_bytes for s in second + third] == [2 * 10**9, 3 * 10**9]
+        assert second[0].rx_gbps == pytest.approx(8.0)  # 1 GB in the 1 s since the first
+        assert third[0].rx_gbps == second[0].rx_gbps  # no time passed: the rate stands
+        assert kernel.dumps == 3
+    finally:
+        kernel.close()

@@ -205,3 +205,33 @@ def test_requests_ask_for_a_dump_of_64_bit_stats_only() -> None:
     assert flags & nics.NLM_F_DUMP == nics.NLM_F_DUMP
     assert struct.unpack_from("=BBHiI", nics.stats_dump_request(9), 16)[4] == 1  # LINK_64 only
     assert struct.unpack_from("=IH", nics.link_dump_request(1))[1] == nics.RTM_GETLINK
+
+
+def test_a_run_of_stats_messages_reads_like_one_message_at_a_time() -> None:
+    done = _message(nics.NLMSG_DONE, 7, struct.pack("=i", 0))
+    run = b"".join(_stats_message(7, i, 1000 * i, 2**64 - i) for i in range(1, 21))
+    out: dict[int, tuple[int, int]] = {}
+    assert nics.read_stats_datagram(run + done, len(run + done), 7, out) is True
+    parsed = {}
+    for kind, _, start, end in nics.messages(run, len(run)):
+        assert kind == nics.RTM_NEWSTATS
+        index, rx, tx = nics.parse_stats(run, start, end) or (0, 0, 0)
+        parsed[index] = (rx, tx)
+    assert out == parsed and len(out) == 20
+
+
+def test_a_run_broken_by_other_messages_reads_every_message() -> None:
+    head = struct.pack("=BBHiI", 0, 0, 0, 9, 1)
+    stats64 = struct.pack("=QQQQ", 0, 0, 77, 88) + b"\0" * 160
+    longer = _message(nics.RTM_NEWSTATS, 7, head + _attr(3, b"\0" * 8) + _attr(1, stats64))
+    data = (
+        _stats_message(7, 2, 1, 2)
+        + _stats_message(6, 3, 3, 4)  # an older dump's
+        + _stats_message(7, 4, 5, 6)
+        + longer  # another length: other attributes first
+        + _stats_message(7, 5, 7, 8)
+    )
+    out: dict[int, tuple[int, int]] = {}
+    assert nics.read_stats_datagram(data, len(data), 7, out) is False
+    assert out == {2: (1, 2), 4: (5, 6), 9: (77, 88), 5: (7, 8)}
+    assert nics.read_stats_datagram(data, len(data) - 1, 7, {}) is False  # cut short: no error
