@@ -141,4 +141,17 @@ async def ticks(interval_s: float | Callable[[], float]) -> AsyncIterator[None]:
         now = loop.time()
         if deadline < now:  # fell behind (slow read, suspended host): restart from now
             deadline = now
-        await asyncio.sleep(deadline - now)
+        # asyncio.sleep on the loop at hand: sleep looks the running loop up at every
+        # call, which costs a getpid() system call per tick
+        wake: asyncio.Future[None] = loop.create_future()
+        timer = loop.call_at(deadline, set_done, wake)
+        try:
+            await wake
+        finally:
+            timer.cancel()
+
+
+def set_done(future: asyncio.Future[None]) -> None:
+    """Complete ``future`` unless it is done already (cancelled, say): a timer callback."""
+    if not future.done():
+        future.set_result(None)

@@ -16,11 +16,15 @@ progress. A backlog goes up in batches of at most ``UplinkSettings.max_batch_sam
 each ending on a sample with progress where it has one.
 
 The telemetry stream counts as liveness at the controller (each upload refreshes the
-node's last-seen time), so a heartbeat period in which an upload went out skips the
-Heartbeat RPC: a unary call costs about as much CPU here as the whole second of
-sampling. Session loss is still noticed: a controller that lost the session rejects
-the upload (the stream ends and the agent registers again), and a wedged one stops
-taking uploads, so the heartbeats resume and time out.
+node's last-seen time), so a heartbeat is sent only when no upload has reached the
+controller for a heartbeat interval: a unary call costs about as much CPU here as the
+whole second of sampling. The heartbeat waits on a timer that every upload pushes back
+(nothing wakes while uploads flow); it is due one heartbeat interval after the last
+upload or heartbeat, plus half a sampling interval (at most half a heartbeat interval)
+so that uploads as frequent as heartbeats, which complete a few milliseconds either
+side of that interval, never race it. Session loss is still noticed: a controller that
+lost the session rejects the upload (the stream ends and the agent registers again),
+and a wedged one stops taking uploads, so the heartbeats resume and time out.
 
 Any failure (controller unreachable, stream broken, session unknown after a controller
 restart) ends the session; the uplink logs why, backs off with jitter and registers
@@ -43,7 +47,7 @@ import grpc
 
 from node_agent import convert
 from node_agent.metrics import AgentMetrics
-from node_agent.telemetry import Collector, Telemetry, ticks
+from node_agent.telemetry import Collector, Telemetry, set_done, ticks
 from orchestrrl import errors
 from orchestrrl.grpcutil import call, channel
 from orchestrrl.logs import get_logger
@@ -226,7 +230,11 @@ class Uplink:
         self._telemetry_interval_s = telemetry_interval_s
         self.flush_interval_s = flush_interval_s  # a new value applies from the next sample
         self._since_flush = 0
-        self._uploaded = False  # an upload went out since the last heartbeat period
+        # The session's heartbeat timer (see _heartbeats): every upload re-arms it
+        self._heartbeat_timer: asyncio.TimerHandle | None = None
+        self._heartbeat_due: asyncio.Future[None] | None = None
+        self._heartbeat_after_s = 0.0  # from the last upload or heartbeat
+        self._healthy_at: float | None = None  # loop time from which an upload resets backoff
         self._settings = settings or UplinkSettings()
         self._backoff = Backoff(self._settings.backoff_initial_s, self._settings.backoff_max_s, rng)
         self.session: Session | None = None
@@ -356,15 +364,41 @@ class Uplink:
         request = fabric_controller_pb2.HeartbeatRequest(
             node=self._collector.node, session_id=session.session_id
         )
-        self._uploaded = False
-        while True:
-            await asyncio.sleep(session.heartbeat_interval_s)
-            if self._uploaded:  # the telemetry stream proved liveness in this period
-                self._uploaded = False
-                self._backoff.reset()
-                continue
-            await call("Heartbeat", stub.Heartbeat(request, timeout=self._settings.rpc_timeout_s))
-            self._backoff.reset()  # a session that has heartbeated once counts as healthy
+        loop = asyncio.get_running_loop()
+        interval = session.heartbeat_interval_s
+        self._heartbeat_after_s = interval + min(self._telemetry_interval_s, interval) / 2
+        # a session that proved liveness after a heartbeat interval counts as healthy
+        self._healthy_at = loop.time() + interval
+        try:
+            while True:
+                due = self._heartbeat_due = loop.create_future()
+                self._heartbeat_timer = loop.call_later(self._heartbeat_after_s, set_done, due)
+                await due  # no upload reached the controller for the interval
+                await call(
+                    "Heartbeat", stub.Heartbeat(request, timeout=self._settings.rpc_timeout_s)
+                )
+                self._backoff.reset()  # a session that has heartbeated once counts as healthy
+                self._heartbeat_timer.cancel()  # an upload may have re-armed it meanwhile
+        finally:
+            if self._heartbeat_timer is not None:
+                self._heartbeat_timer.cancel()
+            self._heartbeat_timer = self._heartbeat_due = None
+
+    def _uploaded(self) -> None:
+        """An upload reached the controller: the next heartbeat is due a heartbeat interval
+        from now (the timer is moved, so nothing wakes while uploads flow)."""
+        timer = self._heartbeat_timer
+        if timer is None or self._heartbeat_due is None:  # no session's heartbeats running
+            return
+        timer.cancel()
+        loop = asyncio.get_running_loop()
+        # (a heartbeat in flight has its future done: this timer then does nothing)
+        self._heartbeat_timer = loop.call_later(
+            self._heartbeat_after_s, set_done, self._heartbeat_due
+        )
+        if self._healthy_at is not None and loop.time() >= self._healthy_at:
+            self._healthy_at = None  # once per session
+            self._backoff.reset()
 
     async def _report_telemetry(
         self, stub: fabric_controller_pb2_grpc.FabricControllerAsyncStub
@@ -391,7 +425,7 @@ class Uplink:
                         "ReportTelemetryBatch: the controller closed the telemetry stream"
                     ) from None
                 self.buffer.sent(batch)
-                self._uploaded = True
+                self._uploaded()
                 self.metrics.samples_sent.inc(len(batch))
         finally:
             stream.cancel()

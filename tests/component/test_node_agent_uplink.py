@@ -224,18 +224,56 @@ class CountingStub:
         return done
 
 
-async def test_a_period_with_an_upload_needs_no_heartbeat() -> None:
+async def test_uploads_push_the_heartbeat_back_and_without_them_it_goes_out() -> None:
     uplink = Uplink(SteppedCollector(), "127.0.0.1:1", "127.0.0.1:1", 1.0)  # type: ignore[arg-type]
     stub = CountingStub()
+    loop = asyncio.get_running_loop()
     task = asyncio.create_task(
-        uplink._heartbeats(stub, Session("c", "s", 0.01))  # type: ignore[arg-type]
+        uplink._heartbeats(stub, Session("c", "s", 0.05))  # type: ignore[arg-type]
     )
     try:
-        await asyncio.sleep(0)  # the loop starts (and forgets uploads before the session)
-        uplink._uploaded = True  # an upload went out in this period
-        await eventually(lambda: not uplink._uploaded, "the period ends")
+        await asyncio.sleep(0)  # the session's heartbeat timer is armed
+        armed = uplink._heartbeat_timer
+        assert armed is not None
+        after = 0.05 + 0.05 / 2  # the interval, and half of it (< the sampling interval)
+        before = loop.time()
+        uplink._uploaded()  # an upload reached the controller
+        moved = uplink._heartbeat_timer
+        assert moved is not None and moved is not armed and armed.cancelled()
+        assert before + after <= moved.when() <= loop.time() + after
         assert stub.heartbeats == 0
-        await eventually(lambda: stub.heartbeats >= 1, "then heartbeats again")
+        await eventually(lambda: stub.heartbeats >= 2, "no uploads: heartbeats go out")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert uplink._heartbeat_timer is None  # the session's timer goes with it
+
+
+class SlowHeartbeatStub:
+    """Heartbeats that complete only when the test says so."""
+
+    def __init__(self) -> None:
+        self.calls: list[asyncio.Future[None]] = []
+
+    def Heartbeat(self, request: object, timeout: float) -> asyncio.Future[None]:
+        self.calls.append(asyncio.get_running_loop().create_future())
+        return self.calls[-1]
+
+
+async def test_an_upload_during_a_heartbeat_call_re_arms_the_timer_harmlessly() -> None:
+    uplink = Uplink(SteppedCollector(), "127.0.0.1:1", "127.0.0.1:1", 0.05)  # type: ignore[arg-type]
+    stub = SlowHeartbeatStub()
+    task = asyncio.create_task(
+        uplink._heartbeats(stub, Session("c", "s", 0.05))  # type: ignore[arg-type]
+    )
+    try:
+        await eventually(lambda: len(stub.calls) == 1, "a heartbeat is due")
+        for _ in range(3):  # uploads while it is in flight; their timers may fire meanwhile
+            uplink._uploaded()
+            await asyncio.sleep(0.05)
+        assert len(stub.calls) == 1 and not task.done()  # one call at a time, no error
+        stub.calls[0].set_result(None)
+        await eventually(lambda: len(stub.calls) == 2, "the next one after it")
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
