@@ -64,14 +64,13 @@ from scheduler.compute_state import (
     Candidate,
     ComputePlan,
     ComputeState,
-    Instance,
     Migration,
     MoveMethod,
     Prediction,
     Reshard,
 )
 from scheduler.forecast import LengthForecast
-from scheduler.layout import LayoutChoice, choose_layout
+from scheduler.layout import REPORTED, LayoutChoice, choose_layout
 from scheduler.perf_model import PerfModel
 from scheduler.placement import MoveCostFrom, Placement, keep_makespan, place_on_node
 
@@ -126,12 +125,16 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
     }
 
     # instances after the plan
-    new_instances: list[Instance] = []
-    for n in prob.nodes:
-        new_instances.extend(prob.instances_for(n, target[n]))
+    after_by_node = {n: prob.instances_for(n, target[n]) for n in prob.nodes}
+    new_instances = [i for insts in after_by_node.values() for i in insts]
     new_instances.sort(key=_by_id)
     n_inst = len(new_instances)
-    all_cand = n_inst <= config.all_candidates_limit
+    n_req, work = len(placeable), config.all_candidates_work
+    all_cand = (
+        n_inst <= config.all_candidates_limit
+        and n_req * n_inst <= work
+        and n_req * n_req <= work * n_inst
+    )
 
     # the plan's placement: requests on surviving instances stay (vectorised over the
     # requests through codes: per request its current instance, per current instance
@@ -250,23 +253,17 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
     planned = switching + max((stall[k] + pl.run[k] for k in range(n_inst)), default=0.0)
     steady = pl.makespan()
     reshards = []
-    before_by_node: dict[str, list[Instance]] = {}
-    for inst in prob.state.instances:
-        before_by_node.setdefault(inst.node, []).append(inst)
-    after_by_node: dict[str, list[Instance]] = {}
-    for inst in new_instances:
-        after_by_node.setdefault(inst.node, []).append(inst)
     for n in sorted(changed):
-        before = before_by_node[n]
-        after = after_by_node[n]
+        before = prob.by_node[n]  # sorted by id
+        after = sorted(after_by_node[n], key=_by_id)
         # instances of one node are equal when id and GPUs are (tuples hash in C)
         kept = {(i.id, i.gpus) for i in before} & {(i.id, i.gpus) for i in after}
         reshards.append(
             Reshard(
                 n,
-                tuple(sorted((len(i.gpus) for i in before), reverse=True)),
+                prob.current_pattern[n],
                 tuple(sorted((len(i.gpus) for i in after), reverse=True)),
-                tuple(sorted(i.id for i in before if (i.id, i.gpus) not in kept)),
+                tuple(i.id for i in before if (i.id, i.gpus) not in kept),
                 tuple(i for i in after if (i.id, i.gpus) not in kept),
                 pauses[n],
             )
@@ -284,7 +281,9 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
         instances=tuple(new_instances),
         prediction=Prediction(keep_s, planned, steady, switching, migration_total),
         reason=reason,
-        candidates=tuple(Candidate(c.label, c.makespan_s, c.switching_s) for c in choices[:8]),
+        candidates=tuple(
+            Candidate(c.label, c.makespan_s, c.switching_s) for c in choices[:REPORTED]
+        ),
     )
 
 

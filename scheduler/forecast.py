@@ -104,6 +104,8 @@ def holt(series: Sequence[float], alpha: float = 0.5, beta: float = 0.3) -> Drif
 
 
 def log_mean(lengths: Sequence[int]) -> float:
+    if min(lengths) >= 1:  # the usual case, without a max() per length: the same sum
+        return sum(map(math.log, lengths)) / len(lengths)
     return sum(math.log(max(1, x)) for x in lengths) / len(lengths)
 
 
@@ -231,13 +233,18 @@ def build_forecast(
     if max_tokens is not None and max_tokens <= 0:
         raise errors.field_error("max_tokens", max_tokens, "a positive integer or None")
     steps = [list(s) for s in history if len(s) > 0]
-    drift = holt([log_mean(s) for s in steps], config.holt_alpha, config.holt_beta)
+    log_means = [log_mean(s) for s in steps]
+    drift = holt(log_means, config.holt_alpha, config.holt_beta)
 
-    # (length, weight, is_event)
-    obs: list[tuple[float, float, bool]] = []
-    obs.extend((float(x), 1.0, True) for x in completed)
-    obs.extend((float(g), 1.0, False) for g in running)
-    current = len(obs)
+    # observations (length, weight, is_event) as arrays: this step's completed responses
+    # (events), its running requests (censored), then recent steps' lengths (events)
+    xs: list[np.ndarray] = [
+        np.asarray(completed, dtype=np.float64),
+        np.asarray(running, dtype=np.float64),
+    ]
+    ws: list[np.ndarray] = [np.ones(len(completed)), np.ones(len(running))]
+    evs: list[np.ndarray] = [np.ones(len(completed), np.bool_), np.zeros(len(running), np.bool_)]
+    current = len(completed) + len(running)
 
     if steps:
         prior_total = config.prior_strength * max(current, 1)
@@ -245,19 +252,25 @@ def build_forecast(
         decays = [config.history_decay**age for age in ages]
         norm = sum(decays)
         predicted = drift.predicted_log_mean
-        for step, decay in zip(steps, decays, strict=True):
-            factor = math.exp(predicted - log_mean(step))
+        for step, lm, decay in zip(steps, log_means, decays, strict=True):
+            factor = math.exp(predicted - lm)
             factor = min(config.max_drift, max(1.0 / config.max_drift, factor))
             pts = _thin(sorted(step), config.max_points_per_step)
             w = prior_total * decay / norm / len(pts)
-            for x in pts:
-                length = x * factor
-                if max_tokens is not None:
-                    length = min(length, float(max_tokens))
-                obs.append((length, w, True))
+            length = np.asarray(pts, dtype=np.float64) * factor
+            if max_tokens is not None:
+                length = np.minimum(length, float(max_tokens))
+            xs.append(length)
+            ws.append(np.full(len(pts), w))
+            evs.append(np.ones(len(pts), np.bool_))
 
-    knots, survival, area = _kaplan_meier(obs)
-    tail = _tail_mean(knots, survival, area, obs, config)
+    x_a, w_a, ev_a = np.concatenate(xs), np.concatenate(ws), np.concatenate(evs)
+    # by length; censored observations at the same length as events are at risk at that
+    # length, so events first (a stable sort: ties keep their order)
+    order = np.lexsort((~ev_a, x_a))
+    x_a, w_a, ev_a = x_a[order], w_a[order], ev_a[order]
+    knots, survival, area = _kaplan_meier(x_a, w_a, ev_a)
+    tail = _tail_mean(knots, survival, area, x_a, w_a, config)
     if not knots:  # nothing known: exponential from zero
         knots, survival, area = [0.0], [1.0], [0.0]
         tail = config.fallback_mean_tokens
@@ -268,7 +281,7 @@ def build_forecast(
         tail_mean=max(1.0, tail),
         max_tokens=max_tokens,
         drift=drift,
-        observations=len(obs),
+        observations=len(x_a),
     )
 
 
@@ -283,45 +296,47 @@ def _thin(values: list[int], limit: int) -> list[int]:
 
 
 def _kaplan_meier(
-    obs: list[tuple[float, float, bool]],
+    x: np.ndarray, w: np.ndarray, ev: np.ndarray
 ) -> tuple[list[float], list[float], list[float]]:
-    """Weighted Kaplan-Meier: knots at event lengths, S after each, area up to each."""
-    if not obs:
+    """Weighted Kaplan-Meier over observations (length, weight, is_event), sorted by
+    length with events first at equal lengths: knots at event lengths, S after each, area
+    up to each.
+
+    Vectorised with the operations of the sequential estimator, in its order (sums and
+    products accumulate one term at a time, as ``np.bincount``, ``cumsum``, ``cumprod``
+    and ``subtract.accumulate`` do), so the values are the same bit for bit.
+    """
+    n = len(x)
+    if n == 0:
         return [], [], []
-    # censored observations at the same length as events are at risk at that length
-    obs.sort(key=lambda o: (o[0], not o[2]))
-    at_risk = sum(w for _, w, _ in obs)
-    knots: list[float] = []
-    survival: list[float] = []
-    area: list[float] = []
-    s = 1.0
-    prev_x = 0.0
-    acc = 0.0
-    i = 0
-    n = len(obs)
-    while i < n:
-        x = obs[i][0]
-        events = 0.0
-        removed = 0.0
-        while i < n and obs[i][0] == x:
-            _, w, is_event = obs[i]
-            if is_event:
-                events += w
-            removed += w
-            i += 1
-        if events > 0 and at_risk > 0:
-            acc += s * (x - prev_x)
-            prev_x = x
-            s *= max(0.0, 1.0 - events / at_risk)
-            knots.append(x)
-            survival.append(s)
-            area.append(acc)
-        at_risk -= removed
+    new = np.empty(n, dtype=np.bool_)
+    new[0] = True
+    np.not_equal(x[1:], x[:-1], out=new[1:])
+    group = np.cumsum(new) - 1
+    xg = x[new]
+    groups = len(xg)
+    events = np.bincount(group, weights=np.where(ev, w, 0.0), minlength=groups)
+    removed = np.bincount(group, weights=w, minlength=groups)
+    # at risk before each group: the total, less what earlier groups removed
+    total = float(np.cumsum(w)[-1])
+    at_risk = np.subtract.accumulate(np.concatenate(([total], removed[:-1])))
+    knot = (events > 0) & (at_risk > 0)
+    kx = xg[knot]
+    factor = np.maximum(0.0, 1.0 - events[knot] / at_risk[knot])
+    s_after = np.cumprod(factor)
+    s_before = np.concatenate(([1.0], s_after[:-1]))
+    prev_x = np.concatenate(([0.0], kx[:-1]))
+    area_a = np.cumsum(s_before * (kx - prev_x))
+    knots: list[float] = kx.tolist()
+    survival: list[float] = s_after.tolist()
+    area: list[float] = area_a.tolist()
     # the estimate is known flat up to the longest observation (a request still running at
     # g says its length is above g); the tail starts there
-    last = obs[-1][0]
+    last = float(x[-1])
     if not knots or last > knots[-1]:
-        acc += s * (last - prev_x)
+        s = survival[-1] if survival else 1.0
+        acc = area[-1] if area else 0.0
+        acc += s * (last - (knots[-1] if knots else 0.0))
         knots.append(last)
         survival.append(s)
         area.append(acc)
@@ -332,7 +347,8 @@ def _tail_mean(
     knots: list[float],
     survival: list[float],
     area: list[float],
-    obs: list[tuple[float, float, bool]],
+    x: np.ndarray,
+    w: np.ndarray,
     config: ForecastConfig,
 ) -> float:
     """Mean of the exponential tail beyond the longest observation.
@@ -346,8 +362,9 @@ def _tail_mean(
     target = 1.0 - config.tail_quantile
     i = next((k for k, s in enumerate(survival) if s <= target), -1)
     if i < 0:
-        total = sum(w for _, w, _ in obs)
-        mean = sum(x * w for x, w, _ in obs) / total if total > 0 else 0.0
+        # sums over the (sorted) observations, one term at a time
+        total = float(np.cumsum(w)[-1]) if len(x) else 0.0
+        mean = float(np.cumsum(x * w)[-1]) / total if total > 0 else 0.0
         return max(1.0, mean)
     s_i = survival[i]
     if s_i <= 1e-12:

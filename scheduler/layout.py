@@ -14,6 +14,7 @@ one is never below the chosen layout's own makespan: re-planning keeps it.
 from __future__ import annotations
 
 import math
+from bisect import insort
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,10 @@ class _Sorted:
     # own times per TP cost, filled on first use (elementwise, so a slice of it equals
     # the same formula on the slice)
     owns: dict[TpCost, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
+    # per TP cost, level k holds the maxima of own times over windows of 2**k requests
+    own_tables: dict[TpCost, list[np.ndarray]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def own_all(self, cost: TpCost) -> np.ndarray:
         """The own time ``a q + c m + p pre`` of every request on ``cost``."""
@@ -68,8 +73,21 @@ class _Sorted:
         return own
 
     def own_max(self, cost: TpCost, lo: int, hi: int) -> float:
-        """The longest own time ``a q + c m + p pre`` of requests ``lo..hi-1`` on ``cost``."""
-        return float(self.own_all(cost)[lo:hi].max())
+        """The longest own time ``a q + c m + p pre`` of requests ``lo..hi-1`` on ``cost``
+        (a range-maximum query on a sparse table: two lookups instead of a slice)."""
+        table = self.own_tables.get(cost)
+        if table is None:
+            level = self.own_all(cost)
+            table = [level]
+            width, n = 1, len(level)
+            while 2 * width <= n:  # level k: windows of 2**k, n - 2**k + 1 of them
+                level = np.maximum(level[:-width], level[width:])
+                table.append(level)
+                width *= 2
+            self.own_tables[cost] = table
+        k = (hi - lo).bit_length() - 1
+        row = table[k]
+        return float(max(row[lo], row[hi - (1 << k)]))
 
 
 def _sorted_requests(prob: Problem, reqs: Sequence[int]) -> _Sorted:
@@ -234,18 +252,20 @@ def _fluid_own_regime(
     def pre_sum(b: int, c: int) -> float:
         return float(prefix[b][c])
 
-    def value(t: float, counts: Sequence[int]) -> float:
-        # F(T) = sum_b (c_b T - S_b) / B_b with c_b instances of block b taking part
-        return sum((c * t - pre_sum(b, c)) * inv[b] for b, c in enumerate(counts))
-
+    # F(T) = sum_b (c_b T - S_b) / B_b with c_b instances of block b taking part, at every
+    # breakpoint at once (the same float operations, block by block, as a scalar sum)
+    points = np.sort(np.concatenate(owns))
+    value = np.zeros(len(points))
+    for b, own in enumerate(owns):
+        part = own.searchsorted(points, "right")
+        term = (part * points - prefix[b][part]) * inv[b]
+        value = term if b == 0 else value + term
     # the largest breakpoint where F < 1 (F is increasing), then the root past it, with
     # the instances taking part there
-    points = np.sort(np.concatenate(owns))
     lo_i, hi_i = 0, len(points)  # F(points[j]) < 1 for j < lo_i; >= 1 from hi_i
     while lo_i < hi_i:
         mid = (lo_i + hi_i) // 2
-        point = float(points[mid])
-        if value(point, taking_part(point)) < 1.0:
+        if value[mid] < 1.0:
             lo_i = mid + 1
         else:
             hi_i = mid
@@ -592,6 +612,62 @@ def _fraction_grid(n: int) -> list[float]:
     return sorted(k / n for k in ks if 0 <= k <= n)
 
 
+ProfileKey = tuple[tuple[int, tuple[tuple[Pattern, int], ...]], ...]
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A candidate profile with what does not depend on the requests."""
+
+    key: ProfileKey
+    counts: dict[int, int]  # instances per TP degree
+    switching_s: float  # the least longest node pause that reaches it
+    patterns: int  # distinct (GPU count, pattern) pairs
+
+
+# Candidates and their switching costs depend only on the performance model, the
+# configuration and the current profile, not on the requests: re-plans between layout
+# changes (the usual case) reuse them. A memo of pure values, bounded.
+_CANDIDATES: dict[tuple[object, ...], tuple[_Candidate, ...]] = {}
+_CANDIDATES_MAX = 64
+# how many candidates a plan reports (best first); the fluid scoring may skip the others
+REPORTED = 8
+
+
+def forget_candidates() -> None:
+    """Empty the memo of candidate layouts (benchmarks time the first plan at a layout)."""
+    _CANDIDATES.clear()
+
+
+def _candidates(prob: Problem, cur_key: ProfileKey) -> tuple[_Candidate, ...]:
+    memo_key = (prob.perf, prob.config, cur_key)
+    hit = _CANDIDATES.get(memo_key)
+    if hit is not None:
+        return hit
+    supplies = {g: dict(c) for g, c in cur_key}
+    pair_cost = _PairCost(prob)
+    seen: set[ProfileKey] = set()
+    out: list[_Candidate] = []
+    for prof in _profiles(prob):
+        key = _profile_key(prof)
+        if key in seen:
+            continue
+        seen.add(key)
+        counts: dict[int, int] = {}
+        for _, c in key:
+            for p, k in c:
+                for t in p:
+                    counts[t] = counts.get(t, 0) + k
+        sw = 0.0
+        for g, supply in supplies.items():
+            sw = max(sw, _bottleneck_transport(supply, prof[g], pair_cost))
+        out.append(_Candidate(key, counts, sw, sum(len(c) for _, c in key)))
+    if len(_CANDIDATES) >= _CANDIDATES_MAX:
+        _CANDIDATES.clear()
+    _CANDIDATES[memo_key] = hit = tuple(out)
+    return hit
+
+
 def choose_layout(
     prob: Problem, reqs: Sequence[int]
 ) -> tuple[dict[str, Pattern], list[LayoutChoice], float]:
@@ -599,54 +675,81 @@ def choose_layout(
     classes: dict[int, list[str]] = {}
     for n in prob.nodes:
         classes.setdefault(len(prob.node_gpus[n]), []).append(n)
-    pair_cost = _PairCost(prob)
     # state independent: at most one instance per GPU
     n_inst_max = sum(len(prob.node_gpus[n]) for n in prob.nodes)
     exact = len(reqs) * max(1, n_inst_max) <= prob.config.exact_eval_limit
     srt = None if exact else _sorted_requests(prob, reqs)
-    seen: set[tuple[tuple[int, tuple[tuple[Pattern, int], ...]], ...]] = set()
-    choices: list[LayoutChoice] = []
     supplies = {g: Counter(prob.current_pattern[n] for n in ns) for g, ns in classes.items()}
     cur_key = _profile_key(supplies)
-    for prof in _profiles(prob):
-        key = _profile_key(prof)
-        if key in seen:
-            continue
-        seen.add(key)
-        counts: Counter[int] = Counter()
-        for c in prof.values():
-            for p, k in c.items():
-                for t in p:
-                    counts[t] += k
+    several = len(classes) > 1
+    scored: list[tuple[float, bool, int, ProfileKey, LayoutChoice]] = []
+
+    def score(cand: _Candidate) -> None:
         if exact:
-            tps = sorted((t for t, k in counts.items() for _ in range(k)), reverse=True)
+            tps = sorted((t for t, k in cand.counts.items() for _ in range(k)), reverse=True)
             mk = _exact_makespan(prob, tps, reqs)
         else:
             assert srt is not None
-            mk = _fluid_makespan(prob, counts, srt)
-        sw = 0.0
-        for g, supply in supplies.items():
-            sw = max(sw, _bottleneck_transport(supply, prof[g], pair_cost))
-        choices.append(LayoutChoice(key, mk, sw, key == cur_key, len(classes) > 1))
+            mk = _fluid_makespan(prob, cand.counts, srt)
+        is_current = cand.key == cur_key
+        choice = LayoutChoice(cand.key, mk, cand.switching_s, is_current, several)
+        scored.append((choice.score, not is_current, cand.patterns, cand.key, choice))
+
+    cands = _candidates(prob, cur_key)
+    if exact:
+        for cand in cands:
+            score(cand)
+    else:
+        # A candidate's fluid makespan is never below the longest request's own time on
+        # its fastest instance: candidates are scored in the order of that bound plus
+        # their switching, and the rest skipped once it exceeds the REPORTED-th best score
+        # (they could neither win nor be reported). The current layout is always scored.
+        assert srt is not None
+        tail = _tail_bounds(prob, srt)
+        bounds = [min(tail[t] for t in c.counts) + c.switching_s for c in cands]
+        order = sorted(range(len(cands)), key=bounds.__getitem__)
+        top: list[float] = []
+        # the current first (a stable sort keeps the others in the order of their bounds)
+        for i in sorted(order, key=lambda i: cands[i].key != cur_key):
+            cand = cands[i]
+            if cand.key != cur_key and len(top) >= REPORTED and bounds[i] > top[-1]:
+                break
+            score(cand)
+            insort(top, scored[-1][0])
+            del top[REPORTED:]
     # ties: keep the current layout, then prefer fewer distinct patterns (simpler layouts)
-    choices.sort(key=lambda c: (c.score, not c.is_current, c.patterns, c.profile))
+    scored.sort(key=_sort_key)
+    choices = [x[4] for x in scored]
     current = next(c for c in choices if c.is_current)
     best = choices[0]
     margin = max(prob.config.switch_margin_s, prob.config.switch_margin_rel * current.score, EPS)
     if best.is_current or not current.score - best.score > margin:
         return dict(prob.current_pattern), choices, 0.0
+    pair_cost = _PairCost(prob)
     target: dict[str, Pattern] = {}
     for g, ns in classes.items():
         demand = dict(dict(best.profile)[g])
-        supply = Counter(prob.current_pattern[n] for n in ns)
-        tau = _bottleneck_transport(supply, demand, pair_cost)
+        tau = _bottleneck_transport(supplies[g], demand, pair_cost)
         target.update(_assign_nodes(ns, prob.current_pattern, demand, pair_cost, tau))
     return target, choices, best.switching_s
 
 
-def _profile_key(
-    prof: Mapping[int, Counter[Pattern]],
-) -> tuple[tuple[int, tuple[tuple[Pattern, int], ...]], ...]:
+def _tail_bounds(prob: Problem, s: _Sorted) -> dict[int, float]:
+    """Per TP degree, the longest request's own time on one instance of it. A
+    candidate's fluid makespan is never below this for its fastest degree (the ``tail`` of
+    :func:`_fluid_makespan`), so never below the least of it over the candidate's degrees."""
+    if not s.order:
+        return dict.fromkeys(prob.costs, 0.0)
+    r0 = s.order[0]
+    q, m, pre = prob.q[r0], prob.m[r0], prob.pre[r0]
+    return {t: cost.run(q, m, pre) for t, cost in prob.costs.items()}
+
+
+def _sort_key(x: tuple[float, bool, int, ProfileKey, LayoutChoice]) -> tuple[object, ...]:
+    return x[:4]
+
+
+def _profile_key(prof: Mapping[int, Mapping[Pattern, int]]) -> ProfileKey:
     return tuple(
         (g, tuple(sorted((p, k) for p, k in c.items() if k > 0))) for g, c in sorted(prof.items())
     )

@@ -43,7 +43,8 @@ class Placement:
         self.node = [inst.node for inst in self.inst]
         self.ids = [inst.id for inst in self.inst]
         self.cap = [c.capacity_tokens for c in costs]
-        self.need = [c + q for c, q in zip(prob.ctx, prob.q, strict=True)]
+        q_a, _, _, ctx_a = prob.arrays
+        self.need: list[float] = (ctx_a + q_a).tolist()  # == ctx + q per request
         n = len(self.inst)
         self.members: list[set[int]] = [set() for _ in range(n)]
         self.qs: list[list[float]] = [[] for _ in range(n)]
@@ -285,6 +286,8 @@ class Placement:
     def place_lpt(self, reqs: Sequence[int], cost_of: MoveCost | None = None) -> list[int]:
         """Longest first, each to the instance that would finish earliest (plus its move
         cost). Returns the requests no instance can hold."""
+        if not reqs:
+            return []
         prob = self.prob
         order = sorted(reqs, key=prob.rank.__getitem__)
         left: list[int] = []

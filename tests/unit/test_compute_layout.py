@@ -12,7 +12,15 @@ from hypothesis import strategies as st
 from scheduler.compute_problem import SCALE, Problem, build_problem
 from scheduler.compute_state import ComputeState, NodeGpus, Request, canonical_instances
 from scheduler.forecast import build_forecast
-from scheduler.layout import _fluid_makespan, _sorted_requests
+from scheduler.layout import (
+    REPORTED,
+    ProfileKey,
+    _candidates,
+    _fluid_makespan,
+    _profile_key,
+    _sorted_requests,
+    choose_layout,
+)
 from scheduler.perf_model import H800, QWEN25_14B, PerfModel
 
 pytestmark = pytest.mark.unit
@@ -131,3 +139,50 @@ def test_mixed_layouts_take_the_closed_form_only_when_it_is_exact() -> None:
         for counts in ({1: 16}, {8: 2}, {1: 8, 8: 1}, {2: 4, 4: 2}, {1: 4, 2: 2, 4: 1, 8: 1}):
             want = fluid_by_bisection(prob, counts)
             assert _fluid_makespan(prob, counts, srt) == pytest.approx(want, rel=1e-6, abs=1e-6)
+
+
+@given(
+    n_req=st.integers(1, 80),
+    seed=st.integers(0, 10_000),
+    bounds=st.lists(st.tuples(st.integers(0, 79), st.integers(1, 80)), min_size=1, max_size=8),
+)
+def test_own_max_is_the_range_maximum(n_req: int, seed: int, bounds: list[tuple[int, int]]) -> None:
+    rng = random.Random(seed)
+    gens = [rng.randint(0, 16000) for _ in range(n_req)]
+    prob = problem(1, gens, [rng.randint(100, 4000) for _ in range(n_req)])
+    srt = _sorted_requests(prob, list(range(n_req)))
+    for cost in prob.costs.values():
+        own = srt.own_all(cost)
+        for a, b in bounds:
+            lo = a % n_req
+            hi = lo + 1 + b % (n_req - lo)
+            assert srt.own_max(cost, lo, hi) == float(own[lo:hi].max())
+
+
+def test_pruned_scoring_reports_the_same_best_candidates_as_scoring_every_one() -> None:
+    """Candidates whose lower bound (longest request on their fastest instances, plus
+    switching) cannot reach the reported few are skipped: the reported ones, in order,
+    are those of scoring every candidate."""
+    for seed in range(6):
+        rng = random.Random(seed)
+        n_req = rng.randint(300, 900)
+        gens = [min(16000, int(rng.lognormvariate(6.8, 1.2))) for _ in range(n_req)]
+        prob = problem(rng.randint(16, 40), gens, [rng.randint(100, 4000) for _ in range(n_req)])
+        reqs = list(range(n_req))
+        _, choices, _ = choose_layout(prob, reqs)
+        srt = _sorted_requests(prob, reqs)
+        cur = choices_key(prob)
+        every = sorted(
+            (c.switching_s + _fluid_makespan(prob, c.counts, srt), c.key != cur)
+            for c in _candidates(prob, cur)
+        )
+        got = [(c.score, not c.is_current) for c in choices[:REPORTED]]
+        assert got == every[:REPORTED]
+        assert any(c.is_current for c in choices)
+        assert len(choices) < len(every)  # it did skip some
+
+
+def choices_key(prob: Problem) -> ProfileKey:
+    from collections import Counter
+
+    return _profile_key({8: Counter(prob.current_pattern.values())})

@@ -256,3 +256,43 @@ def test_predictions_are_consistent(state: ComputeState) -> None:
     assert p.migration_s == pytest.approx(sum(m.cost_s for m in plan.migrations))
     if not plan.reshards:
         assert p.switching_s == 0.0
+
+
+@pytest.mark.parametrize(
+    ("n_nodes", "n_req", "exhaustive"),
+    [
+        (1, 10, True),  # the MILP's small cases: every instance, and exchanges
+        (2, 60, True),  # 16 instances x 60 requests, 60 x 60 / 16 exchanges
+        (2, 400, False),  # many requests per instance: exchanges would grow as their square
+        (8, 200, False),  # 64 instances x 200 requests: too many moves to look at
+    ],
+)
+def test_balancing_looks_at_every_instance_only_when_the_search_stays_small(
+    monkeypatch: pytest.MonkeyPatch, n_nodes: int, n_req: int, exhaustive: bool
+) -> None:
+    import scheduler.compute as compute_mod
+
+    seen: list[bool] = []
+    real = compute_mod.Placement
+
+    def spy(prob: object, instances: object, all_candidates: bool) -> object:
+        seen.append(all_candidates)
+        return real(prob, instances, all_candidates)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(compute_mod, "Placement", spy)
+    nodes, insts = cluster(n_nodes, (1,) * 8)
+    rng = random.Random(n_req)
+    reqs = tuple(
+        Request(
+            f"r{i:04d}",
+            rng.randint(100, 2000),
+            rng.randint(1, 3000),
+            insts[i % len(insts)].id,
+            True,
+        )
+        for i in range(n_req)
+    )
+    state = ComputeState(nodes, tuple(insts), reqs)
+    plan = balance(state, forecast_for(state), PM, 0.0)
+    assert seen == [exhaustive]
+    assert_valid(state, plan)
