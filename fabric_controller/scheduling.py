@@ -286,7 +286,7 @@ def decide(
             )
     running = [r.generated_tokens for r in snap.state.requests]
     forecast = build_forecast(
-        [list(h) for h in tracker.history],
+        tracker.history,  # the same tuples at every re-plan of a step: their summary is kept
         list(tracker.completed_lengths),
         running,
         max_tokens=snap.max_tokens,

@@ -120,9 +120,8 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
         target, choices, _ = choose_layout(prob, placeable)
     else:
         target, choices = dict(prob.current_pattern), []
-    changed = {
-        n for n in prob.nodes if tuple(sorted(target[n])) != tuple(sorted(prob.current_pattern[n]))
-    }
+    # patterns are sorted (descending) wherever the problem makes them
+    changed = {n for n in prob.nodes if target[n] != prob.current_pattern[n]}
 
     # instances after the plan
     after_by_node = {n: prob.instances_for(n, target[n]) for n in prob.nodes}
@@ -145,12 +144,11 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
     node_code = {n: c for c, n in enumerate(prob.nodes)}
     old_ids = list(prob.instances)
     none = len(old_ids)  # the code of "no instance" (queued); its entries are sentinels
-    old_code: dict[str | None, int] = {iid: c for c, iid in enumerate(old_ids)}
     old_new = np.array([index.get(iid, -1) for iid in old_ids] + [-2], dtype=np.int64)
     old_node = np.array(
         [node_code[prob.instances[iid].node] for iid in old_ids] + [-1], dtype=np.int64
     )
-    cur_all = np.array([old_code.get(c, none) for c in current], dtype=np.int64)
+    cur_all = prob.current_index  # codes: positions in old_ids
     plc = np.array(placeable, dtype=np.int64)
     cur_p = cur_all[plc]
     k_p = old_new[cur_p]

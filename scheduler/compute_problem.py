@@ -191,7 +191,7 @@ class Problem:
     node_gpus: Mapping[str, tuple[int, ...]]
     current_pattern: Mapping[str, Pattern]
     options: Mapping[str, tuple[Pattern, ...]]  # layouts a node may take (current first)
-    instances: Mapping[str, Instance]  # current instances by id
+    instances: Mapping[str, Instance]  # current instances by id, in the order of their ids
     by_node: Mapping[str, tuple[Instance, ...]]  # current instances per node, sorted
     # KV bytes/token, KV heads, NVLink latency and B/s per GPU pair, network latency and B/s
     # per NIC (see PerfModel.kv_move_time)
@@ -207,19 +207,35 @@ class Problem:
         compare=False,
         repr=False,
     )
+    # per request, its current instance's position in ``instances`` (len(instances):
+    # none, queued), and its ``rank``, as numpy arrays
+    current_index: np.ndarray = field(
+        default_factory=lambda: np.zeros(0, np.int64), compare=False, repr=False
+    )
+    rank_array: np.ndarray = field(
+        default_factory=lambda: np.zeros(0, np.int64), compare=False, repr=False
+    )
+    # node_cost per (old, new) pattern pair, filled on use (a plan asks for few pairs, often)
+    pauses: dict[tuple[Pattern, Pattern], float] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def feasible(self, r: int, tp: int) -> bool:
         cost = self.costs.get(tp)
         return cost is not None and self.ctx[r] + self.q[r] <= cost.capacity_tokens
 
     def node_cost(self, old: Pattern, new: Pattern) -> float:
-        if tuple(sorted(old)) == tuple(sorted(new)):
-            return 0.0
-        return node_pause(self.perf, tuple(sorted(old)), tuple(sorted(new)))
+        memo = self.pauses
+        hit = memo.get((old, new))
+        if hit is None:
+            a, b = tuple(sorted(old)), tuple(sorted(new))
+            hit = memo[(old, new)] = 0.0 if a == b else node_pause(self.perf, a, b)
+        return hit
 
     def instances_for(self, node: str, pattern: Pattern) -> tuple[Instance, ...]:
         """Current instances when the pattern is kept, canonical ones otherwise."""
-        if tuple(sorted(pattern)) == tuple(sorted(self.current_pattern[node])):
+        current = self.current_pattern[node]
+        if pattern == current or sorted(pattern) == sorted(current):
             return self.by_node[node]
         return canonical_instances(node, self.node_gpus[node], pattern)
 
@@ -342,7 +358,13 @@ def build_problem(
     prompt = np.array(list(map(attrgetter("prompt_tokens"), reqs)), dtype=np.int64)
     ctx_a = prompt + np.array(gens, dtype=np.int64)
     running = np.array(list(map(attrgetter("running"), reqs)), dtype=np.bool_)
-    kv_a = running & np.array([i is not None for i in instance_of], dtype=np.bool_)
+    # per request its current instance's position among the instances by id (n: none)
+    instances = {i.id: i for i in sorted(state.instances, key=attrgetter("id"))}
+    n_inst = len(instances)
+    position: dict[str | None, int] = {iid: k for k, iid in enumerate(instances)}
+    get = position.get
+    current_index = np.array([get(i, n_inst) for i in instance_of], dtype=np.int64)
+    kv_a = running & (current_index < n_inst)
     # int(x * SCALE + 0.5) for x >= 0 (means are never negative)
     mi_a = np.floor(means * SCALE + 0.5).astype(np.int64)
     m_a = mi_a / SCALE
@@ -415,8 +437,10 @@ def build_problem(
         node_gpus=node_gpus,
         current_pattern=current_pattern,
         options=options,
-        instances={i.id: i for i in state.instances},
+        instances=instances,
         by_node=by_node,
         links=_links(perf),
         arrays=(q_a, mi_a, pre_a, ctx_a),
+        current_index=current_index,
+        rank_array=rank_a,
     )

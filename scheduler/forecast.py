@@ -232,9 +232,8 @@ def build_forecast(
     """
     if max_tokens is not None and max_tokens <= 0:
         raise errors.field_error("max_tokens", max_tokens, "a positive integer or None")
-    steps = [list(s) for s in history if len(s) > 0]
-    log_means = [log_mean(s) for s in steps]
-    drift = holt(log_means, config.holt_alpha, config.holt_beta)
+    past = _past_steps(history, config)
+    drift = past.drift
 
     # observations (length, weight, is_event) as arrays: this step's completed responses
     # (events), its running requests (censored), then recent steps' lengths (events)
@@ -246,18 +245,17 @@ def build_forecast(
     evs: list[np.ndarray] = [np.ones(len(completed), np.bool_), np.zeros(len(running), np.bool_)]
     current = len(completed) + len(running)
 
-    if steps:
+    if past.points:
         prior_total = config.prior_strength * max(current, 1)
-        ages = range(len(steps) - 1, -1, -1)
+        ages = range(len(past.points) - 1, -1, -1)
         decays = [config.history_decay**age for age in ages]
         norm = sum(decays)
         predicted = drift.predicted_log_mean
-        for step, lm, decay in zip(steps, log_means, decays, strict=True):
+        for pts, lm, decay in zip(past.points, past.log_means, decays, strict=True):
             factor = math.exp(predicted - lm)
             factor = min(config.max_drift, max(1.0 / config.max_drift, factor))
-            pts = _thin(sorted(step), config.max_points_per_step)
             w = prior_total * decay / norm / len(pts)
-            length = np.asarray(pts, dtype=np.float64) * factor
+            length = pts * factor
             if max_tokens is not None:
                 length = np.minimum(length, float(max_tokens))
             xs.append(length)
@@ -283,6 +281,44 @@ def build_forecast(
         drift=drift,
         observations=len(x_a),
     )
+
+
+@dataclass(frozen=True)
+class _PastSteps:
+    """What the forecast takes from the completed steps: per step its log-mean length and
+    its thinned, sorted lengths; and the drift the log-means predict."""
+
+    log_means: tuple[float, ...]
+    points: tuple[np.ndarray, ...]  # float64
+    drift: Drift
+
+
+# The history of past steps does not change during a step, while the forecast is built at
+# every re-plan: its summary is kept (a memo of pure values, bounded).
+_PAST: dict[tuple[object, ...], _PastSteps] = {}
+_PAST_MAX = 16
+
+
+def forget_past_steps() -> None:
+    """Empty the memo of past steps' summaries (benchmarks time a step's first forecast)."""
+    _PAST.clear()
+
+
+def _past_steps(history: Sequence[Sequence[int]], config: ForecastConfig) -> _PastSteps:
+    steps = tuple(tuple(s) for s in history if len(s) > 0)  # tuples stay the same objects
+    key = (steps, config.holt_alpha, config.holt_beta, config.max_points_per_step)
+    hit = _PAST.get(key)
+    if hit is None:
+        log_means = tuple(log_mean(s) for s in steps)
+        points = tuple(
+            np.asarray(_thin(sorted(s), config.max_points_per_step), dtype=np.float64)
+            for s in steps
+        )
+        hit = _PastSteps(log_means, points, holt(log_means, config.holt_alpha, config.holt_beta))
+        if len(_PAST) >= _PAST_MAX:
+            _PAST.clear()
+        _PAST[key] = hit
+    return hit
 
 
 def _thin(values: list[int], limit: int) -> list[int]:

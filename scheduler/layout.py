@@ -14,6 +14,7 @@ one is never below the chosen layout's own makespan: re-planning keeps it.
 from __future__ import annotations
 
 import math
+from array import array
 from bisect import insort
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -47,13 +48,15 @@ class _Sorted:
     """Requests sorted by q descending, with prefix sums (for the fluid estimate) and
     prefix maxima of ``m`` and ``pre`` (bounds for its regime check)."""
 
-    order: tuple[int, ...]
-    q: tuple[float, ...]
-    pm: tuple[float, ...]  # prefix sums of m
-    pq: tuple[float, ...]
-    pp: tuple[float, ...]  # prefix sums of pre
-    m_max: tuple[float, ...]  # m_max[i]: the largest m among the first i + 1
-    pre_max: tuple[float, ...]
+    # Python sequences (C arrays: built by one copy, indexed to Python numbers) for the
+    # few lookups per candidate; numpy for the passes over every request
+    order: Sequence[int]
+    q: Sequence[float]
+    pm: Sequence[float]  # prefix sums of m
+    pq: Sequence[float]
+    pp: Sequence[float]  # prefix sums of pre
+    m_max: Sequence[float]  # m_max[i]: the largest m among the first i + 1
+    pre_max: Sequence[float]
     arrays: tuple[np.ndarray, np.ndarray, np.ndarray]  # q, m, pre in that order
     # own times per TP cost, filled on first use (elementwise, so a slice of it equals
     # the same formula on the slice)
@@ -92,10 +95,10 @@ class _Sorted:
 
 def _sorted_requests(prob: Problem, reqs: Sequence[int]) -> _Sorted:
     if len(reqs) == len(prob.by_length):  # every request (requests are distinct)
-        order = list(prob.by_length)
+        order = prob.by_length
     else:
         wanted = set(reqs)
-        order = [r for r in prob.by_length if r in wanted]
+        order = tuple(r for r in prob.by_length if r in wanted)
     idx = np.array(order, dtype=np.int64)
     q_all, mi_all, pre_all, _ = prob.arrays
     q = q_all[idx]
@@ -107,15 +110,21 @@ def _sorted_requests(prob: Problem, reqs: Sequence[int]) -> _Sorted:
     pq = np.concatenate((zero, np.cumsum(q)))
     pp = np.concatenate((zero, np.cumsum(pre)))
     return _Sorted(
-        tuple(order),
-        tuple(q.tolist()),
-        tuple(pm.tolist()),
-        tuple(pq.tolist()),
-        tuple(pp.tolist()),
-        tuple(np.maximum.accumulate(m).tolist()),
-        tuple(np.maximum.accumulate(pre).tolist()),
+        order,
+        _doubles(q),
+        _doubles(pm),
+        _doubles(pq),
+        _doubles(pp),
+        _doubles(np.maximum.accumulate(m)),
+        _doubles(np.maximum.accumulate(pre)),
         (q, m, pre),
     )
+
+
+def _doubles(values: np.ndarray) -> array[float]:
+    """The float64 values as a Python ``array`` (one copy of the bytes, not one object per
+    value; indexing returns the same floats as ``tolist`` would)."""
+    return array("d", np.ascontiguousarray(values, dtype=np.float64).tobytes())
 
 
 def _fluid_makespan(
@@ -700,13 +709,11 @@ def choose_layout(
         for cand in cands:
             score(cand)
     else:
-        # A candidate's fluid makespan is never below the longest request's own time on
-        # its fastest instance: candidates are scored in the order of that bound plus
-        # their switching, and the rest skipped once it exceeds the REPORTED-th best score
-        # (they could neither win nor be reported). The current layout is always scored.
+        # Candidates are scored in the order of a lower bound of their score (see
+        # _fluid_bound), and the rest skipped once it exceeds the REPORTED-th best score:
+        # they could neither win nor be reported. The current layout is always scored.
         assert srt is not None
-        tail = _tail_bounds(prob, srt)
-        bounds = [min(tail[t] for t in c.counts) + c.switching_s for c in cands]
+        bounds = _fluid_bounds(prob, srt, cands)
         order = sorted(range(len(cands)), key=bounds.__getitem__)
         top: list[float] = []
         # the current first (a stable sort keeps the others in the order of their bounds)
@@ -734,15 +741,17 @@ def choose_layout(
     return target, choices, best.switching_s
 
 
-def _tail_bounds(prob: Problem, s: _Sorted) -> dict[int, float]:
-    """Per TP degree, the longest request's own time on one instance of it. A
-    candidate's fluid makespan is never below this for its fastest degree (the ``tail`` of
-    :func:`_fluid_makespan`), so never below the least of it over the candidate's degrees."""
+def _fluid_bounds(prob: Problem, s: _Sorted, cands: Sequence[_Candidate]) -> list[float]:
+    """Per candidate, a lower bound of its score (fluid makespan plus switching): the
+    longest request's own time on the candidate's fastest instances is the ``tail`` that
+    :func:`_fluid_makespan` never goes below, and the least such time over the
+    candidate's degrees is never above it."""
     if not s.order:
-        return dict.fromkeys(prob.costs, 0.0)
+        return [c.switching_s for c in cands]
     r0 = s.order[0]
     q, m, pre = prob.q[r0], prob.m[r0], prob.pre[r0]
-    return {t: cost.run(q, m, pre) for t, cost in prob.costs.items()}
+    tail = {t: cost.run(q, m, pre) for t, cost in prob.costs.items()}
+    return [min(tail[t] for t in c.counts) + c.switching_s for c in cands]
 
 
 def _sort_key(x: tuple[float, bool, int, ProfileKey, LayoutChoice]) -> tuple[object, ...]:

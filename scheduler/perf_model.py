@@ -431,6 +431,11 @@ class PerfModel:
     hardware: Hardware
     efficiency: Efficiency = Efficiency()
     profile: tuple[ProfilePoint, ...] = ()
+    # gemm_shape_efficiency per (tp, tokens): a pure function of the fields above, asked
+    # for the same few shapes again and again by the planners (not part of the value)
+    _gemm_memo: dict[tuple[int, int], float] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
 
     # -- sizes --
 
@@ -465,9 +470,14 @@ class PerfModel:
 
     def decode_breakdown(self, tp: int, batch: int, context_tokens: float) -> DecodeBreakdown:
         """The terms of one decode iteration (``context_tokens``: mean per sequence)."""
+        return DecodeBreakdown(*self._decode_terms(tp, batch, context_tokens))
+
+    def _decode_terms(
+        self, tp: int, batch: int, context_tokens: float
+    ) -> tuple[float, float, float, float, float, float, float]:
         self._check_tp(tp)
         if batch <= 0:
-            return DecodeBreakdown(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+            return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0
         m, h, e = self.model, self.hardware, self.efficiency
         ctx = max(0.0, float(context_tokens))
         dense = m.layers * (m.layer_params - 2 * m.hidden) + m.lm_head_params
@@ -483,12 +493,15 @@ class PerfModel:
         allreduce = 2 * m.layers * self.allreduce_time(tp, batch * m.hidden * m.dtype_bytes)
         calibration = self._calibration(tp, batch)
         host = e.host_per_sequence_s * batch
-        return DecodeBreakdown(
-            compute, memory, kernels, allreduce, host, e.iteration_overhead_s, calibration
-        )
+        return compute, memory, kernels, allreduce, host, e.iteration_overhead_s, calibration
 
     def decode_iteration_time(self, tp: int, batch: int, context_tokens: float) -> float:
-        return self.decode_breakdown(tp, batch, context_tokens).total_s
+        """``decode_breakdown(...).total_s``, without building the breakdown."""
+        compute, memory, kernels, allreduce, host, overhead, calibration = self._decode_terms(
+            tp, batch, context_tokens
+        )
+        gpu = max(compute, memory) + kernels + allreduce
+        return (max(gpu, host) + overhead) * calibration
 
     def decode_tokens_per_s(self, tp: int, batch: int, context_tokens: float) -> float:
         t = self.decode_iteration_time(tp, batch, context_tokens)
@@ -523,6 +536,9 @@ class PerfModel:
         Column-parallel GEMMs (QKV, gate_up) get narrower output with TP; row-parallel
         ones (O, down) keep their width but fewer FLOPs per tile. ``tokens`` is M.
         """
+        hit = self._gemm_memo.get((tp, tokens))
+        if hit is not None:
+            return hit
         m, e, h = self.model, self.efficiency, self.hardware
         shapes = (  # (N per shard, K per shard)
             ((m.q_dim + 2 * m.kv_dim) / tp, m.hidden),
@@ -536,7 +552,10 @@ class PerfModel:
             work = n * k
             total += work
             weighted += work * _quantisation(max(1, tokens), max(1.0, n), e.tile_m, e.tile_n, h.sms)
-        return weighted / total
+        if len(self._gemm_memo) > 4096:
+            self._gemm_memo.clear()
+        hit = self._gemm_memo[(tp, tokens)] = weighted / total
+        return hit
 
     # -- collectives and transfers --
 

@@ -11,7 +11,6 @@ import heapq
 import math
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Sequence
-from operator import attrgetter
 
 import numpy as np
 
@@ -273,11 +272,9 @@ class Placement:
         sizes = self._sizes
         if sizes is None:
             prob = self.prob
-            n = len(prob.rank)
-            sizes = [
-                (c if kv else 0) * n + rk
-                for c, kv, rk in zip(prob.ctx, prob.has_kv, prob.rank, strict=True)
-            ]
+            ctx_a = prob.arrays[3]
+            kv_a = np.array(prob.has_kv, dtype=np.bool_)
+            sizes = (np.where(kv_a, ctx_a, 0) * len(ctx_a) + prob.rank_array).tolist()
             self._sizes = sizes
         return sizes
 
@@ -508,12 +505,11 @@ class MoveCostFrom:
 
 def keep_makespan(prob: Problem, placeable: Sequence[int], all_cand: bool) -> float:
     """Makespan if nothing changes: current placement, queued requests by LPT."""
-    instances = sorted(prob.state.instances, key=attrgetter("id"))
+    instances = list(prob.instances.values())  # by id
     n = len(instances)
-    index: dict[str | None, int] = {inst.id: k for k, inst in enumerate(instances)}
     plc = np.array(placeable, dtype=np.int64)
     # per request its current instance's index by id (n: queued)
-    cur = np.array([index.get(c, n) for c in prob.current], dtype=np.int64)[plc]
+    cur = prob.current_index[plc]
     is_queued = cur == n
     queued: list[int] = plc[is_queued].tolist()
     if not queued:
@@ -550,14 +546,14 @@ def _lpt_makespan(
 ) -> float:
     """``Placement.load`` of the placed requests then ``place_lpt`` of ``queued`` (by TP
     degree, as ``Placement._lpt_by_type``), keeping only what the makespan needs: the
-    same arithmetic and tie-breaks, without the bookkeeping of members and heaps."""
+    same arithmetic and tie-breaks, without the bookkeeping of members and heaps.
+    ``instances``: the problem's, in its order (``Problem.current_index`` indexes them)."""
     n = len(instances)
-    index: dict[str | None, int] = {inst.id: k for k, inst in enumerate(instances)}
     tp = [len(inst.gpus) for inst in instances]
     costs = {t: prob.costs[t] for t in set(tp)}
     # the placed requests' totals per instance, vectorised (exact integers; max of q)
     q_all, mi_all, pre_all, _ = prob.arrays
-    cur_all = np.array([index.get(c, n) for c in prob.current], dtype=np.int64)
+    cur_all = prob.current_index  # instances are the problem's, in its order
     plc = np.array(placeable, dtype=np.int64)
     on = cur_all[plc] < n
     r_on = plc[on]
