@@ -311,8 +311,7 @@ def _past_steps(history: Sequence[Sequence[int]], config: ForecastConfig) -> _Pa
     if hit is None:
         log_means = tuple(log_mean(s) for s in steps)
         points = tuple(
-            np.asarray(_thin(sorted(s), config.max_points_per_step), dtype=np.float64)
-            for s in steps
+            _thin(np.sort(np.asarray(s, dtype=np.int64)), config.max_points_per_step) for s in steps
         )
         hit = _PastSteps(log_means, points, holt(log_means, config.holt_alpha, config.holt_beta))
         if len(_PAST) >= _PAST_MAX:
@@ -321,14 +320,17 @@ def _past_steps(history: Sequence[Sequence[int]], config: ForecastConfig) -> _Pa
     return hit
 
 
-def _thin(values: list[int], limit: int) -> list[int]:
-    """At most ``limit`` evenly spaced order statistics (keeps min and max)."""
+def _thin(values: np.ndarray, limit: int) -> np.ndarray:
+    """At most ``limit`` evenly spaced order statistics of the sorted ``values`` (keeps min
+    and max), as float64."""
     n = len(values)
-    if n <= limit:
-        return values
-    if limit == 1:
-        return [values[n // 2]]
-    return [values[round(i * (n - 1) / (limit - 1))] for i in range(limit)]
+    if n > limit:
+        if limit == 1:
+            values = values[n // 2 : n // 2 + 1]
+        else:
+            # round(i * (n - 1) / (limit - 1)): true division, then half to even
+            values = values[np.rint(np.arange(limit) * (n - 1) / (limit - 1)).astype(np.int64)]
+    return values.astype(np.float64)
 
 
 def _kaplan_meier(

@@ -3,7 +3,8 @@
 A candidate layout is a *profile*: how many nodes of each GPU count use each pattern.
 Its makespan ``M`` is scored from the requests alone (not from where they sit): exactly
 by LPT + local search for small cases, by a fluid bound for large ones (the longest
-requests one per instance on the fastest instances, the rest spread by throughput). Its
+requests one per instance on the fastest instances, the rest spread by throughput;
+candidates whose lower bound cannot reach the few a plan reports are not scored). Its
 switching cost ``C`` is the exact minimum, over which node takes which pattern, of the
 longest node pause (a bottleneck transportation problem on the few patterns, solved by
 Hall's condition; the concrete mapping keeps as many nodes unchanged as possible). Node
@@ -710,7 +711,7 @@ def choose_layout(
             score(cand)
     else:
         # Candidates are scored in the order of a lower bound of their score (see
-        # _fluid_bound), and the rest skipped once it exceeds the REPORTED-th best score:
+        # _fluid_bounds), and the rest skipped once it exceeds the REPORTED-th best score:
         # they could neither win nor be reported. The current layout is always scored.
         assert srt is not None
         bounds = _fluid_bounds(prob, srt, cands)
