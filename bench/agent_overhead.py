@@ -309,6 +309,11 @@ async def measure(args: argparse.Namespace, flush_interval: float) -> dict[str, 
         "threads": per_thread,
         "idle_python": idle_row,
         "ticking_python": ticker_row,  # the R Hz wake-up floor
+        # the own work in units of that floor: the machine's speed (steal, clocks) moves
+        # both, so this tells a slower machine from a heavier agent
+        "agent_own_per_floor": own / ticker_row["cpu_pct_of_one_core"]
+        if ticker_row["cpu_pct_of_one_core"] > 0
+        else None,
         "agent_minus_idle": {k: agent_row[k] - idle_row[k] for k in agent_row},
         "compare_checkout": None
         if other is None
@@ -357,6 +362,12 @@ def print_table(result: dict[str, object]) -> None:
             f"{'the agent of ' + Path(str(other['checkout'])).name + ', whole process':<46}"
             f"{other['cpu_pct_of_one_core']:>18.3f}{other['rss_mib']:>14.1f}"
             f"  (--compare-checkout; {other['wakeups_per_s']:.1f} wake-ups/s)"
+        )
+    ratio = result.get("agent_own_per_floor")
+    if isinstance(ratio, float):
+        print(
+            f"(a)-(b) is {ratio:.1f} times the {result['hz']:g} Hz floor measured in the same "
+            "window (the floor moves with the machine's speed; compare runs by this)"
         )
     print(
         f"agent's own accounting of (a): {result['agent_accounted_process_cpu_pct']:.3f} %; "
