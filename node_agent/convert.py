@@ -120,18 +120,10 @@ def rdma_sample_to_pb(r: RdmaSample) -> node_agent_pb2.RdmaPortSample:
     )
 
 
-def engine_stats_to_pb(
-    stats: EngineStats, progress: EngineProgress | None = None
-) -> node_agent_pb2.EngineSample:
-    """The aggregates, and with ``progress`` every request of the step (has_progress)."""
-    sample = node_agent_pb2.EngineSample()
-    _fill_engine(sample, stats, progress)
-    return sample
-
-
 def _fill_engine(
     sample: node_agent_pb2.EngineSample, stats: EngineStats, progress: EngineProgress | None
 ) -> None:
+    """The aggregates, and with ``progress`` every request of the step (has_progress)."""
     sample.queued_requests = stats.queued_requests
     sample.running_requests = stats.running_requests
     sample.tokens_per_s = stats.tokens_per_s

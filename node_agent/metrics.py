@@ -106,8 +106,6 @@ class AgentMetrics:
             registry=r,
         )
 
-        # labelled children by (metric, labels): labels() builds and looks them up each call
-        self._children: dict[tuple[Gauge, tuple[str, ...]], Gauge] = {}
         # the latest readings not yet applied to the gauges (replaced whole, never mutated)
         self._pending_gpus: tuple[GpuSample, ...] | list[GpuSample] | None = None
         self._pending_rdma: tuple[RdmaSample, ...] | list[RdmaSample] | None = None
@@ -124,12 +122,8 @@ class AgentMetrics:
 
     def _set(self, gauge: Gauge, labels: tuple[str, ...], value: float | None) -> None:
         """Set a labelled gauge; None (not reported) leaves it absent (or as it was)."""
-        if value is None:
-            return
-        child = self._children.get((gauge, labels))
-        if child is None:
-            child = self._children[(gauge, labels)] = gauge.labels(*labels)
-        child.set(value)
+        if value is not None:
+            gauge.labels(*labels).set(value)
 
     def observe_gpus(self, samples: tuple[GpuSample, ...] | list[GpuSample]) -> None:
         """The GPU gauges show ``samples`` from the next collection on."""

@@ -22,8 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from node_agent.engine import MigratingRequest, RolloutEngine
@@ -48,7 +47,6 @@ class Resolution:
 @dataclass
 class _Hold:
     requests: tuple[MigratingRequest, ...]
-    expires_at: float
     timer: asyncio.Task[None] | None = None
 
 
@@ -64,11 +62,8 @@ def check_hold(hold_s: float) -> float:
 class Exports:
     """The requests this node exported and has not resolved yet, by export command id."""
 
-    def __init__(
-        self, engine: RolloutEngine, *, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, engine: RolloutEngine) -> None:
         self._engine = engine
-        self._clock = clock
         self._holds: dict[str, _Hold] = {}
         self._resolved: collections.OrderedDict[str, Resolution] = collections.OrderedDict()
 
@@ -89,7 +84,7 @@ class Exports:
             raise errors.FailedPrecondition(f"export {export_id!r} was already made")
         exported, missing = await self._engine.export_requests(ids)
         if exported:
-            entry = _Hold(exported, self._clock() + hold)
+            entry = _Hold(exported)
             entry.timer = asyncio.ensure_future(self._expire_after(export_id, hold))
             self._holds[export_id] = entry
         log.info(

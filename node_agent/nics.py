@@ -362,10 +362,7 @@ def read_stats_datagram(
             return False
         if mseq == seq:
             if kind == RTM_NEWSTATS:
-                fields = STATS_MESSAGE.unpack_from(buf, offset) if length >= whole else None
-                if fields is not None and fields[11] & NLA_TYPE_MASK == IFLA_STATS_LINK_64:
-                    out[fields[8]] = (fields[14], fields[15])
-                elif (parsed := parse_stats(buf, offset + head, offset + length)) is not None:
+                if (parsed := parse_stats(buf, offset + head, offset + length)) is not None:
                     out[parsed[0]] = (parsed[1], parsed[2])
             elif kind == NLMSG_DONE:
                 return True
@@ -446,71 +443,35 @@ class NetlinkNics(SysfsNics):
     async def sample(self) -> list[NicSample]:
         if self._sock is None:
             return await super().sample()
-        lock = self._lock
-        if self._links_stale or lock.locked():
-            async with lock:  # after the reading in progress: one at a time keeps rates ordered
-                if self._links_stale:
-                    await self._read_links()
-                return await self._read_stats(holding_lock=True)
-        # Nothing else is reading, and the dump normally completes without awaiting (no
-        # other reading can come in between): no lock to take at every sample.
-        return await self._read_stats(holding_lock=False)
+        async with self._lock:  # one reading at a time keeps the rates ordered
+            if self._links_stale:
+                await self._read_links()
+            self._counters.clear()
+            await self._dump(self._stats_request_for, self._on_stats)
+            return self._nic_samples()
 
-    async def _read_stats(self, holding_lock: bool) -> list[NicSample]:
-        """One stats dump, then the samples; a dump the kernel has not fully answered yet
-        is awaited under the lock (taken here unless the caller holds it)."""
-        self._counters.clear()
-        seq = self._next_seq()
-        request = self._stats_request  # built once: only its sequence number changes
-        SEQ.pack_into(request, SEQ_OFFSET, seq)
-        assert self._sock is not None
-        self._sock.send(request)
-        if not self._receive_ready(self._on_stats, seq):
-            if holding_lock:
-                await self._receive(self._on_stats, seq)
-            else:
-                async with self._lock:
-                    await self._receive(self._on_stats, seq)
-        return self._nic_samples()
+    def _stats_request_for(self, seq: int) -> bytearray:
+        """The stats dump request, built once: only its sequence number changes."""
+        SEQ.pack_into(self._stats_request, SEQ_OFFSET, seq)
+        return self._stats_request
 
     def _nic_samples(self) -> list[NicSample]:
         """The NICs' samples from the counters of the dump just read."""
         now = self._clock()
+        links, readings = self._links, self._counters
         out = []
-        links, readings, previous, missing = (
-            self._links,
-            self._counters,
-            self._previous,
-            self._missing,
-        )
         for name in self._names_wanted:
             link = links.get(name)
             counters = readings.get(link[0]) if link is not None else None
-            before = previous.get(name)
-            if (
-                counters is None
-                or link is None
-                or before is None
-                or (missing and name in missing)
-                or now <= before[0]
-            ):
-                out.append(
-                    self._to_sample(
-                        name,
-                        None
-                        if counters is None or link is None
-                        else _Counters(counters[0], counters[1], link[1]),
-                        now,
-                    )
+            out.append(
+                self._to_sample(
+                    name,
+                    None
+                    if counters is None or link is None
+                    else _Counters(counters[0], counters[1], link[1]),
+                    now,
                 )
-                continue
-            # the common case inline (same figures as _to_sample): at 10 Hz per NIC
-            rx, tx = counters
-            elapsed = now - before[0]
-            rx_gbps = max(0, rx - before[1]) * 8 / elapsed / 1e9
-            tx_gbps = max(0, tx - before[2]) * 8 / elapsed / 1e9
-            previous[name] = (now, rx, tx, rx_gbps, tx_gbps)
-            out.append(NicSample(name, rx, tx, rx_gbps, tx_gbps, link[1]))
+            )
         return out
 
     def _on_stats(self, size: int, seq: int) -> bool:
@@ -525,11 +486,11 @@ class NetlinkNics(SysfsNics):
             if kind == NLMSG_ERROR:
                 _raise_if_error(self._buf, start)
             else:
-                self._on_link(kind, start, end)
+                self._on_link(self._buf, kind, start, end)
         return False
 
-    def _on_link(self, kind: int, start: int, end: int) -> None:
-        if kind in (RTM_NEWLINK, RTM_DELLINK) and (link := parse_link(self._buf, start, end)):
+    def _on_link(self, buf: bytearray, kind: int, start: int, end: int) -> None:
+        if kind in (RTM_NEWLINK, RTM_DELLINK) and (link := parse_link(buf, start, end)):
             self._apply_link(kind, link)
 
     def _apply_link(self, kind: int, link: LinkInfo) -> None:
@@ -565,11 +526,10 @@ class NetlinkNics(SysfsNics):
                 self._links_stale = True
                 continue
             for kind, _seq, start, end in messages(buf, size):
-                if kind in (RTM_NEWLINK, RTM_DELLINK) and (link := parse_link(buf, start, end)):
-                    self._apply_link(kind, link)
+                self._on_link(buf, kind, start, end)
 
     async def _dump(
-        self, request: Callable[[int], bytes], handle: Callable[[int, int], bool]
+        self, request: Callable[[int], bytes | bytearray], handle: Callable[[int, int], bool]
     ) -> None:
         """Send a dump request and feed each datagram of the answer (in ``self._buf``) to
         ``handle(size, seq)`` until it says the dump is done."""
