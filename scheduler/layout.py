@@ -18,7 +18,7 @@ import math
 from array import array
 from bisect import insort
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations, combinations_with_replacement, product
 
@@ -304,15 +304,15 @@ def _fluid_sweep(
     each instance's share piecewise linear in ``T`` (none until its own time, then the
     own-critical-path regime, then the iteration-bound regime), found by sorting the
     breakpoints."""
-    q_a, m_a, pre_a = s.arrays
+    q_a, m_a, _ = s.arrays
     times: list[np.ndarray] = []
     slopes: list[np.ndarray] = []
     jumps: list[np.ndarray] = []
     own_of: list[np.ndarray] = []
     for cost, n, _, lo in blocks:
         a, c, p = cost.iteration_s, cost.per_sequence_s, cost.prefill_per_token_s
-        q, m, pre = q_a[lo : lo + n], m_a[lo : lo + n], pre_a[lo : lo + n]
-        own = a * q + c * m + p * pre
+        q, m = q_a[lo : lo + n], m_a[lo : lo + n]
+        own = s.own_all(cost)[lo : lo + n]  # == a * q + c * m + p * pre on the slice
         own_of.append(own)
         b1 = c * work_m + p * work_p
         d = (a / cost.slots + c) * work_m + p * work_p
@@ -390,17 +390,8 @@ def _feasible(
     return True
 
 
-class _PairCost:
-    def __init__(self, prob: Problem) -> None:
-        self.prob = prob
-        self.memo: dict[tuple[Pattern, Pattern], float] = {}
-
-    def __call__(self, a: Pattern, b: Pattern) -> float:
-        hit = self.memo.get((a, b))
-        if hit is None:
-            hit = self.prob.node_cost(a, b)
-            self.memo[(a, b)] = hit
-        return hit
+# the pause of a node going from one pattern to another (Problem.node_cost, memoised)
+_PairCost = Callable[[Pattern, Pattern], float]
 
 
 def _assign_nodes(
@@ -655,7 +646,7 @@ def _candidates(prob: Problem, cur_key: ProfileKey) -> tuple[_Candidate, ...]:
     if hit is not None:
         return hit
     supplies = {g: dict(c) for g, c in cur_key}
-    pair_cost = _PairCost(prob)
+    pair_cost = prob.node_cost
     seen: set[ProfileKey] = set()
     out: list[_Candidate] = []
     for prof in _profiles(prob):
@@ -733,7 +724,7 @@ def choose_layout(
     margin = max(prob.config.switch_margin_s, prob.config.switch_margin_rel * current.score, EPS)
     if best.is_current or not current.score - best.score > margin:
         return dict(prob.current_pattern), choices, 0.0
-    pair_cost = _PairCost(prob)
+    pair_cost = prob.node_cost
     target: dict[str, Pattern] = {}
     for g, ns in classes.items():
         demand = dict(dict(best.profile)[g])

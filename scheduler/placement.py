@@ -660,14 +660,9 @@ def place_on_node(
     pl: Placement, reqs: Sequence[int], pool: Sequence[int]
 ) -> tuple[list[tuple[int, int]], list[int]]:
     """LPT of ``reqs`` over the instances ``pool`` (no move cost), computed on local
-    copies of the pool's totals; returns (request, instance) pairs and the misfits."""
+    copies of the pool's totals; returns (request, instance) pairs and the misfits.
+    (``solve`` places the requests of a node with one instance itself, at once.)"""
     prob = pl.prob
-    if len(pool) == 1:
-        (k,) = pool
-        cap = prob.costs[pl.tp[k]].capacity_tokens
-        ctx, qs = prob.ctx, prob.q
-        fit = [r for r in reqs if ctx[r] + qs[r] <= cap]
-        return [(r, k) for r in fit], [r for r in reqs if ctx[r] + qs[r] > cap]
     qmax = {k: (pl.qs[k][-1] if pl.qs[k] else 0.0) for k in pool}
     sum_m = {k: pl.sum_m[k] for k in pool}
     sum_pre = {k: pl.sum_pre[k] for k in pool}
