@@ -223,10 +223,7 @@ class Controller:
         self._check_liveness(node)
 
     def telemetry(self, sample: node_agent_pb2.TelemetrySample) -> None:
-        self.registry.telemetry(sample.node, sample, self._mono())
-        self.metrics.telemetry_samples.inc()
-        if sample.timestamp > 0:
-            self.metrics.telemetry_lag.observe(max(0.0, self._wall() - sample.timestamp))
+        self.telemetry_batch([sample], 1)
 
     def telemetry_batch(
         self, newest: Sequence[node_agent_pb2.TelemetrySample], samples: int
@@ -565,9 +562,8 @@ class Controller:
             previous = await self.store.by_request(request_id)
             if previous is not None:
                 return PhaseResult(previous, False, f"request {request_id!r} already applied")
-        waited = self._reconfig.locked()
         async with self._locked(f"epoch {self.current.epoch + 1} ({phase.value})"):
-            if request_id and waited:  # the first caller with this id may have finished
+            if request_id:  # a caller with this id may have finished while this one waited
                 previous = await self.store.by_request(request_id)
                 if previous is not None:
                     return PhaseResult(previous, False, f"request {request_id!r} already applied")

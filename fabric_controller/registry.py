@@ -79,9 +79,6 @@ class Registry:
         self._nodes[node] = record
         return record
 
-    def telemetry(self, node: str, sample: node_agent_pb2.TelemetrySample, now: float) -> None:
-        self._store(self._registered(node), sample, now)
-
     def telemetry_batch(
         self, samples: Sequence[node_agent_pb2.TelemetrySample], now: float
     ) -> None:

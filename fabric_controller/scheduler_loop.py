@@ -20,7 +20,7 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from fabric_controller import scheduling
 from fabric_controller.controller import Controller
@@ -66,7 +66,6 @@ class ScheduleView:
     step: int = 0
     skipped: tuple[str, ...] = ()
     actions: tuple[ActionRecord, ...] = ()
-    migrations: tuple[scheduling.MigrateCommand, ...] = field(default=())
 
     def explanation(self) -> str:
         if not self.enabled:
@@ -176,7 +175,6 @@ class ComputeScheduler:
             False,
             self._tracker.step or 0,
             tuple(skipped),
-            migrations=migrations,
         )
         if reshards or migrations:
             await self._act(reshards, migrations, addresses)
