@@ -60,15 +60,6 @@ class PhaseResult:
     explanation: str = ""  # how the circuits were chosen (planner or template, and why)
 
 
-@dataclass(frozen=True)
-class PhasePreview:
-    """What a phase change would do now: the switch program and how it was chosen."""
-
-    circuits: CircuitPlan
-    planner: str
-    explanation: str
-
-
 class _Stages:
     """Wall time per stage, in the order the stages first ran (a stage entered twice,
     like the journal, adds up)."""
@@ -545,15 +536,12 @@ class Controller:
 
     # -- phases --
 
-    async def plan(self, phase: Phase) -> PhasePreview:
-        """What a phase change would do to the switches now (nothing is changed)."""
+    async def plan(self, phase: Phase) -> PhaseCircuits:
+        """What a phase change would do to the switches now (nothing is changed): the
+        switch program from what they hold, and how the circuits were chosen."""
         observed, down = await self._observe()
         planned = self._plan_phase(phase, self.current.circuits, down)
-        return PhasePreview(
-            converge(self.wiring, observed, planned.circuits.desired),
-            planned.planner,
-            planned.explanation,
-        )
+        return replace(planned, circuits=converge(self.wiring, observed, planned.circuits.desired))
 
     async def set_phase(
         self, phase: Phase, request_id: str = "", idle_window_s: float | None = None

@@ -71,10 +71,7 @@ def steps(plan: CircuitPlan) -> list[list[Batch]]:
 
 def check_applied(plan: CircuitPlan, observed: Iterable[Circuit]) -> list[str]:
     """Problems found when reading the switches back after programming them."""
-    seen = frozenset(observed)
-    problems = [f"circuit {c} is missing" for c in sorted(plan.desired - seen)]
-    problems += [f"circuit {c} is still connected" for c in sorted(plan.remove & seen)]
-    return problems
+    return check_tables(plan, {}, frozenset(observed))
 
 
 def check_tables(
@@ -85,16 +82,13 @@ def check_tables(
     """``check_applied`` against per-OCS tables as the switches returned them, and
     ``others`` (the circuits of the switches not in ``tables``), without building a
     circuit for every entry of every table."""
-    missing = []
-    for c in plan.desired:
+
+    def present(c: Circuit) -> bool:
         table = tables.get(c.ocs)
-        if not ((c.a, c.b) in table if table is not None else c in others):
-            missing.append(c)
-    still = []
-    for c in plan.remove:
-        table = tables.get(c.ocs)
-        if (c.a, c.b) in table if table is not None else c in others:
-            still.append(c)
-    return [f"circuit {c} is missing" for c in sorted(missing)] + [
-        f"circuit {c} is still connected" for c in sorted(still)
+        return (c.a, c.b) in table if table is not None else c in others
+
+    missing = sorted(c for c in plan.desired if not present(c))
+    still = sorted(c for c in plan.remove if present(c))
+    return [f"circuit {c} is missing" for c in missing] + [
+        f"circuit {c} is still connected" for c in still
     ]
