@@ -111,7 +111,7 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
     cap = max((c.capacity_tokens for c in prob.costs.values()), default=0)
     has_kv = prob.has_kv
     q_a, _, _, ctx_a = prob.arrays
-    kv_a = np.array(has_kv, dtype=np.bool_)
+    kv_a = prob.kv_array
     fits_a = kv_a | (ctx_a + q_a <= cap)
     placeable: list[int] = np.flatnonzero(fits_a).tolist()
     unplaceable: list[int] = np.flatnonzero(~fits_a).tolist()

@@ -208,12 +208,15 @@ class Problem:
         repr=False,
     )
     # per request, its current instance's position in ``instances`` (len(instances):
-    # none, queued), and its ``rank``, as numpy arrays
+    # none, queued), its ``rank`` and ``has_kv``, as numpy arrays
     current_index: np.ndarray = field(
         default_factory=lambda: np.zeros(0, np.int64), compare=False, repr=False
     )
     rank_array: np.ndarray = field(
         default_factory=lambda: np.zeros(0, np.int64), compare=False, repr=False
+    )
+    kv_array: np.ndarray = field(
+        default_factory=lambda: np.zeros(0, np.bool_), compare=False, repr=False
     )
     # node_cost per (old, new) pattern pair, filled on use (a plan asks for few pairs, often)
     pauses: dict[tuple[Pattern, Pattern], float] = field(
@@ -443,4 +446,5 @@ def build_problem(
         arrays=(q_a, mi_a, pre_a, ctx_a),
         current_index=current_index,
         rank_array=rank_a,
+        kv_array=kv_a,
     )

@@ -235,11 +235,7 @@ def bottleneck_time(
     uplink_gbps: float,
 ) -> float:
     """Seconds the worst pod pair needs to move its demand over its circuits."""
-    count: dict[PodPair, int] = defaultdict(int)
-    for c in circuits:
-        a, b = wiring.circuit_pods(c)
-        if a and b and a != b:
-            count[pair(a, b)] += 1
+    count = _pair_counts(wiring, circuits)
     per_circuit = uplink_gbps * 1e9 / 8.0
     worst = 0.0
     for p, nbytes in demand.items():

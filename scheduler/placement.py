@@ -273,8 +273,7 @@ class Placement:
         if sizes is None:
             prob = self.prob
             ctx_a = prob.arrays[3]
-            kv_a = np.array(prob.has_kv, dtype=np.bool_)
-            sizes = (np.where(kv_a, ctx_a, 0) * len(ctx_a) + prob.rank_array).tolist()
+            sizes = (np.where(prob.kv_array, ctx_a, 0) * len(ctx_a) + prob.rank_array).tolist()
             self._sizes = sizes
         return sizes
 
