@@ -312,14 +312,13 @@ class Placement:
         place, and the shared heaps rebuilt once at the end. A uniform layout (one
         degree) takes the batched form, ``_lpt_uniform``: the same assignment."""
         prob = self.prob
-        q = prob.q
         heaps = {
             t: sorted((self.run[k], k) for k in range(len(self.tp)) if self.tp[k] == t)
             for t in self.types
         }
         caps = {t: prob.costs[t].capacity_tokens for t in self.types}
         qmax = [qs[-1] if qs else 0.0 for qs in self.qs]
-        sum_m, sum_pre, members, run = self.sum_m, self.sum_pre, self.members, self.run
+        sum_m, sum_pre, run = self.sum_m, self.sum_pre, self.run
         a_, c_, p_, inv = self.a, self.c, self.p, self.inv_slots
         typed = [(caps[t], heaps[t]) for t in self.types]
         if len(typed) == 1 and typed[0][1]:
@@ -328,24 +327,17 @@ class Placement:
             r_a, k_a, left = _lpt_uniform(
                 prob, order, cap, (a_[0], c_[0], p_[0], inv[0]), qmax, sum_m, sum_pre, run
             )
-            if len(r_a):
-                for k in self._attach(r_a, k_a).tolist():
-                    self.ver[k] += 1
-                self._stale = True
-            return left
-        placed: list[tuple[int, int]] = []
-        left = _lpt_typed(prob, order, typed, (a_, c_, p_, inv), qmax, sum_m, sum_pre, run, placed)
-        qs_, where = self.qs, self.where
-        touched: set[int] = set()
-        for r, k in placed:
-            members[k].add(r)
-            qs_[k].append(q[r])
-            where[r] = k
-            touched.add(k)
-        for k in touched:
-            self.qs[k].sort()
-            self.ver[k] += 1
-        if touched:
+        else:
+            placed: list[tuple[int, int]] = []
+            left = _lpt_typed(
+                prob, order, typed, (a_, c_, p_, inv), qmax, sum_m, sum_pre, run, placed
+            )
+            r_a = np.array([r for r, _ in placed], dtype=np.int64)
+            k_a = np.array([k for _, k in placed], dtype=np.int64)
+        # the totals and runs are updated in place above; the rest of the bookkeeping here
+        if len(r_a):
+            for k in self._attach(r_a, k_a).tolist():
+                self.ver[k] += 1
             self._stale = True
         return left
 
