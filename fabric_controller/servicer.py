@@ -130,7 +130,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
         if self._encoded_for is not self.c.wiring:  # pods are the wiring's
             self._encoded_for = self.c.wiring
             self._encoded.clear()
-        owner = self.c.wiring.port_owner
+        pods = self.c.wiring.circuit_pods
         parts = []
         for name, circuits in fields.items():
             cache = self._encoded.setdefault((type(reply).__name__, name), {})
@@ -139,12 +139,9 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
             for c in sorted(circuits):
                 one = cache.get(c)
                 if one is None:
-                    ocs, a, b = c
                     one = cache[c] = type(reply)(
-                        **{name: [common_pb2.Circuit(ocs=ocs, port_a=a, port_b=b,
-                                                     pod_a=owner(ocs, a) or "",
-                                                     pod_b=owner(ocs, b) or "")]}
-                    ).SerializeToString()  # fmt: skip
+                        **{name: [circuit_to_pb(c, pods(c))]}
+                    ).SerializeToString()
                 parts.append(one)
         reply.MergeFromString(b"".join(parts))
 
