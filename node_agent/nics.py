@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
-from orchestrrl import errors
+from orchestrrl import errors, rtnl
 from orchestrrl.logs import get_logger
 
 log = get_logger("node_agent.nics")
@@ -224,19 +224,17 @@ def _gbps(delta_bytes: int, elapsed_s: float) -> float:
 # -- rtnetlink ----------------------------------------------------------------------------
 # Constants from linux/netlink.h, linux/rtnetlink.h, linux/if_link.h (all host byte order).
 
-RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK = 16, 17, 18
+RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK = rtnl.RTM_NEWLINK, rtnl.RTM_DELLINK, rtnl.RTM_GETLINK
 RTM_NEWSTATS, RTM_GETSTATS = 92, 94
 NLMSG_ERROR, NLMSG_DONE = 2, 3
 NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
 RTMGRP_LINK = 0x1
-IFLA_IFNAME, IFLA_OPERSTATE = 3, 16
+IFLA_IFNAME, IFLA_OPERSTATE, IF_OPER_UP = rtnl.IFLA_IFNAME, rtnl.IFLA_OPERSTATE, rtnl.IF_OPER_UP
 IFLA_STATS_LINK_64 = 1
-IF_OPER_UP = 6
-NLA_TYPE_MASK = 0x3FFF  # without NLA_F_NESTED / NLA_F_NET_BYTEORDER
+NLA_TYPE_MASK = rtnl.NLA_TYPE_MASK
 RECV_BYTES = 1 << 16  # a dump's datagrams are at most 32 KiB
 
 NLMSGHDR = struct.Struct("=IHHII")  # length, type, flags, seq, pid
-IFINFOMSG = struct.Struct("=BxHiII")  # family, type, index, flags, change
 IF_STATS_MSG = struct.Struct("=BBHiI")  # family, pad, pad, ifindex, filter_mask
 RTATTR = struct.Struct("=HH")  # length, type
 STATS64_HEAD = struct.Struct("=QQQQ")  # rx_packets, tx_packets, rx_bytes, tx_bytes
@@ -250,12 +248,7 @@ class LinkInfo(NamedTuple):
     oper_up: bool  # IFLA_OPERSTATE is IF_OPER_UP (sysfs operstate "up")
 
 
-def link_dump_request(seq: int) -> bytes:
-    body = IFINFOMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0)
-    return (
-        NLMSGHDR.pack(NLMSGHDR.size + len(body), RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
-        + body
-    )
+link_dump_request = rtnl.link_dump_request
 
 
 def stats_dump_request(seq: int) -> bytes:
@@ -280,23 +273,8 @@ def messages(buf: bytes | bytearray, size: int) -> Iterator[tuple[int, int, int,
 
 def parse_link(buf: bytes | bytearray, start: int, end: int) -> LinkInfo | None:
     """The index, name and oper state of an RTM_NEWLINK/RTM_DELLINK payload."""
-    if end - start < IFINFOMSG.size:
-        return None
-    index = IFINFOMSG.unpack_from(buf, start)[2]
-    name: str | None = None
-    oper = 0
-    at = start + IFINFOMSG.size
-    while at + RTATTR.size <= end:
-        length, kind = RTATTR.unpack_from(buf, at)
-        if length < RTATTR.size or at + length > end:
-            break
-        kind &= NLA_TYPE_MASK
-        if kind == IFLA_IFNAME:
-            name = bytes(buf[at + 4 : at + length]).split(b"\0", 1)[0].decode(errors="replace")
-        elif kind == IFLA_OPERSTATE and length > RTATTR.size:
-            oper = buf[at + 4]
-        at += (length + 3) & ~3
-    return LinkInfo(index, name, oper == IF_OPER_UP) if name else None
+    link = rtnl.parse_link(buf, start, end)
+    return LinkInfo(link.ifindex, link.name, link.oper_up) if link is not None else None
 
 
 def parse_stats(buf: bytes | bytearray, start: int, end: int) -> tuple[int, int, int] | None:

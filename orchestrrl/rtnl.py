@@ -163,6 +163,59 @@ def encode_dump(seq: int, version: int, table: int = 0, proto: int = 0) -> bytes
     return _message(RTM_GETROUTE, NLM_F_REQUEST | NLM_F_DUMP, seq, body)
 
 
+# -- links (linux/if_link.h) --------------------------------------------------------------
+
+RTM_NEWLINK = 16
+RTM_DELLINK = 17
+RTM_GETLINK = 18
+IFLA_IFNAME = 3
+IFLA_OPERSTATE = 16
+IFLA_EXT_MASK = 29
+RTEXT_FILTER_SKIP_STATS = 1 << 3
+IF_OPER_UP = 6
+IFF_UP = 0x1
+NLA_TYPE_MASK = 0x3FFF  # without NLA_F_NESTED / NLA_F_NET_BYTEORDER
+IFINFOMSG = struct.Struct("=BxHiII")  # family, type, index, flags, change
+
+
+class Link(NamedTuple):
+    """What an RTM_NEWLINK/RTM_DELLINK message says of a link."""
+
+    ifindex: int
+    name: str
+    flags: int  # IFF_* (IFF_UP: set by `ip link set NAME up`)
+    oper_up: bool  # IFLA_OPERSTATE is IF_OPER_UP (sysfs operstate "up")
+
+
+def link_dump_request(seq: int) -> bytes:
+    """RTM_GETLINK of every link, without their statistics (a smaller answer)."""
+    ext_mask = _RTATTR.pack(8, IFLA_EXT_MASK) + _U32.pack(RTEXT_FILTER_SKIP_STATS)
+    body = IFINFOMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0) + ext_mask
+    return _message(RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, seq, body)
+
+
+def parse_link(buf: bytes | bytearray, start: int, end: int) -> Link | None:
+    """The link of an RTM_NEWLINK/RTM_DELLINK payload ``buf[start:end]``; None without a
+    name (or too short)."""
+    if end - start < IFINFOMSG.size:
+        return None
+    _family, _type, index, flags, _change = IFINFOMSG.unpack_from(buf, start)
+    name: str | None = None
+    oper = 0
+    at = start + IFINFOMSG.size
+    while at + _RTATTR.size <= end:
+        length, kind = _RTATTR.unpack_from(buf, at)
+        if length < _RTATTR.size or at + length > end:
+            break
+        kind &= NLA_TYPE_MASK
+        if kind == IFLA_IFNAME:
+            name = bytes(buf[at + 4 : at + length]).split(b"\0", 1)[0].decode(errors="replace")
+        elif kind == IFLA_OPERSTATE and length > _RTATTR.size:
+            oper = buf[at + 4]
+        at += (length + 3) & ~3
+    return Link(index, name, flags, oper == IF_OPER_UP) if name else None
+
+
 class Message(NamedTuple):
     kind: int
     flags: int

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 from pyroute2 import NetlinkError
 
-from orchestrrl import errors
+from orchestrrl import errors, rtnl
 from orchestrrl.netlink import (
     PyrouteThread,
     check_netns,
@@ -53,36 +53,15 @@ MATCH_ALL = ["0x0/0x0+0"]  # u32: the 32-bit word at offset 0, mask 0 - every pa
 
 T = TypeVar("T")
 
-# rtnetlink link dump (linux/rtnetlink.h, linux/if_link.h)
-RTM_NEWLINK = 16
-RTM_GETLINK = 18
+# rtnetlink link dump (the request and the link parser are orchestrrl.rtnl's)
 NLMSG_ERROR = 2
 NLMSG_DONE = 3
-NLM_F_REQUEST = 0x1
-NLM_F_DUMP = 0x300
-IFLA_IFNAME = 3
-IFLA_OPERSTATE = 16
-IFLA_EXT_MASK = 29
-RTEXT_FILTER_SKIP_STATS = 1 << 3
-IF_OPER_UP = 6
-IFF_UP = 0x1
 _NLMSGHDR = struct.Struct("=IHHII")  # len, type, flags, seq, pid
-_IFINFOMSG = struct.Struct("=BxHiII")  # family, type, index, flags, change
-_RTATTR = struct.Struct("=HH")
-
-
-def _link_dump_request(seq: int) -> bytes:
-    ext_mask = _RTATTR.pack(8, IFLA_EXT_MASK) + struct.pack("=I", RTEXT_FILTER_SKIP_STATS)
-    body = _IFINFOMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0) + ext_mask
-    return (
-        _NLMSGHDR.pack(_NLMSGHDR.size + len(body), RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
-        + body
-    )
 
 
 def _dump_links(sock: socket.socket, seq: int) -> dict[str, LinkState]:
     """One RTM_GETLINK dump on a blocking rtnetlink socket (runs on the Tc thread)."""
-    sock.send(_link_dump_request(seq))
+    sock.send(rtnl.link_dump_request(seq))
     found: dict[str, LinkState] = {}
     while True:
         data = sock.recv(1 << 16)
@@ -98,30 +77,13 @@ def _dump_links(sock: socket.socket, seq: int) -> dict[str, LinkState]:
                 if kind == NLMSG_ERROR:
                     code = -struct.unpack_from("=i", data, offset + _NLMSGHDR.size)[0]
                     raise NetlinkError(code)
-                if kind == RTM_NEWLINK:
-                    link = _decode_link(data, offset + _NLMSGHDR.size, end)
+                if kind == rtnl.RTM_NEWLINK:
+                    link = rtnl.parse_link(data, offset + _NLMSGHDR.size, end)
                     if link is not None:
-                        found[link.name] = link
+                        found[link.name] = LinkState(
+                            link.name, link.ifindex, bool(link.flags & rtnl.IFF_UP), link.oper_up
+                        )
             offset = (end + 3) & ~3
-
-
-def _decode_link(data: bytes, start: int, end: int) -> LinkState | None:
-    _family, _type, index, flags, _change = _IFINFOMSG.unpack_from(data, start)
-    name, oper = "", 0
-    at = start + _IFINFOMSG.size
-    while at + _RTATTR.size <= end:
-        length, kind = _RTATTR.unpack_from(data, at)
-        if length < _RTATTR.size:
-            break
-        value = data[at + _RTATTR.size : at + length]
-        if kind == IFLA_IFNAME:
-            name = value.split(b"\0", 1)[0].decode(errors="replace")
-        elif kind == IFLA_OPERSTATE and value:
-            oper = value[0]
-        at += (length + 3) & ~3
-    if not name:
-        return None
-    return LinkState(name, index, bool(flags & IFF_UP), oper == IF_OPER_UP)
 
 
 @dataclass(frozen=True)
