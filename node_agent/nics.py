@@ -11,12 +11,16 @@ Two readers with the same interface (:class:`NicReader`):
   loop when they arrive (no system call per sample); a notification overrun (ENOBUFS)
   re-reads the links at the next sample. The kernel answers rtnetlink dumps
   synchronously (one send, one receive), so they run on the event loop (a worker-thread
-  hop would cost more than the read).
+  hop would cost more than the read). A reading keeps the answer's bytes; they are
+  decoded when the reading is turned into samples (see :class:`NicReading`).
 * :class:`SysfsNics`: ``<root>/<nic>/statistics/{rx,tx}_bytes`` and ``operstate`` read in a
   worker thread; for tests with a fake tree, and the fallback when netlink is refused.
 
 A missing interface reads as down with zero counters (one warning), so a renamed or
 unplugged NIC never stops the agent.
+
+Rates come from the deltas between consecutive readings (:class:`NicRates`, one per
+consumer of readings).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import os
 import re
 import socket
@@ -67,13 +72,62 @@ class _Counters(NamedTuple):
     oper_up: bool
 
 
+class NicReading(NamedTuple):
+    """The NICs' counters at one instant, as the reader took them. ``counters()`` decodes
+    them: per NIC, in the order named, its counters or None when it is missing.
+
+    Decoding waits until the reading is turned into a sample (:class:`NicRates`): the
+    uplink does that for a whole upload's readings in one pass, because code that runs once
+    per sampling interval runs cache-cold, at several times its cost in a loop."""
+
+    at: float  # the reader's clock (monotonic seconds)
+    counters: Callable[[], list[tuple[str, _Counters | None]]]
+
+
+class NicRates:
+    """Samples from readings, with rates from the deltas between consecutive readings.
+
+    Each consumer of readings keeps its own, so that two (the uplink, a StreamTelemetry
+    call) never compute rates across each other's readings."""
+
+    def __init__(self) -> None:
+        # per NIC: (time, rx_bytes, tx_bytes, rx_gbps, tx_gbps) of its latest reading
+        self._previous: dict[str, tuple[float, int, int, float, float]] = {}
+
+    def samples(self, reading: NicReading) -> list[NicSample]:
+        now = reading.at
+        return [self._sample(name, counters, now) for name, counters in reading.counters()]
+
+    def _sample(self, name: str, counters: _Counters | None, now: float) -> NicSample:
+        if counters is None:
+            self._previous.pop(name, None)
+            return NicSample(name, 0, 0, 0.0, 0.0, False)
+        rx_gbps = tx_gbps = 0.0
+        previous = self._previous.get(name)
+        if previous is not None:
+            if now > previous[0]:
+                elapsed = now - previous[0]
+                rx_gbps = _gbps(counters.rx_bytes - previous[1], elapsed)
+                tx_gbps = _gbps(counters.tx_bytes - previous[2], elapsed)
+            else:  # no time passed: the rates of the previous reading stand
+                rx_gbps, tx_gbps = previous[3], previous[4]
+        self._previous[name] = (now, counters.rx_bytes, counters.tx_bytes, rx_gbps, tx_gbps)
+        return NicSample(
+            name, counters.rx_bytes, counters.tx_bytes, rx_gbps, tx_gbps, counters.oper_up
+        )
+
+
 class NicReader(Protocol):
     async def open(self) -> list[NicSpec]:
         """Resolve link speeds; return the inventory."""
 
     def inventory(self) -> list[NicSpec]: ...
 
-    async def sample(self) -> list[NicSample]: ...
+    async def read(self) -> NicReading:
+        """The counters now (decoded later, see :class:`NicReading`)."""
+
+    async def sample(self) -> list[NicSample]:
+        """A reading turned into samples at once, with the reader's own rates."""
 
     def close(self) -> None: ...
 
@@ -96,8 +150,8 @@ def parse_nic(text: str, field: str = "--nic") -> tuple[str, float | None]:
     return name, gbps
 
 
-class _NicRates:
-    """The NICs named on the command line: inventory, and samples with rates from deltas."""
+class _Nics:
+    """The NICs named on the command line: inventory, link speeds, missing-NIC warnings."""
 
     def __init__(
         self,
@@ -110,9 +164,9 @@ class _NicRates:
         self._root = root  # sysfs: link speeds (and counters, for SysfsNics)
         self._clock = clock
         self._specs: list[NicSpec] = []
-        # per NIC: (time, rx_bytes, tx_bytes, rx_gbps, tx_gbps) of its latest reading
-        self._previous: dict[str, tuple[float, int, int, float, float]] = {}
         self._missing: set[str] = set()
+        self._rates = NicRates()  # sample()'s
+        self._lock = asyncio.Lock()  # one reading at a time keeps sample()'s deltas ordered
 
     def inventory(self) -> list[NicSpec]:
         return list(self._specs) if self._specs else [NicSpec(n, g or 0.0) for n, g in self._nics]
@@ -134,37 +188,32 @@ class _NicRates:
             return 0.0
         return mbps / 1000.0 if mbps > 0 else 0.0
 
-    def _to_sample(self, name: str, counters: _Counters | None, now: float) -> NicSample:
-        if counters is None:
-            if name not in self._missing:
-                self._missing.add(name)
-                log.warning(
-                    "nic_missing",
-                    nic=name,
-                    path=str(self._root / name),
-                    effect="reported as down with zero counters until it appears",
-                )
-            self._previous.pop(name, None)
-            return NicSample(name, 0, 0, 0.0, 0.0, False)
-        if name in self._missing:
-            self._missing.discard(name)
-            log.info("nic_present", nic=name)
-        rx_gbps = tx_gbps = 0.0
-        previous = self._previous.get(name)
-        if previous is not None:
-            if now > previous[0]:
-                elapsed = now - previous[0]
-                rx_gbps = _gbps(counters.rx_bytes - previous[1], elapsed)
-                tx_gbps = _gbps(counters.tx_bytes - previous[2], elapsed)
-            else:  # no time passed: the rates of the previous reading stand
-                rx_gbps, tx_gbps = previous[3], previous[4]
-        self._previous[name] = (now, counters.rx_bytes, counters.tx_bytes, rx_gbps, tx_gbps)
-        return NicSample(
-            name, counters.rx_bytes, counters.tx_bytes, rx_gbps, tx_gbps, counters.oper_up
-        )
+    def _checked(
+        self, readings: list[tuple[str, _Counters | None]]
+    ) -> list[tuple[str, _Counters | None]]:
+        """``readings``, having warned once about each NIC that went missing (and said
+        when it is back)."""
+        for name, counters in readings:
+            if counters is None:
+                if name not in self._missing:
+                    self._missing.add(name)
+                    log.warning(
+                        "nic_missing",
+                        nic=name,
+                        path=str(self._root / name),
+                        effect="reported as down with zero counters until it appears",
+                    )
+            elif self._missing and name in self._missing:
+                self._missing.discard(name)
+                log.info("nic_present", nic=name)
+        return readings
 
 
-class SysfsNics(_NicRates):
+def _no_counters() -> list[tuple[str, _Counters | None]]:
+    return []
+
+
+class SysfsNics(_Nics):
     """Counters and oper state of the named NICs from sysfs files, in a worker thread."""
 
     def __init__(
@@ -175,20 +224,21 @@ class SysfsNics(_NicRates):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(nics, root=root, clock=clock)
-        self._lock = asyncio.Lock()  # one reading at a time keeps the deltas ordered
 
     async def open(self) -> list[NicSpec]:
         """Resolve link speeds not given on the command line; return the inventory."""
         self._specs = await asyncio.to_thread(self._resolve_specs)
         return list(self._specs)
 
-    async def sample(self) -> list[NicSample]:
+    async def read(self) -> NicReading:
         if not self._nics:  # nothing to read: no worker-thread hop
-            return []
+            return NicReading(self._clock(), _no_counters)
         async with self._lock:
             readings = await asyncio.to_thread(self._read_all)
-            now = self._clock()
-            return [self._to_sample(name, counters, now) for name, counters in readings]
+            return NicReading(self._clock(), functools.partial(self._checked, readings))
+
+    async def sample(self) -> list[NicSample]:
+        return self._rates.samples(await self.read())
 
     # -- blocking helpers (run in a worker thread) --------------------------------------
 
@@ -350,6 +400,19 @@ def read_stats_datagram(
     return False
 
 
+DONE_MESSAGE = struct.Struct("=IHHIIi")  # nlmsghdr, then the dump's error code
+
+
+def ends_dump(buf: bytes | bytearray, size: int, seq: int) -> bool:
+    """Whether the datagram in ``buf[:size]`` ends with the NLMSG_DONE of dump ``seq``."""
+    if size < DONE_MESSAGE.size:
+        return False
+    length, kind, _flags, mseq, _pid, _code = DONE_MESSAGE.unpack_from(
+        buf, size - DONE_MESSAGE.size
+    )
+    return bool(length == DONE_MESSAGE.size and kind == NLMSG_DONE and mseq == seq)
+
+
 def _raise_if_error(buf: bytes | bytearray, start: int) -> None:
     code = ERROR_CODE.unpack_from(buf, start)[0]
     if code:
@@ -386,9 +449,12 @@ class NetlinkNics(SysfsNics):
         self._event_buf = bytearray(RECV_BYTES)
         self._links_stale = False
         self._seq = 0
-        self._links: dict[str, tuple[int, bool]] = {}  # name -> (ifindex, oper up)
+        # name -> (ifindex, oper up); replaced, never changed, once a reading holds it
+        self._links: dict[str, tuple[int, bool]] = {}
         self._names: dict[int, str] = {}
-        self._counters: dict[int, tuple[int, int]] = {}  # ifindex -> rx, tx bytes (reused)
+        # the stats dump being read: its one datagram, or ifindex -> rx, tx bytes
+        self._answer: bytes | None = None
+        self._counters: dict[int, tuple[int, int]] = {}
         self._stats_request = bytearray(stats_dump_request(0))  # renumbered at each send
         self._names_wanted = [name for name, _ in self._nics]
 
@@ -418,41 +484,53 @@ class NetlinkNics(SysfsNics):
                 sock.close()
         self._sock = self._events = None
 
-    async def sample(self) -> list[NicSample]:
+    async def read(self) -> NicReading:
         if self._sock is None:
-            return await super().sample()
-        async with self._lock:  # one reading at a time keeps the rates ordered
+            return await super().read()
+        async with self._lock:
             if self._links_stale:
                 await self._read_links()
-            self._counters.clear()
-            await self._dump(self._stats_request_for, self._on_stats)
-            return self._nic_samples()
+            self._answer, self._counters = None, {}
+            seq = await self._dump(self._stats_request_for, self._on_stats)
+            answer = self._answer if self._answer is not None else self._counters
+            return NicReading(
+                self._clock(), functools.partial(self._decode, answer, seq, self._links)
+            )
 
     def _stats_request_for(self, seq: int) -> bytearray:
         """The stats dump request, built once: only its sequence number changes."""
         SEQ.pack_into(self._stats_request, SEQ_OFFSET, seq)
         return self._stats_request
 
-    def _nic_samples(self) -> list[NicSample]:
-        """The NICs' samples from the counters of the dump just read."""
-        now = self._clock()
-        links, readings = self._links, self._counters
-        out = []
+    def _decode(
+        self,
+        answer: bytes | dict[int, tuple[int, int]],
+        seq: int,
+        links: dict[str, tuple[int, bool]],
+    ) -> list[tuple[str, _Counters | None]]:
+        """Per NIC named, its counters in ``answer`` (a whole stats dump, or the counters
+        decoded from one) and its state in ``links`` (as they were at the reading)."""
+        if isinstance(answer, bytes):
+            counters: dict[int, tuple[int, int]] = {}
+            read_stats_datagram(answer, len(answer), seq, counters)
+        else:
+            counters = answer
+        out: list[tuple[str, _Counters | None]] = []
         for name in self._names_wanted:
             link = links.get(name)
-            counters = readings.get(link[0]) if link is not None else None
+            found = counters.get(link[0]) if link is not None else None
             out.append(
-                self._to_sample(
-                    name,
-                    None
-                    if counters is None or link is None
-                    else _Counters(counters[0], counters[1], link[1]),
-                    now,
-                )
+                (name, None if found is None or link is None else _Counters(*found, link[1]))
             )
-        return out
+        return self._checked(out)
 
     def _on_stats(self, size: int, seq: int) -> bool:
+        """A datagram of stats dump ``seq``. When it is the whole answer (the usual case:
+        ~230 bytes per interface, 32 KiB per datagram) its bytes are kept, decoded when the
+        reading is; otherwise its counters are decoded now into ``_counters``."""
+        if self._answer is None and not self._counters and ends_dump(self._buf, size, seq):
+            self._answer = bytes(self._buf[:size])
+            return True
         return read_stats_datagram(self._buf, size, seq, self._counters)
 
     def _on_links(self, size: int, seq: int) -> bool:
@@ -481,8 +559,7 @@ class NetlinkNics(SysfsNics):
 
     async def _read_links(self) -> None:
         self._links_stale = False
-        self._links.clear()
-        self._names.clear()
+        self._links, self._names = {}, {}  # (readings taken so far keep the old ones)
         await self._dump(link_dump_request, self._on_links)
 
     def _drain_events(self) -> None:
@@ -503,19 +580,21 @@ class NetlinkNics(SysfsNics):
                     return
                 self._links_stale = True
                 continue
+            self._links = dict(self._links)  # readings taken so far keep the old one
             for kind, _seq, start, end in messages(buf, size):
                 self._on_link(buf, kind, start, end)
 
     async def _dump(
         self, request: Callable[[int], bytes | bytearray], handle: Callable[[int, int], bool]
-    ) -> None:
+    ) -> int:
         """Send a dump request and feed each datagram of the answer (in ``self._buf``) to
-        ``handle(size, seq)`` until it says the dump is done."""
+        ``handle(size, seq)`` until it says the dump is done; the dump's sequence number."""
         assert self._sock is not None
         seq = self._next_seq()
         self._sock.send(request(seq))
         if not self._receive_ready(handle, seq):
             await self._receive(handle, seq)
+        return seq
 
     def _next_seq(self) -> int:
         self._seq = (self._seq + 1) & 0xFFFFFFFF

@@ -15,6 +15,10 @@ when scraped). A flush interval of 0 sends every sample as it is taken, each wit
 progress. A backlog goes up in batches of at most ``UplinkSettings.max_batch_samples``,
 each ending on a sample with progress where it has one.
 
+The sources are read at every sampling interval; the readings of an upload are decoded
+into samples (NIC counters parsed, rates computed) together, when the upload's last
+reading is taken and they go into the buffer (see :class:`~node_agent.telemetry.Collector`).
+
 The telemetry stream counts as liveness at the controller (each upload refreshes the
 node's last-seen time), so a heartbeat is sent only when no upload has reached the
 controller for a heartbeat interval: a unary call costs about as much CPU here as the
@@ -47,7 +51,8 @@ import grpc
 
 from node_agent import convert
 from node_agent.metrics import AgentMetrics
-from node_agent.telemetry import Collector, Telemetry, set_done, ticks
+from node_agent.nics import NicRates
+from node_agent.telemetry import Collector, Reading, Telemetry, set_done, ticks
 from orchestrrl import errors
 from orchestrrl.grpcutil import call, channel
 from orchestrrl.logs import get_logger
@@ -255,6 +260,9 @@ class Uplink:
             tg.create_task(self._sessions())
 
     async def _sample_forever(self) -> None:
+        # An upload's readings are decoded together when the last is taken (see Collector)
+        readings: list[Reading] = []
+        rates = NicRates()
         async for _ in ticks(lambda: self._telemetry_interval_s):
             # the first sample closes an upload, then every samples_per_flush-th
             flush = self._since_flush == 0
@@ -264,15 +272,31 @@ class Uplink:
             ):
                 self._since_flush = 0
             try:
-                sample = await self._collector.sample(progress=flush)
+                readings.append(await self._collector.read(progress=flush))
             except Exception as exc:  # a broken reading must not stop the agent
                 log.warning("telemetry_sample_failed", reason=_reason(exc))
                 self._since_flush = 0  # the next sample closes the upload instead
                 continue
-            self.buffer.put(sample, flush=flush)
             if flush:
-                self.metrics.observe_gpus(sample.gpus)
-                self.metrics.observe_rdma(sample.rdma)
+                self._buffer(readings, rates)
+                readings.clear()
+
+    def _buffer(self, readings: list[Reading], rates: NicRates) -> None:
+        """Decode ``readings`` into the buffer, the last closing an upload."""
+        samples = []
+        for reading in readings:
+            try:
+                samples.append(self._collector.telemetry(reading, rates))
+            except Exception as exc:  # a broken reading must not stop the agent
+                log.warning("telemetry_sample_failed", reason=_reason(exc))
+        if not samples:
+            return
+        *earlier, last = samples
+        for sample in earlier:
+            self.buffer.put(sample, flush=False)
+        self.buffer.put(last)
+        self.metrics.observe_gpus(last.gpus)
+        self.metrics.observe_rdma(last.rdma)
 
     async def _sessions(self) -> None:
         failures = 0

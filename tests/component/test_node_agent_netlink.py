@@ -59,10 +59,11 @@ class LateKernel:
     request from the event loop (after ``send`` has returned), in two datagrams, with
     counters that grow by 1 GB per dump."""
 
-    def __init__(self, ifindex: int) -> None:
+    def __init__(self, ifindex: int, *, split: bool = True) -> None:
         self.agent, self.kernel = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.agent.setblocking(False)
         self.ifindex = ifindex
+        self.split = split
         self.dumps = 0
         asyncio.get_running_loop().add_reader(self.kernel, self._answer)
 
@@ -73,8 +74,12 @@ class LateKernel:
         stats = struct.pack("=BBHiI", 0, 0, 0, self.ifindex, 1)
         attr = struct.pack("=HH", 4 + len(counters), nics.IFLA_STATS_LINK_64) + counters
         body = stats + attr
-        self.kernel.send(struct.pack("=IHHII", 16 + len(body), nics.RTM_NEWSTATS, 2, seq, 0) + body)
+        message = struct.pack("=IHHII", 16 + len(body), nics.RTM_NEWSTATS, 2, seq, 0) + body
         done = struct.pack("=IHHIIi", 20, nics.NLMSG_DONE, 2, seq, 0, 0)
+        if not self.split:
+            self.kernel.send(message + done)
+            return
+        self.kernel.send(message)
         asyncio.get_running_loop().call_soon(self.kernel.send, done)  # the rest comes later
 
     def close(self) -> None:
@@ -100,4 +105,46 @@ async def test_a_dump_the_kernel_answers_late_is_awaited_and_readings_stay_order
         assert third[0].rx_gbps == second[0].rx_gbps  # no time passed: the rate stands
         assert kernel.dumps == 3
     finally:
+        kernel.close()
+
+
+def link_notification(ifindex: int, name: str, up: bool) -> bytes:
+    head = struct.pack("=BxHiII", 0, 1, ifindex, 0, 0)
+    attrs = b""
+    for kind, payload in (
+        (nics.IFLA_IFNAME, name.encode() + b"\0"),
+        (nics.IFLA_OPERSTATE, bytes([6 if up else 2])),
+    ):
+        length = 4 + len(payload)
+        attrs += struct.pack("=HH", length, kind) + payload + b"\0" * (-length % 4)
+    body = head + attrs
+    return struct.pack("=IHHII", 16 + len(body), nics.RTM_NEWLINK, 0, 0, 0) + body
+
+
+async def test_a_reading_keeps_the_dump_and_link_state_of_when_it_was_taken() -> None:
+    clock = FakeClock(100.0)
+    reader = NetlinkNics([("eth0", 100.0)], clock=clock)
+    kernel = LateKernel(ifindex=2, split=False)  # the whole answer in one datagram
+    reader._sock = kernel.agent
+    reader._links = {"eth0": (2, True)}
+    events, notify = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    events.setblocking(False)
+    reader._events = events
+    try:
+        first = await reader.read()
+        assert isinstance(first.counters.args[0], bytes)  # type: ignore[attr-defined] # kept whole
+        clock.now += 1.0
+        second = await reader.read()
+        notify.send(link_notification(2, "eth0", up=False))  # the link goes down after
+        reader._drain_events()
+        third = await reader.read()
+        rates = nics.NicRates()
+        samples = [rates.samples(r)[0] for r in (first, second, third)]
+        assert [s.rx_bytes for s in samples] == [10**9, 2 * 10**9, 3 * 10**9]
+        assert [s.oper_up for s in samples] == [True, True, False]
+        assert samples[1].rx_gbps == pytest.approx(8.0)  # 1 GB in the 1 s between readings
+        assert kernel.dumps == 3
+    finally:
+        events.close()
+        notify.close()
         kernel.close()

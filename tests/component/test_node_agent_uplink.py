@@ -38,16 +38,22 @@ class SteppedCollector:
         self.release: asyncio.Queue[None] = asyncio.Queue()
         self.taken = 0
         self.with_progress: list[int] = []  # the samples taken with engine progress
+        self.decoded: list[float] = []  # the timestamps of the readings decoded, in order
 
     def status(self) -> NodeStatus:
         return NodeStatus(self.node, "sim", (), (), EngineState.RUNNING, (1,), "test")
 
-    async def sample(self, progress: bool = True) -> Telemetry:
+    async def read(self, progress: bool = True) -> Telemetry:
+        """The reading is the sample itself (see :meth:`telemetry`)."""
         await self.release.get()
         self.taken += 1
         if progress:
             self.with_progress.append(self.taken)
         return Telemetry(self.node, float(self.taken), (), (), IDLE, EngineState.RUNNING, (1,))
+
+    def telemetry(self, reading: Telemetry, rates: object) -> Telemetry:
+        self.decoded.append(reading.timestamp)
+        return reading
 
     def take(self, n: int) -> None:
         for _ in range(n):
@@ -175,10 +181,15 @@ async def test_samples_go_up_in_batches_each_closed_by_a_sample_with_progress() 
         assert collector.with_progress == [1, 5, 9]
         assert [s.timestamp for s in running.fake.samples] == [float(n) for n in range(1, 10)]
         assert value(metrics, "orl_agent_telemetry_samples_sent_total") == 9
-        collector.take(3)  # not yet a full upload: they wait in the buffer
+        # not yet a full upload: read, and decoded only when the upload's last is read
+        collector.take(3)
         await eventually(lambda: collector.taken == 12, "samples")
         await asyncio.sleep(0.1)
-        assert len(running.fake.samples) == 9 and len(uplink.buffer) == 3
+        assert len(running.fake.samples) == 9 and len(uplink.buffer) == 0
+        assert collector.decoded == [float(n) for n in range(1, 10)]
+        collector.take(1)
+        await eventually(lambda: len(running.fake.samples) == 13, "uploads")
+        assert collector.decoded == [float(n) for n in range(1, 14)]  # in reading order
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

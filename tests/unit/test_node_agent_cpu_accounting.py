@@ -15,7 +15,7 @@ from node_agent.daemon import _report_cpu_on_sigusr1, cpu_accounting
 from node_agent.engine import busy_fraction
 from node_agent.gpus import GpuSample, SimulatedGpus
 from node_agent.metrics import AgentMetrics
-from node_agent.nics import NicSample, NicSpec
+from node_agent.nics import SysfsNics
 from node_agent.telemetry import Collector
 from sim_backends.engine import SimEngineConfig, SimulatedEngine
 from tests.helpers import FakeClock
@@ -56,17 +56,6 @@ async def test_gpus_account_their_simulation_and_not_the_load_they_follow() -> N
     assert accounting["process_cpu_s"] >= engine.simulation_cpu_s + gpus.simulation_cpu_s
 
 
-class _Nics:
-    async def open(self) -> list[NicSpec]:
-        return []
-
-    async def sample(self) -> list[NicSample]:
-        return []
-
-    def close(self) -> None:
-        return None
-
-
 async def test_collector_reads_the_engine_once_and_before_the_gpus() -> None:
     clock = FakeClock()
     engine = sim_engine(clock)
@@ -80,7 +69,7 @@ async def test_collector_reads_the_engine_once_and_before_the_gpus() -> None:
         return real_stats()
 
     engine.stats = stats  # type: ignore[method-assign]
-    collector = Collector("n0", gpus, _Nics(), engine, wall_clock=lambda: 1.0)
+    collector = Collector("n0", gpus, SysfsNics([]), engine, wall_clock=lambda: 1.0)
     gpus.follow(lambda: busy_fraction(collector.engine_stats))
     await collector.open()
     clock.now = 30.0

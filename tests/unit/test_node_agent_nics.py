@@ -10,7 +10,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from node_agent import nics
-from node_agent.nics import NicSample, NicSpec, SysfsNics, parse_nic
+from node_agent.nics import NicRates, NicSample, NicSpec, SysfsNics, parse_nic
 from orchestrrl import errors
 from tests.helpers import FakeClock
 
@@ -125,6 +125,40 @@ async def test_missing_nic_is_down_with_one_warning(tmp_path: Path) -> None:
     assert [e["event"] for e in logs] == ["nic_present"]
 
 
+async def test_a_reading_decoded_later_gives_the_counters_and_time_it_was_taken(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock(100.0)
+    write_nic(tmp_path, "eth0", rx=0, tx=0)
+    nics_ = SysfsNics([("eth0", None)], root=tmp_path, clock=clock)
+    first = await nics_.read()
+    clock.now += 2.0
+    write_nic(tmp_path, "eth0", rx=250_000_000, tx=0)
+    second = await nics_.read()
+    clock.now += 5.0
+    write_nic(tmp_path, "eth0", rx=10**12, tx=10**12, state="down")  # after both readings
+    rates = NicRates()
+    assert rates.samples(first) == [NicSample("eth0", 0, 0, 0.0, 0.0, True)]
+    [sample] = rates.samples(second)
+    assert (sample.rx_bytes, sample.oper_up) == (250_000_000, True)
+    assert sample.rx_gbps == pytest.approx(1.0)  # 250 MB in the 2 s between the readings
+
+
+async def test_each_consumer_has_rates_of_its_own(tmp_path: Path) -> None:
+    clock = FakeClock(100.0)
+    write_nic(tmp_path, "eth0", rx=0, tx=0)
+    nics_ = SysfsNics([("eth0", None)], root=tmp_path, clock=clock)
+    readings = []
+    for n in range(1, 4):
+        readings.append(await nics_.read())
+        clock.now += 1.0
+        write_nic(tmp_path, "eth0", rx=n * 125_000_000, tx=0)
+    every, odd = NicRates(), NicRates()
+    assert [every.samples(r)[0].rx_gbps for r in readings] == pytest.approx([0.0, 1.0, 1.0])
+    # another consumer that saw only the 1st and 3rd: rates over its own 2 s
+    assert [odd.samples(r)[0].rx_gbps for r in readings[::2]] == pytest.approx([0.0, 1.0])
+
+
 # -- rtnetlink parsing (messages built here as the kernel lays them out) ---------------------
 
 
@@ -174,6 +208,18 @@ def test_a_stats_message_with_other_attributes_first_is_still_read() -> None:
     out: dict[int, tuple[int, int]] = {}
     nics.read_stats_datagram(data, len(data), 1, out)
     assert out == {9: (77, 88)}
+
+
+def test_a_datagram_ends_a_dump_with_its_own_done_message() -> None:
+    done = _message(nics.NLMSG_DONE, 7, struct.pack("=i", 0))
+    stats = _stats_message(7, 2, 1000, 2000)
+    assert nics.ends_dump(stats + done, len(stats + done), 7)
+    assert nics.ends_dump(done, len(done), 7)
+    assert not nics.ends_dump(stats + done, len(stats + done), 8)  # another dump's end
+    assert not nics.ends_dump(stats, len(stats), 7)  # more datagrams to come
+    error = _message(nics.NLMSG_ERROR, 7, struct.pack("=i", -errno.EPERM) + b"\0" * 16)
+    assert not nics.ends_dump(error, len(error), 7)
+    assert not nics.ends_dump(done, len(done) - 1, 7)
 
 
 def test_a_netlink_error_answer_raises() -> None:
