@@ -165,8 +165,6 @@ class _Nics:
         self._clock = clock
         self._specs: list[NicSpec] = []
         self._missing: set[str] = set()
-        self._rates = NicRates()  # sample()'s
-        self._lock = asyncio.Lock()  # one reading at a time keeps sample()'s deltas ordered
 
     def inventory(self) -> list[NicSpec]:
         return list(self._specs) if self._specs else [NicSpec(n, g or 0.0) for n, g in self._nics]
@@ -224,6 +222,8 @@ class SysfsNics(_Nics):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(nics, root=root, clock=clock)
+        self._rates = NicRates()  # sample()'s
+        self._lock = asyncio.Lock()  # one reading at a time keeps sample()'s deltas ordered
 
     async def open(self) -> list[NicSpec]:
         """Resolve link speeds not given on the command line; return the inventory."""
@@ -529,7 +529,7 @@ class NetlinkNics(SysfsNics):
         ~230 bytes per interface, 32 KiB per datagram) its bytes are kept, decoded when the
         reading is; otherwise its counters are decoded now into ``_counters``."""
         if self._answer is None and not self._counters and ends_dump(self._buf, size, seq):
-            self._answer = bytes(self._buf[:size])
+            self._answer = bytes(memoryview(self._buf)[:size])
             return True
         return read_stats_datagram(self._buf, size, seq, self._counters)
 
