@@ -11,6 +11,7 @@ from structlog.testing import capture_logs
 from node_agent.engine import EngineState, EngineStats
 from node_agent.fake_controller import start_fake_controller
 from node_agent.metrics import AgentMetrics
+from node_agent.nics import NicRates
 from node_agent.telemetry import NodeStatus, Telemetry
 from node_agent.uplink import (
     Session,
@@ -288,3 +289,33 @@ async def test_an_upload_during_a_heartbeat_call_re_arms_the_timer_harmlessly() 
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+class BrokenDecodeCollector(SteppedCollector):
+    """Readings with these timestamps fail to decode."""
+
+    def __init__(self, broken: set[float]) -> None:
+        super().__init__()
+        self.broken = broken
+
+    def telemetry(self, reading: Telemetry, rates: object) -> Telemetry:
+        if reading.timestamp in self.broken:
+            raise ValueError(f"cannot decode reading {reading.timestamp:g}")
+        return super().telemetry(reading, rates)
+
+
+@pytest.mark.parametrize(
+    ("broken", "buffered"), [({2.0}, [1.0, 3.0]), ({3.0}, [1.0, 2.0]), ({1.0, 2.0, 3.0}, [])]
+)
+async def test_a_reading_that_fails_to_decode_is_skipped_and_the_upload_still_closes(
+    broken: set[float], buffered: list[float]
+) -> None:
+    collector = BrokenDecodeCollector(broken)
+    uplink = Uplink(collector, "127.0.0.1:1", "127.0.0.1:1", 0.05)  # type: ignore[arg-type]
+    readings = [telemetry(n) for n in (1, 2, 3)]
+    with capture_logs() as logs:
+        uplink._buffer(readings, NicRates())  # type: ignore[arg-type]
+    assert [e["event"] for e in logs] == ["telemetry_sample_failed"] * len(broken)
+    assert len(uplink.buffer) == len(buffered)
+    if buffered:  # the last one decoded closes the upload
+        assert [s.timestamp for s in await uplink.buffer.batch(10)] == buffered
