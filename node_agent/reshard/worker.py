@@ -9,8 +9,10 @@ fresh group (a new store prefix), since the old one may hold half-done transfers
 
 A move is two-phase: :class:`Reshard` builds the new shards next to the current ones
 (all sends and receives of this rank posted as one batch, the kept bytes copied while
-they run), :class:`Commit` swaps them in, :class:`Abort` drops them. The current shards
-are never written.
+they run; with gloo, sends of pieces that must first be packed contiguous follow the
+batch, and pieces received into a temporary are copied into place as each arrives),
+:class:`Commit` swaps them in, :class:`Abort` drops them. The current shards are never
+written.
 """
 
 from __future__ import annotations
@@ -249,32 +251,45 @@ class _Worker:
             dst = _piece(new[c.tensor], spec, c.dst.start, len(c.dst))
             kept.append((dst, _piece(old, spec, c.src.start, len(c.src))))
             copied += c.nbytes
+        inject = command.inject if command.inject and command.inject.rank == rank else None
+        # gloo: every send and receive is a work of its own, so pieces that must be packed
+        # are packed and sent once the others are under way, and pieces received into a
+        # temporary are unpacked as each arrives. NCCL posts one group (a second group
+        # could wait on the first's peers: a deadlock), so everything is packed first.
+        overlap = self.args.backend == "gloo" and inject is None
         ops: list[dist.P2POp] = []
-        unpack: list[tuple[torch.Tensor, torch.Tensor]] = []
+        late: list[tuple[torch.Tensor, int, int]] = []  # (piece to pack, dst rank, tag)
+        unpack: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # op -> (view, target)
         sent = received = 0
         for index, m in plan.moves_of(rank):
             spec = self.specs[m.tensor]
             if m.src_rank == rank:
-                buf = _piece(self.shards[m.tensor], spec, m.src.start, len(m.src)).contiguous()
-                ops.append(
-                    dist.P2POp(dist.isend, buf, m.dst_rank, self.group, tag(command.seq, index))
-                )
+                piece = _piece(self.shards[m.tensor], spec, m.src.start, len(m.src))
+                if overlap and not piece.is_contiguous():
+                    late.append((piece, m.dst_rank, tag(command.seq, index)))
+                else:
+                    ops.append(
+                        dist.P2POp(
+                            dist.isend,
+                            piece.contiguous(),
+                            m.dst_rank,
+                            self.group,
+                            tag(command.seq, index),
+                        )
+                    )
                 sent += m.nbytes
             else:
                 view = _piece(new[m.tensor], spec, m.dst.start, len(m.dst))
                 target = view if view.is_contiguous() else torch.empty_like(view)
                 if target is not view:
-                    unpack.append((view, target))
+                    unpack[len(ops)] = (view, target)
                 ops.append(
                     dist.P2POp(dist.irecv, target, m.src_rank, self.group, tag(command.seq, index))
                 )
                 received += m.nbytes
-        inject = command.inject if command.inject and command.inject.rank == rank else None
         t1 = time.perf_counter()
-        local_s = self._exchange(command.seq, ops, inject, kept)
+        local_s, unpack_s = self._exchange(command.seq, ops, inject, kept, late, unpack)
         t2 = time.perf_counter()
-        for view, target in unpack:
-            view.copy_(target)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.staged[command.seq] = (plan.new_layout, new)
@@ -284,11 +299,11 @@ class _Worker:
             sent,
             received,
             copied,
-            len(ops),
+            len(ops) + len(late),
             seconds=t3 - t0,
             local_s=t1 - t0 + local_s,
-            transfer_s=t2 - t1 - local_s,
-            unpack_s=t3 - t2,
+            transfer_s=t2 - t1 - local_s - unpack_s,
+            unpack_s=t3 - t2 + unpack_s,
         )
         return Staged(rank, command.seq, transfer)
 
@@ -309,9 +324,15 @@ class _Worker:
         ops: list[dist.P2POp],
         inject: InjectedFailure | None,
         meanwhile: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> float:
-        """Post ``ops`` as one batch, do the ``meanwhile`` copies (dst, src) while they
-        run, wait for all of them; abortable by the pool. Returns the copies' seconds."""
+        late: list[tuple[torch.Tensor, int, int]],
+        unpack: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[float, float]:
+        """Post ``ops`` as one batch, then the ``late`` sends (piece, dst rank, tag), each
+        packed first; do the ``meanwhile`` copies (dst, src) while they run; wait for all
+        of them, copying each received ``unpack`` target (by op index) into its view once
+        it is in (at the end when the backend gives one work for the batch). Abortable by
+        the pool. Returns the seconds of the local copies (packing included) and of the
+        unpacking."""
         with self.lock:
             if self.aborted_upto >= seq:
                 raise _Aborted(f"command {seq} was aborted before its transfers started")
@@ -327,13 +348,30 @@ class _Worker:
                 if self.aborted_upto >= seq:
                     raise _Aborted(f"transfers of command {seq} aborted while being posted")
             t0 = time.perf_counter()
+            for piece, dst_rank, op_tag in late:  # (a work keeps its tensor alive)
+                work = dist.isend(piece.contiguous(), dst_rank, self.group, op_tag)
+                if work is None:
+                    raise RuntimeError(f"rank {self.rank} is not in its own process group")
+                works.append(work)
             for dst, src in meanwhile:
                 dst.copy_(src)
             copies_s = time.perf_counter() - t0
-            for work in works:
+            per_op = len(works) == len(ops) + len(late)
+            unpack_s = 0.0
+            for index, work in enumerate(works):
                 work.wait()
+                if per_op and index in unpack:
+                    t1 = time.perf_counter()
+                    view, target = unpack[index]
+                    view.copy_(target)
+                    unpack_s += time.perf_counter() - t1
             works = []
-            return copies_s
+            if not per_op:
+                t1 = time.perf_counter()
+                for view, target in unpack.values():
+                    view.copy_(target)
+                unpack_s = time.perf_counter() - t1
+            return copies_s, unpack_s
         except Exception as exc:
             if self.aborted_upto >= seq and not isinstance(exc, InjectedError):
                 raise _Aborted(f"transfers of command {seq} aborted: {_describe(exc)}") from exc
