@@ -150,7 +150,9 @@ def test_events_and_plan_commands(cluster: dict[str, Any]) -> None:
     lines = orlctl(*ctl, "--json", "events", "--recent", "50").stdout.splitlines()
     events = [json.loads(line) for line in lines]
     assert {"node_registered", "epoch_committed"} <= {e["kind"] for e in events}
-    text = orlctl(*ctl, "events", "--recent", "3").stdout
+    # (not only the newest few: the compute-scheduling loop records events of its own,
+    # reshards of the generation nodes, at any time)
+    text = orlctl(*ctl, "events", "--recent", "50").stdout
     assert "epoch_committed" in text
     plan = orljson(*ctl, "plan", "phase", "weight-sync")
     assert len(plan["added"]) == 16 and len(plan["removed"]) == 8
