@@ -528,7 +528,7 @@ class NetlinkNics(SysfsNics):
         """A datagram of stats dump ``seq``. When it is the whole answer (the usual case:
         ~230 bytes per interface, 32 KiB per datagram) its bytes are kept, decoded when the
         reading is; otherwise its counters are decoded now into ``_counters``."""
-        if self._answer is None and not self._counters and ends_dump(self._buf, size, seq):
+        if not self._counters and ends_dump(self._buf, size, seq):
             self._answer = bytes(memoryview(self._buf)[:size])
             return True
         return read_stats_datagram(self._buf, size, seq, self._counters)

@@ -396,7 +396,7 @@ class Uplink:
         try:
             while True:
                 due = self._heartbeat_due = loop.create_future()
-                self._heartbeat_timer = loop.call_later(self._heartbeat_after_s, set_done, due)
+                self._heartbeat_timer = self._heartbeat_timer_for(due)
                 await due  # no upload reached the controller for the interval
                 await call(
                     "Heartbeat", stub.Heartbeat(request, timeout=self._settings.rpc_timeout_s)
@@ -411,18 +411,20 @@ class Uplink:
     def _uploaded(self) -> None:
         """An upload reached the controller: the next heartbeat is due a heartbeat interval
         from now (the timer is moved, so nothing wakes while uploads flow)."""
-        timer = self._heartbeat_timer
-        if timer is None or self._heartbeat_due is None:  # no session's heartbeats running
+        timer, due = self._heartbeat_timer, self._heartbeat_due
+        if timer is None or due is None:  # no session's heartbeats running
             return
         timer.cancel()
-        loop = asyncio.get_running_loop()
         # (a heartbeat in flight has its future done: this timer then does nothing)
-        self._heartbeat_timer = loop.call_later(
-            self._heartbeat_after_s, set_done, self._heartbeat_due
-        )
-        if self._healthy_at is not None and loop.time() >= self._healthy_at:
+        self._heartbeat_timer = self._heartbeat_timer_for(due)
+        if self._healthy_at is not None and asyncio.get_running_loop().time() >= self._healthy_at:
             self._healthy_at = None  # once per session
             self._backoff.reset()
+
+    def _heartbeat_timer_for(self, due: asyncio.Future[None]) -> asyncio.TimerHandle:
+        """A timer that completes ``due`` a heartbeat interval from now (see
+        ``_heartbeat_after_s``)."""
+        return asyncio.get_running_loop().call_later(self._heartbeat_after_s, set_done, due)
 
     async def _report_telemetry(
         self, stub: fabric_controller_pb2_grpc.FabricControllerAsyncStub

@@ -411,11 +411,23 @@ class DecodeBreakdown:
 
     @property
     def gpu_s(self) -> float:
-        return max(self.compute_s, self.memory_s) + self.kernels_s + self.allreduce_s
+        return _gpu_s(self.compute_s, self.memory_s, self.kernels_s, self.allreduce_s)
 
     @property
     def total_s(self) -> float:
-        return (max(self.gpu_s, self.host_s) + self.overhead_s) * self.calibration
+        return _total_s(self.gpu_s, self.host_s, self.overhead_s, self.calibration)
+
+
+def _gpu_s(compute: float, memory: float, kernels: float, allreduce: float) -> float:
+    """The GPU's part of a decode iteration: the slower of compute and memory, then the
+    kernel launches and the all-reduce."""
+    return max(compute, memory) + kernels + allreduce
+
+
+def _total_s(gpu: float, host: float, overhead: float, calibration: float) -> float:
+    """A decode iteration: the GPU's part or the host's, whichever is longer, plus the
+    fixed overhead, times the calibration."""
+    return (max(gpu, host) + overhead) * calibration
 
 
 # --------------------------------------------------------------------------------------
@@ -500,8 +512,7 @@ class PerfModel:
         compute, memory, kernels, allreduce, host, overhead, calibration = self._decode_terms(
             tp, batch, context_tokens
         )
-        gpu = max(compute, memory) + kernels + allreduce
-        return (max(gpu, host) + overhead) * calibration
+        return _total_s(_gpu_s(compute, memory, kernels, allreduce), host, overhead, calibration)
 
     def decode_tokens_per_s(self, tp: int, batch: int, context_tokens: float) -> float:
         t = self.decode_iteration_time(tp, batch, context_tokens)
