@@ -190,6 +190,7 @@ async def start_agent(
         "--listen=127.0.0.1:0",
         f"--controller={controller_address}",
         "--gpu-backend=sim",
+        *(["--engine=sim"] if (checkout / "node_agent" / "engines").is_dir() else []),
         "--gpus=8",
         f"--telemetry-interval={1.0 / hz}",
         f"--telemetry-flush-interval={flush_interval}",

@@ -187,6 +187,8 @@ def up(
                     str(n.gpus),
                     "--gpu-backend",
                     "auto",
+                    "--engine",
+                    "sim",
                     "--plaintext",  # loopback only
                 ],
                 timeout_s,

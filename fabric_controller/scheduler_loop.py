@@ -298,14 +298,14 @@ class ComputeScheduler:
         try:
             imported = await self._import(dst, cmd, list(exported.requests))
         except errors.OrlError as exc:
-            restored = await self._resolve(src, cmd, export_id, restore=True)
+            restored = await self._resolve(src, cmd, export_id, None)
             return done(
                 False,
                 f"{cmd.target} refused {len(ids)} request(s) on instance {cmd.target_instance} "
                 f"({how}): {exc}; {restored}",
                 ids,
             )
-        released = await self._resolve(src, cmd, export_id, restore=False)
+        released = await self._resolve(src, cmd, export_id, (cmd.target, addresses[cmd.target]))
         return done(
             True,
             f"{len(imported.admitted)} request(s) to instance {cmd.target_instance} by {how}"
@@ -336,11 +336,20 @@ class ComputeScheduler:
         raise AssertionError("unreachable")
 
     async def _resolve(
-        self, src: AgentClient, cmd: scheduling.MigrateCommand, export_id: str, *, restore: bool
+        self,
+        src: AgentClient,
+        cmd: scheduling.MigrateCommand,
+        export_id: str,
+        destination: tuple[str, str] | None,
     ) -> str:
+        """Release the exported requests to ``destination`` (node, address: the source's
+        gateway follows them there), or restore them on the source when it is None."""
+        restore = destination is None
         verb = "restore" if restore else "release"
         try:
-            r = await src.resolve_export(f"{cmd.command_id}-{verb}", export_id, restore)
+            r = await src.resolve_export(
+                f"{cmd.command_id}-{verb}", export_id, restore, destination=destination
+            )
         except errors.OrlError as exc:
             return (
                 f"{verb} on {cmd.source} failed ({exc}); its hold of {self.config.hold_s:g} s "

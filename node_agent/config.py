@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
+import shutil
+import tempfile
 import tomllib
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -51,9 +54,49 @@ MAX_BUFFER_SAMPLES = 1_000_000
 S = TypeVar("S", bound=str)
 
 
+ENGINE_KINDS = ("vllm", "llamacpp", "sglang", "sim")
+EngineKind = Literal["vllm", "llamacpp", "sglang", "sim"]
+ENGINE_DEVICES = ("auto", "cpu", "cuda")
+EngineDevice = Literal["auto", "cpu", "cuda"]
+DEFAULT_GATEWAY_LISTEN = "127.0.0.1:50111"
+DEFAULT_ENGINE_COMMAND = {"vllm": "python3", "sglang": "python3", "llamacpp": "llama-server"}
+MAX_NUM_SEQS = 4096
+MAX_CONTEXT = 10_000_000
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The rollout engine: ``sim`` (simulated, for local testing) or a real engine whose
+    instances the agent runs and serves through its generation gateway."""
+
+    kind: EngineKind
+    model: str = ""  # weights: a model directory (vLLM, SGLang) or a GGUF file (llama.cpp)
+    command: str = ""  # the engine's Python (vLLM, SGLang) or llama-server
+    args: tuple[str, ...] = ()  # more engine arguments
+    env: tuple[tuple[str, str], ...] = ()  # more environment variables for the engine
+    device: EngineDevice = "auto"  # auto: cuda when NVML reports GPUs, else cpu
+    max_num_seqs: int = 64  # sequences per instance
+    context: int = 4096  # tokens per sequence (prompt + output)
+    port_base: int = 0  # instance on first device d listens on port_base + d; 0: free ports
+    start_timeout_s: float = 900.0
+    log_dir: Path = Path("engine-logs")
+    served_model: str = ""  # the model name clients use (default: from the model path)
+    gateway_listen: str = DEFAULT_GATEWAY_LISTEN
+    gateway_api_key_file: Path | None = None
+    weight_version: str = "0"
+
+    @property
+    def real(self) -> bool:
+        return self.kind != "sim"
+
+
+SIM_ENGINE = EngineConfig("sim")
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     node: str
+    engine: EngineConfig
     listen: str = DEFAULT_LISTEN
     controller: str = DEFAULT_CONTROLLER
     advertise_host: str | None = None
@@ -92,7 +135,12 @@ class Key:
 
     @property
     def flag(self) -> str:
-        singular = {"nics": "nic", "controller_identities": "controller-identity"}
+        singular = {
+            "nics": "nic",
+            "controller_identities": "controller-identity",
+            "engine_args": "engine-arg",
+            "engine_env": "engine-env",
+        }
         return "--" + singular.get(self.name, self.name).replace("_", "-")
 
 
@@ -108,6 +156,21 @@ KEYS: dict[str, Key] = {
         Key("nics", "strs"),
         Key("tp_layout", "layout"),
         Key("reshard_backend", "str"),
+        Key("engine", "str"),
+        Key("engine_model", "str"),
+        Key("engine_command", "str"),
+        Key("engine_args", "strs"),
+        Key("engine_env", "strs"),
+        Key("engine_device", "str"),
+        Key("engine_max_num_seqs", "int"),
+        Key("engine_context", "int"),
+        Key("engine_port_base", "int"),
+        Key("engine_start_timeout", "number"),
+        Key("engine_log_dir", "str"),
+        Key("served_model_name", "str"),
+        Key("gateway_listen", "str"),
+        Key("gateway_api_key_file", "str"),
+        Key("weight_version", "str"),
         Key("telemetry_interval", "number"),
         Key("telemetry_buffer", "int"),
         Key("telemetry_flush_interval", "number"),
@@ -131,6 +194,15 @@ DEFAULTS: dict[str, Any] = {
     "gpu_backend": "auto",
     "nics": [],
     "reshard_backend": "sim",
+    "engine_args": [],
+    "engine_env": [],
+    "engine_device": "auto",
+    "engine_max_num_seqs": "64",
+    "engine_context": "4096",
+    "engine_port_base": "0",
+    "engine_start_timeout": "900",
+    "gateway_listen": DEFAULT_GATEWAY_LISTEN,
+    "weight_version": "0",
     "telemetry_interval": "1.0",
     "telemetry_buffer": str(DEFAULT_BUFFER_SAMPLES),
     "telemetry_flush_interval": str(DEFAULT_FLUSH_INTERVAL_S),
@@ -219,6 +291,92 @@ def build_parser() -> argparse.ArgumentParser:
         "holds weight shards and reshard moves them with torch.distributed; needs the "
         "'reshard' extra) (default sim)",
     )
+    g = p.add_argument_group(
+        "rollout engine (the node's generation gateway runs one engine server per instance "
+        "of the TP layout)"
+    )
+    g.add_argument(
+        "--engine",
+        help="vllm, llamacpp or sglang (real engine servers on loopback ports, served to the RL "
+        "framework's rollout client through the gateway), or sim (a simulated engine, for "
+        "local testing); required",
+    )
+    g.add_argument(
+        "--engine-model",
+        metavar="PATH",
+        help="the weights: a model directory (vllm, sglang) or a GGUF file (llamacpp)",
+    )
+    g.add_argument(
+        "--engine-command",
+        metavar="PATH",
+        help="the Python that has vLLM/SGLang installed, or the llama-server executable "
+        "(default: python3, or llama-server)",
+    )
+    g.add_argument(
+        "--engine-arg",
+        dest="engine_args",
+        action="append",
+        metavar="ARG",
+        help="one more argument for every engine server (repeatable; --engine-arg=--foo)",
+    )
+    g.add_argument(
+        "--engine-env",
+        dest="engine_env",
+        action="append",
+        metavar="NAME=VALUE",
+        help="an environment variable for the engine servers (repeatable)",
+    )
+    g.add_argument(
+        "--engine-device",
+        help="auto (cuda when NVML reports GPUs, else cpu), cpu (each GPU of the layout is a "
+        "CPU core) or cuda (default auto)",
+    )
+    g.add_argument(
+        "--engine-max-num-seqs",
+        metavar="N",
+        help=f"sequences one instance decodes at once, 1..{MAX_NUM_SEQS} (default 64)",
+    )
+    g.add_argument(
+        "--engine-context",
+        metavar="N",
+        help="tokens per sequence, prompt and output (default 4096)",
+    )
+    g.add_argument(
+        "--engine-port-base",
+        metavar="PORT",
+        help="the instance whose first GPU is d listens on PORT+d (0: any free port) (default 0)",
+    )
+    g.add_argument(
+        "--engine-start-timeout",
+        metavar="S",
+        help="seconds an engine server may take to become healthy (default 900)",
+    )
+    g.add_argument(
+        "--engine-log-dir",
+        metavar="DIR",
+        help="where engine servers log "
+        "(default: $LOGS_DIRECTORY, else a folder in the temporary directory)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model name clients send (default: from --engine-model)",
+    )
+    g.add_argument(
+        "--gateway-listen",
+        metavar="HOST:PORT",
+        help=f"where the gateway serves /v1/completions (default {DEFAULT_GATEWAY_LISTEN})",
+    )
+    g.add_argument(
+        "--gateway-api-key-file",
+        metavar="FILE",
+        help="clients must send 'Authorization: Bearer' with the key in FILE",
+    )
+    g.add_argument(
+        "--weight-version",
+        metavar="LABEL",
+        help="label of the weights the engines start with (default 0)",
+    )
     p.add_argument(
         "--telemetry-interval",
         metavar="S",
@@ -300,6 +458,8 @@ def load(source: ConfigSource) -> AgentConfig:
     values: dict[str, Any] = dict(DEFAULTS)
     if CONTROLLER_ENV in source.environ:
         values["controller"] = source.environ[CONTROLLER_ENV]
+    # systemd's LogsDirectory= (the engines' default log folder)
+    values["_logs_directory"] = source.environ.get("LOGS_DIRECTORY", "")
     values.update(file_values)
     # Security is one choice: --plaintext overrides the file's TLS files and --tls-* flags
     # override the file's `plaintext`, rather than clashing with them.
@@ -310,7 +470,7 @@ def load(source: ConfigSource) -> AgentConfig:
         values["plaintext"] = False
     values.update(source.flags)
     where: dict[str, str] = {}
-    for name in values:
+    for name in (n for n in values if not n.startswith("_")):
         where[name] = (
             f"{source.path}: {name}"
             if name in file_values and name not in source.flags
@@ -435,6 +595,7 @@ def _validate(
     if values.get("seed") is not None:
         check("seed", lambda f: _int(values["seed"], f, 0, 2**63 - 1))
     check("reshard_backend", lambda f: _choice(values["reshard_backend"], f, RESHARD_BACKENDS))
+    engine = _engine(values, where, problems, ok.get("reshard_backend"))
     check("log_level", lambda f: _choice(values["log_level"], f, LOG_LEVELS))
     check("log_format", lambda f: _choice(values["log_format"], f, LOG_FORMATS))
     tls_args = argparse.Namespace(
@@ -447,10 +608,11 @@ def _validate(
         ok["tls"] = tls_from_args(tls_args)
     except errors.InvalidArgument as exc:
         problems.append(str(exc))
-    if problems:
+    if problems or engine is None:
         return None
     return AgentConfig(
         node=ok["node"],
+        engine=engine,
         listen=ok["listen"],
         controller=ok["controller"],
         advertise_host=ok.get("advertise_host"),
@@ -470,6 +632,132 @@ def _validate(
         telemetry_buffer=ok["telemetry_buffer"],
         telemetry_flush_interval_s=ok["telemetry_flush_interval"],
     )
+
+
+def _engine(
+    values: dict[str, Any], where: dict[str, str], problems: list[str], reshard: str | None
+) -> EngineConfig | None:
+    """The engine settings; problems are appended (None when there is any)."""
+    before = len(problems)
+
+    def check(name: str, fn: Callable[[str], Any]) -> Any:
+        try:
+            return fn(where.get(name, KEYS[name].flag))
+        except errors.InvalidArgument as exc:
+            problems.append(str(exc))
+            return None
+
+    kind_text = values.get("engine")
+    if kind_text is None:
+        problems.append(
+            "--engine is required (or `engine = ...` in the --config file): vllm, llamacpp or "
+            "sglang for a real engine, sim for a simulated one (local testing)"
+        )
+        return None
+    kind = check("engine", lambda f: _choice(kind_text, f, ENGINE_KINDS))
+    if kind is None:
+        return None
+    if kind == "sim":
+        return SIM_ENGINE
+    model = values.get("engine_model")
+    if not model:
+        problems.append(f"--engine-model is required with --engine {kind} (the weights' path)")
+    elif not Path(model).exists():
+        problems.append(str(errors.field_error(where["engine_model"], model, "an existing path")))
+    command = values.get("engine_command") or DEFAULT_ENGINE_COMMAND[kind]
+    if shutil.which(command) is None:
+        problems.append(
+            str(
+                errors.field_error(
+                    where.get("engine_command", "--engine-command"),
+                    command,
+                    "an executable (a path, or a name on PATH)"
+                    + (": the Python that has the engine installed" if kind != "llamacpp" else ""),
+                )
+            )
+        )
+    if reshard is not None and reshard != "sim":
+        problems.append(
+            f"{where['reshard_backend']}={reshard!r} is not valid with --engine {kind}: a real "
+            "engine's reshard restarts its instances from local weights (use sim)"
+        )
+    env = check("engine_env", lambda f: _env(values["engine_env"], f))
+    device = check("engine_device", lambda f: _choice(values["engine_device"], f, ENGINE_DEVICES))
+    seqs = check(
+        "engine_max_num_seqs", lambda f: _int(values["engine_max_num_seqs"], f, 1, MAX_NUM_SEQS)
+    )
+    context = check("engine_context", lambda f: _int(values["engine_context"], f, 16, MAX_CONTEXT))
+    port_base = check("engine_port_base", lambda f: _port_base(values["engine_port_base"], f))
+    timeout = check(
+        "engine_start_timeout", lambda f: _seconds(values["engine_start_timeout"], f, 1, 86400)
+    )
+    listen = check(
+        "gateway_listen",
+        lambda f: parse_address(values["gateway_listen"], f) and values["gateway_listen"],
+    )
+    key_file = values.get("gateway_api_key_file")
+    if key_file is not None:
+        check("gateway_api_key_file", lambda f: read_api_key(Path(key_file), f))
+    version = values["weight_version"]
+    if not 1 <= len(version) <= 128:
+        problems.append(str(errors.field_error(where["weight_version"], version, "1-128 chars")))
+    served = values.get("served_model_name") or (Path(model).stem if model else "")
+    if len(problems) > before:
+        return None
+    log_dir = values.get("engine_log_dir") or os.path.join(
+        values.get("_logs_directory") or tempfile.gettempdir(), "orl-engines"
+    )
+    return EngineConfig(
+        kind=kind,
+        model=str(model),
+        command=command,
+        args=tuple(values["engine_args"]),
+        env=env,
+        device=device,
+        max_num_seqs=seqs,
+        context=context,
+        port_base=port_base,
+        start_timeout_s=timeout,
+        log_dir=Path(log_dir),
+        served_model=served,
+        gateway_listen=listen,
+        gateway_api_key_file=Path(key_file) if key_file else None,
+        weight_version=version,
+    )
+
+
+def read_api_key(path: Path, field: str = "--gateway-api-key-file") -> str:
+    try:
+        key = path.read_text().strip()
+    except OSError as exc:
+        raise errors.field_error(field, str(path), f"a readable file ({exc.strerror})") from None
+    if not key or len(key) > 4096 or any(c.isspace() for c in key):
+        raise errors.field_error(field, str(path), "a file holding one key (no spaces)")
+    return key
+
+
+def _env(texts: Sequence[str], field: str) -> tuple[tuple[str, str], ...]:
+    out = []
+    for text in texts:
+        name, eq, value = text.partition("=")
+        if not eq or not name or not (name.replace("_", "a").isalnum() and not name[0].isdigit()):
+            raise errors.field_error(field, text, "NAME=VALUE with NAME of letters, digits, _")
+        out.append((name, value))
+    return tuple(out)
+
+
+def _port_base(text: str, field: str) -> int:
+    value = _int(text, field, 0, 65535 - MAX_GPUS)
+    if 0 < value < 1024:
+        raise errors.field_error(field, text, f"0 (free ports) or 1024..{65535 - MAX_GPUS}")
+    return value
+
+
+def _seconds(text: str, field: str, low: float, high: float) -> float:
+    value = _float(text, field)
+    if not math.isfinite(value) or not low <= value <= high:
+        raise errors.field_error(field, text, f"seconds in {low:g}..{high:g}")
+    return value
 
 
 def _node(node: str, field: str) -> str:
@@ -522,6 +810,7 @@ def to_toml(config: AgentConfig) -> str:
         "nics": [name if gbps is None else f"{name}={gbps:g}" for name, gbps in config.nics],
         "tp_layout": list(config.tp_layout) if config.tp_layout is not None else None,
         "reshard_backend": config.reshard_backend,
+        **_engine_toml(config.engine),
         "telemetry_interval": config.telemetry_interval_s,
         "telemetry_buffer": config.telemetry_buffer,
         "telemetry_flush_interval": config.telemetry_flush_interval_s,
@@ -543,6 +832,28 @@ def to_toml(config: AgentConfig) -> str:
         else:
             lines.append(f"{name} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
+
+
+def _engine_toml(e: EngineConfig) -> dict[str, Any]:
+    if not e.real:
+        return {"engine": e.kind}
+    return {
+        "engine": e.kind,
+        "engine_model": e.model,
+        "engine_command": e.command,
+        "engine_args": list(e.args),
+        "engine_env": [f"{k}={v}" for k, v in e.env],
+        "engine_device": e.device,
+        "engine_max_num_seqs": e.max_num_seqs,
+        "engine_context": e.context,
+        "engine_port_base": e.port_base,
+        "engine_start_timeout": e.start_timeout_s,
+        "engine_log_dir": str(e.log_dir),
+        "served_model_name": e.served_model,
+        "gateway_listen": e.gateway_listen,
+        "gateway_api_key_file": str(e.gateway_api_key_file) if e.gateway_api_key_file else None,
+        "weight_version": e.weight_version,
+    }
 
 
 def _toml_value(value: Any) -> str:

@@ -31,6 +31,9 @@ def status_to_pb(status: NodeStatus) -> node_agent_pb2.NodeStatus:
         engine_state=ENGINE_STATE_PB[status.engine_state],
         tp_layout=status.tp_layout,
         version=status.version,
+        engine=status.engine,
+        gateway=status.gateway,
+        instance_health=status.instance_health,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import signal
 import socket
 import time
@@ -13,11 +14,17 @@ import grpc
 import structlog
 
 from node_agent.commands import CommandLog
-from node_agent.config import AgentConfig, ConfigChange, layout_for
-from node_agent.engine import busy_fraction
+from node_agent.config import AgentConfig, ConfigChange, layout_for, read_api_key
+from node_agent.engine import RolloutEngine, busy_fraction
+from node_agent.engines import port_picker, server_factory
+from node_agent.engines.base import Device
+from node_agent.engines.http_engine import EngineSettings
+from node_agent.gateway.engine import GatewayConfig, GatewayEngine
+from node_agent.gateway.http import GatewayServer, GatewaySettings
 from node_agent.gpus import GpuBackend, NvmlUnavailable, SimulatedGpus, select_backend
 from node_agent.metrics import AgentMetrics
 from node_agent.nics import NetlinkNics
+from node_agent.peers import GrpcPeers
 from node_agent.rdma import SYSFS_INFINIBAND, SysfsRdma
 from node_agent.reload import Reloader
 from node_agent.reshard.engine import close_engine, open_engine
@@ -39,7 +46,6 @@ from orchestrrl.grpcutil import (
 from orchestrrl.logs import get_logger
 from orchestrrl.tls import Authorizer
 from orchestrrl.v1 import node_agent_pb2_grpc
-from sim_backends.engine import SimEngineConfig, SimulatedEngine
 
 log = get_logger("node_agent")
 
@@ -136,19 +142,141 @@ async def _serve(
     controller: Callable[[], str] | None,
     shell: _Shell,
 ) -> int:
-    metrics = shell.metrics
     gpu_count = len(await gpus.inventory())
-    sim_engine = SimulatedEngine(
-        gpu_count,
-        layout_for(config, gpu_count),
-        config.seed,
-        # 100 ms simulation steps (decode iterations are ~10-20 ms, integrated within a
-        # step): half the CPU of the 50 ms default, which the agent pays at every sample
-        config=SimEngineConfig(step_s=0.1),
+    rollout = await open_rollout(config, gpus, gpu_count)
+    try:
+        return await _serve_with(config, gpus, rollout, stop, controller, shell)
+    finally:
+        await rollout.close()
+
+
+class Rollout:
+    """The node's rollout engine, and what serves it: the gateway (real engines) or the
+    simulated engine (``engine = "sim"``)."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        *,
+        gateway: GatewayEngine | None = None,
+        http: GatewayServer | None = None,
+        peers: GrpcPeers | None = None,
+        simulated: object = None,
+    ) -> None:
+        self.engine = engine
+        self.gateway = gateway
+        self.http = http
+        self.peers = peers
+        self.simulated = simulated
+
+    @property
+    def kind(self) -> str:
+        return self.gateway.kind if self.gateway is not None else "sim"
+
+    async def close(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
+        if self.gateway is not None:
+            await self.gateway.close()
+        if self.peers is not None:
+            await self.peers.close()
+        await close_engine(self.engine)
+
+
+def engine_device(config: AgentConfig, gpus: GpuBackend) -> Device:
+    """Where engine instances run: the configured device, or for ``auto`` CUDA when NVML
+    reports the GPUs and the CPU otherwise (said in the log)."""
+    setting = config.engine.device
+    device: Device = setting if setting != "auto" else ("cuda" if gpus.name == "nvml" else "cpu")
+    log.info(
+        "engine_device",
+        device=device,
+        setting=setting,
+        why="configured" if setting != "auto" else f"auto: the GPU backend is {gpus.name}",
     )
-    engine = await open_engine(config.reshard_backend, sim_engine, seed=config.seed)
+    return device
+
+
+async def open_rollout(config: AgentConfig, gpus: GpuBackend, gpu_count: int) -> Rollout:
+    """Start the configured engine; Unavailable when its instances do not start."""
+    layout = layout_for(config, gpu_count)
+    e = config.engine
+    if not e.real:
+        # the simulator is loaded only because the configuration asks for it
+        sim = importlib.import_module("sim_backends.engine")
+        log.warning("engine_simulated", module=sim.__name__, why="engine = sim in the config")
+        simulated = sim.SimulatedEngine(
+            gpu_count,
+            layout,
+            config.seed,
+            # 100 ms simulation steps (decode iterations are ~10-20 ms, integrated within a
+            # step): half the CPU of the 50 ms default, which the agent pays at every sample
+            config=sim.SimEngineConfig(step_s=0.1),
+        )
+        engine = await open_engine(config.reshard_backend, simulated, seed=config.seed)
+        return Rollout(engine, simulated=simulated)
+    device = engine_device(config, gpus)
+    settings = EngineSettings(
+        model=e.model,
+        command=e.command,
+        served_model=e.served_model,
+        max_num_seqs=e.max_num_seqs,
+        context=e.context,
+        args=e.args,
+        env=dict(e.env),
+        log_dir=e.log_dir,
+        start_timeout_s=e.start_timeout_s,
+        seed=config.seed,
+    )
+    peers = GrpcPeers(config.tls)
+    gateway = GatewayEngine(
+        e.kind,
+        gpu_count,
+        layout,
+        server_factory(e.kind, settings),
+        port_picker(e.port_base),
+        peers=peers,
+        config=GatewayConfig(device=device, weight_version=e.weight_version),
+        node=config.node,
+    )
+    log.info("engine_starting", engine=e.kind, model=e.model, tp_layout=list(layout))
+    try:
+        await gateway.start()
+        http = GatewayServer(
+            gateway,
+            GatewaySettings(
+                served_model=e.served_model,
+                max_context=e.context,
+                api_key=read_api_key(e.gateway_api_key_file) if e.gateway_api_key_file else None,
+            ),
+        )
+        await http.start(e.gateway_listen)
+    except BaseException:
+        await gateway.close()
+        await peers.close()
+        raise
+    return Rollout(gateway, gateway=gateway, http=http, peers=peers)
+
+
+async def _serve_with(
+    config: AgentConfig,
+    gpus: GpuBackend,
+    rollout: Rollout,
+    stop: Callable[[], Awaitable[object]] | None,
+    controller: Callable[[], str] | None,
+    shell: _Shell,
+) -> int:
+    metrics = shell.metrics
+    engine = rollout.engine
     collector = Collector(
-        config.node, gpus, NetlinkNics(config.nics), engine, rdma=SysfsRdma(root=shell.rdma_root)
+        config.node,
+        gpus,
+        NetlinkNics(config.nics),
+        engine,
+        rdma=SysfsRdma(root=shell.rdma_root),
+        engine_kind=rollout.kind,
+        gateway=rollout.http.address if rollout.http is not None else "",
+        instance_health=rollout.gateway.instance_health if rollout.gateway else None,
     )
     if isinstance(gpus, SimulatedGpus):  # the engine's figures of the sample being taken
         gpus.follow(lambda: busy_fraction(collector.engine_stats))
@@ -166,6 +294,7 @@ async def _serve(
         auth=Authorizer(config.tls),
         controllers=frozenset(config.controller_identities),
         metrics=metrics,
+        gateway=rollout.gateway,
     )
 
     def register(server: grpc.aio.Server) -> None:
@@ -182,7 +311,6 @@ async def _serve(
         if stop_metrics is not None:
             await asyncio.to_thread(stop_metrics)
         await commands.close()
-        await close_engine(engine)
         collector.close()
         raise
     try:
@@ -197,8 +325,9 @@ async def _serve(
             agent_address=agent_address,
             controller=config.controller if controller is None else controller(),
             gpu_backend=gpus.name,
-            gpus=gpu_count,
-            engine="sim",
+            gpus=engine.gpus,
+            engine=rollout.kind,
+            gateway=rollout.http.address if rollout.http is not None else None,
             reshard_backend=config.reshard_backend,
             tp_layout=list(engine.tp_layout),
             nics=[n.name for n in collector.status().nics],
@@ -229,7 +358,7 @@ async def _serve(
 
         reloader = Reloader(config, shell.reload, apply)
         if shell.hangup is None:  # the daemon (tests inject their signals): SIGUSR1 too
-            _report_cpu_on_sigusr1(sim_engine, gpus)
+            _report_cpu_on_sigusr1(rollout.simulated, gpus)
         async with asyncio.TaskGroup() as tg:
             loops = [
                 tg.create_task(uplink.run()),
@@ -247,7 +376,6 @@ async def _serve(
         await server.stop(SHUTDOWN_GRACE_S)
         await servicer.close()
         await commands.close()
-        await close_engine(engine)
         collector.close()
         if stop_metrics is not None:
             await asyncio.to_thread(stop_metrics)
@@ -255,18 +383,18 @@ async def _serve(
     return EXIT_OK
 
 
-def cpu_accounting(engine: SimulatedEngine, gpus: GpuBackend) -> dict[str, float]:
+def cpu_accounting(engine: object, gpus: GpuBackend) -> dict[str, float]:
     """CPU seconds since start: the whole process, and the parts of it that simulate what a
     real node does elsewhere (the rollout engine's generation; GPU readings stand in for
     NVML calls the agent would make itself)."""
     return {
         "process_cpu_s": time.process_time(),
-        "engine_simulation_cpu_s": engine.simulation_cpu_s,
+        "engine_simulation_cpu_s": float(getattr(engine, "simulation_cpu_s", 0.0)),
         "gpu_simulation_cpu_s": gpus.simulation_cpu_s if isinstance(gpus, SimulatedGpus) else 0.0,
     }
 
 
-def _report_cpu_on_sigusr1(engine: SimulatedEngine, gpus: GpuBackend) -> None:
+def _report_cpu_on_sigusr1(engine: object, gpus: GpuBackend) -> None:
     """Log :func:`cpu_accounting` at each SIGUSR1 (bench/agent_overhead.py reads it)."""
     asyncio.get_running_loop().add_signal_handler(
         signal.SIGUSR1, lambda: log.info("cpu_accounting", **cpu_accounting(engine, gpus))

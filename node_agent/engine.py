@@ -85,6 +85,14 @@ class MigratingRequest:
 
 
 @dataclass(frozen=True)
+class Destination:
+    """Where exported requests went (ResolveExport): the node and its agent's address."""
+
+    node: str
+    address: str
+
+
+@dataclass(frozen=True)
 class ImportResult:
     admitted: tuple[str, ...]
     instance: int
@@ -143,6 +151,13 @@ class RolloutEngine(Protocol):
     async def restore_requests(self, requests: Sequence[MigratingRequest]) -> tuple[str, ...]:
         """Put exported requests back (their instance if it still has room, else any, else
         the queue): never refuses, so nothing is lost. Returns the ids restored."""
+
+    async def release_requests(
+        self, requests: Sequence[MigratingRequest], destination: Destination | None
+    ) -> tuple[str, ...]:
+        """The destination admitted exported requests: an engine whose clients read them
+        here follows them there (the gateway); one that keeps no client state forgets
+        them. Returns the ids released."""
 
 
 def busy_fraction(stats: EngineStats) -> float:

@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from node_agent.engine import MigratingRequest, RolloutEngine
+from node_agent.engine import Destination, MigratingRequest, RolloutEngine
 from orchestrrl import errors
 from orchestrrl.logs import get_logger
 from orchestrrl.v1 import node_agent_pb2
@@ -96,7 +96,11 @@ class Exports:
         )
         return exported, missing
 
-    async def resolve(self, export_id: str, restore: bool) -> Resolution:
+    async def resolve(
+        self, export_id: str, restore: bool, destination: Destination | None = None
+    ) -> Resolution:
+        """Restore the held requests here, or release them to ``destination`` (the engine
+        follows them there when its clients read them here)."""
         done = self._resolved.get(export_id)
         if done is not None:
             return done
@@ -113,7 +117,9 @@ class Exports:
             restored = await self._engine.restore_requests(entry.requests)
             result = Resolution(restored, (), f"{len(restored)} request(s) restored on this node")
         else:
-            result = Resolution((), ids, f"{len(ids)} request(s) released to the destination")
+            await self._engine.release_requests(entry.requests, destination)
+            to = f"to {destination.node}" if destination is not None else "to the destination"
+            result = Resolution((), ids, f"{len(ids)} request(s) released {to}")
         self._remember(export_id, result)
         log.info("export_resolved", export=export_id, restore=restore, requests=list(ids))
         return result

@@ -10,13 +10,15 @@ import grpc
 
 from node_agent import convert, migration, roce, routes
 from node_agent.commands import CommandLog
-from node_agent.engine import RolloutEngine
+from node_agent.engine import Destination, RolloutEngine
+from node_agent.gateway.engine import GatewayEngine
+from node_agent.gateway.requests import RequestFailed
 from node_agent.metrics import AgentMetrics
 from node_agent.roce import RoceConfigurator
 from node_agent.routes import HostRoutes
 from node_agent.telemetry import Collector, check_interval
 from orchestrrl import errors
-from orchestrrl.grpcutil import domain_errors_to_status
+from orchestrrl.grpcutil import domain_errors_to_status, parse_address
 from orchestrrl.logs import get_logger
 from orchestrrl.tls import Authorizer
 from orchestrrl.v1 import common_pb2, node_agent_pb2, node_agent_pb2_grpc
@@ -41,6 +43,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         auth: Authorizer | None = None,
         controllers: frozenset[str] = frozenset({"orl-fabric-controller"}),
         metrics: AgentMetrics | None = None,
+        gateway: GatewayEngine | None = None,
     ) -> None:
         """``routes`` / ``roce`` None: this agent refuses ApplyRoutes / ConfigureRoce with
         FAILED_PRECONDITION instead of touching the host (the daemon always passes both).
@@ -55,6 +58,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         self._roce = roce
         self._metrics = metrics
         self._exports = migration.Exports(engine)
+        self._gateway = gateway
 
     async def close(self) -> None:
         """Restore requests still held by unresolved exports (at shutdown)."""
@@ -194,8 +198,21 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
                 "export_command_id", "", "the command_id of the ExportRequests to resolve"
             )
 
+        destination = None
+        if request.destination_node or request.destination_address:
+            if not (request.destination_node and request.destination_address):
+                raise errors.field_error(
+                    "destination_address" if request.destination_node else "destination_node",
+                    "",
+                    "destination_node and destination_address are given together",
+                )
+            parse_address(request.destination_address, "destination_address")
+            destination = Destination(request.destination_node, request.destination_address)
+
         async def resolve() -> node_agent_pb2.ResolveExportResponse:
-            result = await self._exports.resolve(request.export_command_id, request.restore)
+            result = await self._exports.resolve(
+                request.export_command_id, request.restore, destination
+            )
             return node_agent_pb2.ResolveExportResponse(
                 command_id=request.command_id,
                 restored=result.restored,
@@ -204,6 +221,32 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             )
 
         return await self._commands.run("ResolveExport", request.command_id, _key(request), resolve)
+
+    @domain_errors_to_status
+    async def FollowRequest(
+        self, request: node_agent_pb2.FollowRequestRequest, context: Context
+    ) -> AsyncIterator[node_agent_pb2.FollowRequestChunk]:
+        gateway = self._gateway
+        if gateway is None:
+            raise errors.FailedPrecondition(
+                "FollowRequest: this node runs no generation gateway (its engine is simulated)"
+            )
+        if not request.request_id:
+            raise errors.field_error("request_id", "", "the id of a request released here")
+        source = gateway.source_of(request.request_id)
+        if source is None:
+            raise errors.NotFound(f"request {request.request_id!r} is not on this node")
+        # only the node that exported it (its follower) or the controller may read it
+        self._auth.peer(context, self._controllers | ({source} if source else set()))
+        try:
+            async for chunk in gateway.follow(request.request_id, request.start):
+                yield node_agent_pb2.FollowRequestChunk(
+                    token_ids=chunk.token_ids,
+                    weight_version=chunk.weight_version,
+                    finish_reason=chunk.finish or "",
+                )
+        except RequestFailed as exc:
+            raise errors.FailedPrecondition(f"request failed: {exc}") from exc
 
     @domain_errors_to_status
     async def ApplyRoutes(

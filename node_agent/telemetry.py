@@ -36,6 +36,9 @@ class NodeStatus:
     engine_state: EngineState
     tp_layout: tuple[int, ...]
     version: str
+    engine: str = "sim"  # the rollout engine's kind
+    gateway: str = ""  # HOST:PORT of the generation gateway ("" without one)
+    instance_health: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -86,8 +89,14 @@ class Collector:
         *,
         rdma: SysfsRdma | None = None,
         wall_clock: Callable[[], float] = time.time,
+        engine_kind: str = "sim",
+        gateway: str = "",
+        instance_health: Callable[[], tuple[str, ...]] | None = None,
     ) -> None:
         self.node = node
+        self._engine_kind = engine_kind
+        self._gateway = gateway
+        self._instance_health = instance_health
         self._gpus = gpus
         self._nics = nics
         self._engine = engine
@@ -122,6 +131,9 @@ class Collector:
             engine_state=self._engine.state,
             tp_layout=self._engine.tp_layout,
             version=__version__,
+            engine=self._engine_kind,
+            gateway=self._gateway,
+            instance_health=self._instance_health() if self._instance_health else (),
         )
 
     async def read(self, progress: bool = True) -> Reading:

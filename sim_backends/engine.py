@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from node_agent.engine import (
+    Destination,
     EngineProgress,
     EngineState,
     EngineStats,
@@ -314,6 +315,12 @@ class SimulatedEngine:
                 self._place(other, r)
             else:
                 self._queue.appendleft(r)  # admitted again (KV recomputed) when there is room
+        return tuple(m.request_id for m in requests)
+
+    async def release_requests(
+        self, requests: Sequence[MigratingRequest], destination: Destination | None
+    ) -> tuple[str, ...]:
+        """Nothing reads a simulated request's tokens: released requests are forgotten."""
         return tuple(m.request_id for m in requests)
 
     # -- simulation ---------------------------------------------------------------------

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 
 class FakeClock:
     """A clock that moves only when a test sets ``now``."""
@@ -11,3 +14,12 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+async def eventually(
+    cond: Callable[[], bool], within_s: float = 5.0, poll_s: float = 0.002
+) -> None:
+    """Return once ``cond()`` holds; TimeoutError after ``within_s``."""
+    async with asyncio.timeout(within_s):
+        while not cond():  # noqa: ASYNC110 - polls state that other tasks change
+            await asyncio.sleep(poll_s)

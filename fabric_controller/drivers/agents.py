@@ -49,7 +49,15 @@ class AgentClient(Protocol):
         requests: Sequence[pb.RequestState],
     ) -> pb.ImportRequestsResponse: ...
 
-    async def resolve_export(self, command_id: str, export_id: str, restore: bool) -> Resolved: ...
+    async def resolve_export(
+        self,
+        command_id: str,
+        export_id: str,
+        restore: bool,
+        *,
+        destination: tuple[str, str] | None = None,
+    ) -> Resolved:
+        """``destination`` (node, agent address): where released requests went."""
 
 
 class GrpcAgentClient:
@@ -98,9 +106,21 @@ class GrpcAgentClient:
             self._what("ImportRequests"), self._stub.ImportRequests(req, timeout=self.timeout_s)
         )
 
-    async def resolve_export(self, command_id: str, export_id: str, restore: bool) -> Resolved:
+    async def resolve_export(
+        self,
+        command_id: str,
+        export_id: str,
+        restore: bool,
+        *,
+        destination: tuple[str, str] | None = None,
+    ) -> Resolved:
+        node, address = destination or ("", "")
         req = pb.ResolveExportRequest(
-            command_id=command_id, export_command_id=export_id, restore=restore
+            command_id=command_id,
+            export_command_id=export_id,
+            restore=restore,
+            destination_node=node,
+            destination_address=address,
         )
         r = await grpcutil.call(
             self._what("ResolveExport"), self._stub.ResolveExport(req, timeout=self.timeout_s)

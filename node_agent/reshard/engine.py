@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from node_agent.engine import (
+    Destination,
     EngineProgress,
     EngineState,
     EngineStats,
@@ -160,6 +161,11 @@ class TorchReshardEngine:
 
     async def restore_requests(self, requests: Sequence[MigratingRequest]) -> tuple[str, ...]:
         return await self._inner.restore_requests(requests)
+
+    async def release_requests(
+        self, requests: Sequence[MigratingRequest], destination: Destination | None
+    ) -> tuple[str, ...]:
+        return await self._inner.release_requests(requests, destination)
 
     async def close(self) -> None:
         """Stop the worker pool (blocking work, off the event loop)."""

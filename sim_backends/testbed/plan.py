@@ -557,6 +557,7 @@ def _daemons(plan: TestbedPlan, python: str) -> Iterator[Daemon]:
             "--listen", n.agent,
             "--controller", plan.controller,
             "--gpu-backend", "sim",
+            "--engine", "sim",
             "--gpus", str(max(1, n.gpus)),
             "--nic", f"{n.device}={n.nic_gbps:g}",
             "--plaintext",

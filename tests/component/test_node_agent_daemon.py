@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 import pytest
 from structlog.testing import capture_logs
 
-from node_agent.config import AgentConfig
+from node_agent.config import SIM_ENGINE, AgentConfig
 from node_agent.daemon import run_agent
 from node_agent.fake_controller import RunningFakeController, start_fake_controller
 from node_agent.uplink import UplinkSettings
@@ -69,6 +69,7 @@ async def start_agent(tmp_path: Path) -> AsyncIterator[Callable[..., RunningAgen
     def start(controller: Callable[[], str]) -> RunningAgent:
         ready = tmp_path / f"agent{len(agents)}.ready"
         config = AgentConfig(
+            engine=SIM_ENGINE,
             node="gen0-n0",
             listen="127.0.0.1:0",
             gpu_backend="sim",
@@ -202,6 +203,7 @@ async def test_the_daemon_process_registers_and_stops_on_sigterm(
             "-m",
             "node_agent.main",
             "--plaintext",
+            "--engine=sim",
             "--node=gen0-n1",
             "--listen=127.0.0.1:0",
             f"--controller={controller.address}",
@@ -245,7 +247,9 @@ async def test_nvml_backend_without_nvml_exits_1(monkeypatch: pytest.MonkeyPatch
         raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
 
     monkeypatch.setattr(pynvml, "nvmlInit", library_not_found)
-    config = AgentConfig(node="gen0-n0", listen="127.0.0.1:0", gpu_backend="nvml")
+    config = AgentConfig(
+        node="gen0-n0", engine=SIM_ENGINE, listen="127.0.0.1:0", gpu_backend="nvml"
+    )
     with capture_logs() as logs:
         assert await run_agent(config, asyncio.Event().wait) == 1
     [error] = [e for e in logs if e["log_level"] == "error"]
@@ -256,6 +260,7 @@ async def test_nvml_backend_without_nvml_exits_1(monkeypatch: pytest.MonkeyPatch
 async def test_layout_that_does_not_fit_the_gpus_exits_2(tmp_path: Path) -> None:
     ready = tmp_path / "agent.ready"
     config = AgentConfig(
+        engine=SIM_ENGINE,
         node="gen0-n0",
         listen="127.0.0.1:0",
         gpu_backend="sim",
@@ -279,7 +284,7 @@ async def test_the_daemon_process_reloads_its_config_file_on_sighup(
     common = (
         f'node = "gen0-n1"\nlisten = "127.0.0.1:0"\ncontroller = "{controller.address}"\n'
         f'gpu_backend = "sim"\ngpus = 2\nplaintext = true\nready_file = "{ready}"\n'
-        'log_format = "json"\n'
+        'log_format = "json"\nengine = "sim"\n'
     )
     config.write_text(common + "telemetry_interval = 0.05\n")
     log_path = tmp_path / "agent.log"

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, cast
 import pytest
 from structlog.testing import capture_logs
 
-from node_agent.config import AgentConfig, ConfigSource, load
+from node_agent.config import SIM_ENGINE, AgentConfig, ConfigSource, load
 from node_agent.daemon import run_agent
 from node_agent.fake_controller import RunningFakeController, start_fake_controller
 from node_agent.metrics import AgentMetrics
@@ -53,6 +53,7 @@ node = "gen0-n0"
 listen = "127.0.0.1:0"
 plaintext = true
 gpu_backend = "sim"
+engine = "sim"
 seed = 1
 """
 
@@ -149,6 +150,7 @@ async def test_metrics_of_a_running_agent(
     (port / "hw_counters" / "np_cnp_sent").write_text("7\n")
     ready = tmp_path / "agent.ready"
     config = AgentConfig(
+        engine=SIM_ENGINE,
         node="gen0-n0",
         listen="127.0.0.1:0",
         controller=controller.address,
@@ -205,6 +207,7 @@ async def test_metrics_of_a_running_agent(
 
 async def test_metrics_listen_serves_and_stops(tmp_path: Path) -> None:
     config = AgentConfig(
+        engine=SIM_ENGINE,
         node="gen0-n0",
         listen="127.0.0.1:0",
         controller="127.0.0.1:1",
@@ -223,6 +226,7 @@ async def test_metrics_listen_serves_and_stops(tmp_path: Path) -> None:
 
 async def test_metrics_listen_that_cannot_bind_exits_1(tmp_path: Path) -> None:
     config = AgentConfig(
+        engine=SIM_ENGINE,
         node="gen0-n0",
         listen="127.0.0.1:0",
         gpu_backend="sim",

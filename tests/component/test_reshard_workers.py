@@ -13,7 +13,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from node_agent.commands import CommandLog
-from node_agent.config import AgentConfig
+from node_agent.config import SIM_ENGINE, AgentConfig
 from node_agent.daemon import run_agent
 from node_agent.engine import EngineState
 from node_agent.gpus import SimulatedGpus
@@ -249,6 +249,7 @@ async def test_reshard_rpc_moves_real_weights(agent: Agent, shared: Pool) -> Non
 async def test_the_agent_starts_and_stops_its_worker_pool(tmp_path: Path) -> None:
     ready = tmp_path / "agent.ready"
     config = AgentConfig(
+        engine=SIM_ENGINE,
         node="gen0-n1",
         listen="127.0.0.1:0",
         gpus=2,

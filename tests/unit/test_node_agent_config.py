@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.config import AgentConfig, layout_for, parse_args
+from node_agent.config import SIM_ENGINE, AgentConfig, layout_for, parse_args
 from node_agent.daemon import advertised_address
 from node_agent.main import main
 from node_agent.uplink import Backoff
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.unit
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ORL_CONTROLLER", raising=False)
-    config = parse_args(["--plaintext", "--node", "gen0-n0"])
-    assert config == AgentConfig(node="gen0-n0", seed=config.seed)
+    config = parse_args(["--plaintext", "--engine", "sim", "--node", "gen0-n0"])
+    assert config == AgentConfig(node="gen0-n0", engine=SIM_ENGINE, seed=config.seed)
     assert config.listen == "127.0.0.1:50101"
     assert config.controller == "127.0.0.1:50051"
     assert config.gpus == 8
@@ -27,20 +27,30 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.telemetry_interval_s == 1.0
     assert config.telemetry_flush_interval_s == 1.0
     assert config.tp_layout is None
-    assert parse_args(["--plaintext", "--node", "gen0-n0"]).seed == config.seed  # stable per node
-    assert parse_args(["--plaintext", "--node", "gen0-n1"]).seed != config.seed
+    assert (
+        parse_args(["--plaintext", "--engine", "sim", "--node", "gen0-n0"]).seed == config.seed
+    )  # stable per node
+    assert parse_args(["--plaintext", "--engine", "sim", "--node", "gen0-n1"]).seed != config.seed
 
 
 def test_controller_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ORL_CONTROLLER", "10.0.0.5:50051")
-    assert parse_args(["--plaintext", "--node", "n"]).controller == "10.0.0.5:50051"
-    assert parse_args(["--plaintext", "--node", "n", "--controller", "c:1"]).controller == "c:1"
+    assert (
+        parse_args(["--plaintext", "--engine", "sim", "--node", "n"]).controller == "10.0.0.5:50051"
+    )
+    assert (
+        parse_args(
+            ["--plaintext", "--engine", "sim", "--node", "n", "--controller", "c:1"]
+        ).controller
+        == "c:1"
+    )
 
 
 def test_every_flag() -> None:
     config = parse_args(
         [
             "--plaintext",
+            "--engine=sim",
             "--node=gen1-n1",
             "--listen=0.0.0.0:0",
             "--controller=ctl.example:50051",
@@ -59,6 +69,7 @@ def test_every_flag() -> None:
         ]
     )
     assert config == AgentConfig(
+        engine=SIM_ENGINE,
         node="gen1-n1",
         listen="0.0.0.0:0",
         controller="ctl.example:50051",
@@ -114,12 +125,12 @@ def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_layout_is_checked_against_the_actual_gpu_count() -> None:
     config = parse_args(
-        ["--plaintext", "--node", "n", "--tp-layout", "4,4"]
+        ["--plaintext", "--engine", "sim", "--node", "n", "--tp-layout", "4,4"]
     )  # auto: count not known yet
     assert layout_for(config, 8) == (4, 4)
     with pytest.raises(errors.InvalidArgument, match=r"--tp-layout=\[4, 4\].*GPU count 4"):
         layout_for(config, 4)
-    assert layout_for(parse_args(["--plaintext", "--node", "n"]), 4) == (2, 2)
+    assert layout_for(parse_args(["--plaintext", "--engine", "sim", "--node", "n"]), 4) == (2, 2)
 
 
 def test_advertised_address() -> None:

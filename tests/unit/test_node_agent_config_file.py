@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import tomllib
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 
 from node_agent.config import (
     KEYS,
+    SIM_ENGINE,
     AgentConfig,
     ConfigProblems,
     ConfigSource,
@@ -26,8 +28,9 @@ EXAMPLE = REPO / "node_agent" / "agent.example.toml"
 
 
 def write(tmp_path: Path, text: str) -> Path:
+    """The file (with ``engine = "sim"`` unless ``text`` names an engine)."""
     path = tmp_path / "agent.toml"
-    path.write_text(text)
+    path.write_text(text if "engine" in text else 'engine = "sim"\n' + text)
     return path
 
 
@@ -61,6 +64,7 @@ plaintext = true
 """,
     )
     assert load_argv(["--config", str(path)]) == AgentConfig(
+        engine=SIM_ENGINE,
         node="gen1-n1",
         listen="0.0.0.0:0",
         controller="ctl.example:50051",
@@ -178,10 +182,16 @@ def test_check_config_prints_the_problems_and_exits_2(
     assert "gpus='0' is not valid: expected an integer in 1..64" in captured.err
 
 
-def test_the_shipped_example_is_valid(capsys: pytest.CaptureFixture[str]) -> None:
-    # its TLS files do not exist here; --plaintext replaces them
-    assert main(["--check-config", str(EXAMPLE), "--plaintext"]) == 0
-    assert 'node = "gen0-n0"' in capsys.readouterr().out
+def test_the_shipped_example_is_valid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # its TLS files, model, engine and key file do not exist here: flags replace them
+    key = tmp_path / "gateway.key"
+    key.write_text("k3y\n")
+    argv = ["--check-config", str(EXAMPLE), "--plaintext", f"--engine-model={tmp_path}"]
+    argv += [f"--engine-command={sys.executable}", f"--gateway-api-key-file={key}"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert 'node = "gen0-n0"' in out and 'engine = "vllm"' in out
+    assert 'engine_args = ["--dtype=bfloat16", "--gpu-memory-utilization=0.9"]' in out
     assert set(tomllib.loads(EXAMPLE.read_text())) <= set(KEYS)
 
 
@@ -200,9 +210,14 @@ def test_to_toml_round_trips_tls(tmp_path: Path) -> None:
 
 
 def test_diff_splits_runtime_changes_from_restart_ones() -> None:
-    old = AgentConfig(node="n1")
+    old = AgentConfig(node="n1", engine=SIM_ENGINE)
     new = AgentConfig(
-        node="n1", telemetry_interval_s=0.5, log_level="debug", nics=(("eth0", None),), gpus=4
+        engine=SIM_ENGINE,
+        node="n1",
+        telemetry_interval_s=0.5,
+        log_level="debug",
+        nics=(("eth0", None),),
+        gpus=4,
     )
     change = diff(old, new)
     assert set(change.applied) == {"telemetry_interval_s", "log_level", "nics"}

@@ -203,16 +203,18 @@ async def test_open_and_close() -> None:
 
 
 def test_the_agent_flag() -> None:
-    assert parse_args(["--plaintext", "--node", "n"]).reshard_backend == "sim"
+    assert parse_args(["--plaintext", "--engine", "sim", "--node", "n"]).reshard_backend == "sim"
     assert (
-        parse_args(["--plaintext", "--node", "n", "--reshard-backend", "torch"]).reshard_backend
+        parse_args(
+            ["--plaintext", "--engine", "sim", "--node", "n", "--reshard-backend", "torch"]
+        ).reshard_backend
         == "torch"
     )
 
 
 def test_the_agent_flag_rejects_other_backends(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
-        parse_args(["--plaintext", "--node", "n", "--reshard-backend", "nccl"])
+        parse_args(["--plaintext", "--engine", "sim", "--node", "n", "--reshard-backend", "nccl"])
     assert info.value.code == 2
     assert "--reshard-backend='nccl' is not valid: expected one of sim, torch" in (
         capsys.readouterr().err

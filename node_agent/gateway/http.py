@@ -1,0 +1,508 @@
+"""The node's generation gateway over HTTP: an OpenAI-compatible ``/v1/completions``.
+
+RL rollout clients (verl, slime, AReaL style) point at the agent instead of at an engine:
+token-id prompts in, token ids out (``choices[].token_ids``, as vLLM returns them with
+``return_token_ids``), streamed as server-sent events or in one answer. The gateway never
+tokenizes: ``text`` is always empty. Routes:
+
+- ``POST /v1/completions`` (see :func:`parse_completion` for the accepted fields)
+- ``GET /v1/models``, ``GET /health``
+- ``POST /orl/v1/abort`` ``{"request_ids": [...]}``: all or none (unknown ids: 404)
+- ``GET /orl/v1/requests/{id}``: where a request is and how far it got
+- ``POST /orl/v1/weight_version`` ``{"version": "..."}``: the label recorded for the
+  tokens generated from now on (call it after pushing new weights to the engines)
+
+Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with 400
+(bad request, naming the field, the value and what is allowed), 401 (API key), 404,
+429 (queue full), 500 (the request failed) or 503 (no instance up, agent stopping).
+A client that disconnects aborts its request.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from node_agent.engines.base import Sampling
+from node_agent.gateway.engine import GatewayEngine, QueueFull
+from node_agent.gateway.requests import Request, RequestFailed
+from orchestrrl import errors
+from orchestrrl.grpcutil import parse_address
+from orchestrrl.logs import get_logger
+
+log = get_logger("node_agent.gateway.http")
+
+REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+MAX_TOKEN_ID = 2**31 - 1
+MAX_ABORT_IDS = 10_000
+MAX_BODY_BYTES = 64 * 2**20  # a 1M-token prompt as JSON is ~8 MB
+
+# Fields of /v1/completions and how each is checked; any other field is refused.
+_IGNORED_DEFAULTS: dict[str, Any] = {
+    # OpenAI fields the gateway accepts only at their no-op value
+    "n": 1,
+    "best_of": 1,
+    "echo": False,
+    "logprobs": None,
+    "suffix": None,
+    "stop": None,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logit_bias": None,
+    "user": None,
+}
+_FIELDS = frozenset(
+    {
+        "model",
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stream",
+        "stream_options",
+        "stop_token_ids",
+        "ignore_eos",
+        "request_id",
+        "return_token_ids",
+        *_IGNORED_DEFAULTS,
+    }
+)
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}
+        }
+
+
+def bad(param: str, value: object, allowed: str) -> HttpError:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return HttpError(
+        400, "invalid_request_error", f"{param}={shown} is not valid: {allowed}", param
+    )
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A validated /v1/completions request."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: Sampling
+    stream: bool
+    include_usage: bool
+    request_id: str | None
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    served_model: str
+    max_context: int  # prompt + max_tokens, in tokens (the engines' context length)
+    api_key: str | None = None  # clients must send "Authorization: Bearer KEY"
+    max_tokens_default: int = 16  # OpenAI's default
+
+
+def _int(body: Mapping[str, Any], name: str, lo: int, hi: int, default: int | None) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise bad(name, value, f"an integer in {lo}..{hi}")
+    return value
+
+
+def _float(body: Mapping[str, Any], name: str, lo: float, hi: float, default: float) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise bad(name, value, f"a number in [{lo:g}, {hi:g}]")
+    value = float(value)
+    if not math.isfinite(value) or not lo <= value <= hi:
+        raise bad(name, value, f"a number in [{lo:g}, {hi:g}]")
+    return value
+
+
+def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(name, value, "true or false")
+    return value
+
+
+def _token_ids(value: object, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in value
+    ):
+        raise bad(name, value, "a list of token ids (integers >= 0)")
+    return tuple(value)
+
+
+def parse_completion(
+    body: object, settings: GatewaySettings, header_request_id: str | None = None
+) -> Completion:
+    """Validate a /v1/completions body; HttpError naming the first bad field."""
+    if not isinstance(body, dict):
+        raise HttpError(400, "invalid_request_error", "the body must be a JSON object")
+    unknown = sorted(set(body) - _FIELDS)
+    if unknown:
+        allowed = ", ".join(sorted(_FIELDS))
+        raise bad(
+            unknown[0], body[unknown[0]], f"not a field of /v1/completions; allowed: {allowed}"
+        )
+    for name, default in _IGNORED_DEFAULTS.items():
+        if name in body and body[name] not in (default, None):
+            raise bad(name, body[name], f"only {json.dumps(default)} is supported by the gateway")
+    model = body.get("model")
+    if model is not None and model != settings.served_model:
+        raise HttpError(
+            404,
+            "not_found_error",
+            f"model={model!r} is not served here; the model is {settings.served_model!r}",
+            "model",
+        )
+    raw = body.get("prompt")
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], str)):
+        raise bad("prompt", raw, "token ids (a list of integers): the gateway does not tokenize")
+    if isinstance(raw, list) and raw and isinstance(raw[0], list):
+        if len(raw) != 1:
+            raise bad("prompt", f"{len(raw)} prompts", "one prompt per request")
+        raw = raw[0]
+    prompt = _token_ids(raw, "prompt")
+    if not prompt:
+        raise bad("prompt", [], "at least one token id")
+    max_tokens = _int(body, "max_tokens", 1, 2**31 - 1, settings.max_tokens_default)
+    assert max_tokens is not None
+    if len(prompt) + max_tokens > settings.max_context:
+        raise bad(
+            "max_tokens",
+            max_tokens,
+            f"prompt ({len(prompt)} tokens) + max_tokens must fit the engine's context of "
+            f"{settings.max_context} tokens (at most {max(0, settings.max_context - len(prompt))})",
+        )
+    top_k = _int(body, "top_k", -1, 2**31 - 1, 0)
+    sampling = Sampling(
+        temperature=_float(body, "temperature", 0.0, 100.0, 1.0),
+        top_p=_float(body, "top_p", 1e-9, 1.0, 1.0),
+        top_k=0 if top_k in (None, -1) else top_k,
+        seed=_int(body, "seed", -(2**63), 2**63 - 1, None),
+        ignore_eos=_bool(body, "ignore_eos", False),
+        stop_token_ids=_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"),
+    )
+    options = body.get("stream_options")
+    if options is not None and (
+        not isinstance(options, dict)
+        or set(options) - {"include_usage", "continuous_usage_stats"}
+        or not all(isinstance(v, bool) for v in options.values())
+    ):
+        raise bad("stream_options", options, 'an object such as {"include_usage": true}')
+    rid = header_request_id or body.get("request_id")
+    if rid is not None and (not isinstance(rid, str) or not REQUEST_ID_RE.match(rid)):
+        raise bad("request_id", rid, "1-128 characters of A-Z a-z 0-9 . _ : -")
+    _bool(body, "return_token_ids", True)
+    return Completion(
+        prompt,
+        max_tokens,
+        sampling,
+        _bool(body, "stream", False),
+        bool((options or {}).get("include_usage", False)),
+        rid,
+    )
+
+
+class GatewayServer:
+    """Serves :class:`GatewayEngine` over HTTP; :meth:`start` binds, :meth:`stop` ends."""
+
+    def __init__(self, engine: GatewayEngine, settings: GatewaySettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self._runner: web.AppRunner | None = None
+        self.address = ""
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/orl/v1/abort", self._abort)
+        app.router.add_get("/orl/v1/requests/{request_id}", self._request)
+        app.router.add_post("/orl/v1/weight_version", self._weight_version)
+        self.app = app
+
+    async def start(self, listen: str) -> str:
+        """Bind ``HOST:PORT`` (port 0: any free port); the bound address."""
+        host, port = parse_address(listen, "gateway_listen")
+        # handler_cancellation: a client that goes away cancels its handler (and request)
+        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise errors.Unavailable(f"gateway_listen={listen!r}: cannot bind ({exc})") from exc
+        self._runner = runner
+        self.address = f"{host}:{runner.addresses[0][1]}"
+        log.info("gateway_serving", address=self.address, model=self.settings.served_model)
+        return self.address
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- handlers ------------------------------------------------------------------------
+
+    def _check_key(self, request: web.Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise HttpError(401, "authentication_error", "missing or wrong API key (Bearer)")
+
+    async def _json(self, request: web.Request) -> Any:
+        try:
+            return await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise HttpError(400, "invalid_request_error", f"the body is not JSON: {exc}") from None
+        except web.HTTPRequestEntityTooLarge:
+            raise HttpError(
+                413, "invalid_request_error", f"the body exceeds {MAX_BODY_BYTES} bytes"
+            ) from None
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            self._check_key(request)
+            params = parse_completion(
+                await self._json(request), self.settings, request.headers.get("X-Request-Id")
+            )
+            req = self._submit(params)
+        except HttpError as exc:
+            return _error(exc)
+        try:
+            if params.stream:
+                return await self._stream(request, req, params)
+            return await self._whole(req)
+        finally:
+            if req.done:
+                self.engine.release(req)
+            else:  # the client went away (or the handler failed): nobody reads it
+                self.engine.abort([req.id], "aborted: the client disconnected")
+
+    def _submit(self, params: Completion) -> Request:
+        try:
+            return self.engine.submit(
+                params.prompt, params.max_tokens, params.sampling, params.request_id
+            )
+        except QueueFull as exc:
+            raise HttpError(429, "rate_limit_error", str(exc)) from None
+        except errors.InvalidArgument as exc:
+            raise HttpError(400, "invalid_request_error", str(exc), "request_id") from None
+        except errors.Unavailable as exc:
+            raise HttpError(503, "service_unavailable", str(exc)) from None
+
+    async def _whole(self, req: Request) -> web.Response:
+        try:
+            async for _ in req.tokens():
+                pass
+        except RequestFailed as exc:
+            return _error(_failure(exc))
+        return web.json_response(self._body(req, tuple(req.output), req.finish, usage=True))
+
+    async def _stream(
+        self, request: web.Request, req: Request, params: Completion
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        try:
+            async for chunk in req.tokens():
+                if not resp.prepared:
+                    await resp.prepare(request)
+                await _event(resp, self._body(req, chunk, None))
+        except RequestFailed as exc:
+            if not resp.prepared:  # nothing sent yet: a plain error answer
+                return _error(_failure(exc))
+            await _event(resp, _failure(exc).body())
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        if not resp.prepared:
+            await resp.prepare(request)
+        await _event(resp, self._body(req, (), req.finish, usage=False, orl=True))
+        if params.include_usage:
+            body = self._body(req, (), None, usage=True)
+            body["choices"] = []
+            await _event(resp, body)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def _body(
+        self,
+        req: Request,
+        tokens: tuple[int, ...],
+        finish: str | None,
+        *,
+        usage: bool = False,
+        orl: bool | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": req.id,
+            "object": "text_completion",
+            "created": int(req.created_wall),
+            "model": self.settings.served_model,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "",
+                    "token_ids": list(tokens),
+                    "finish_reason": finish,
+                    "logprobs": None,
+                }
+            ],
+        }
+        if usage:
+            body["usage"] = {
+                "prompt_tokens": len(req.prompt),
+                "completion_tokens": len(req.output),
+                "total_tokens": len(req.prompt) + len(req.output),
+            }
+        if orl or (orl is None and usage):
+            body["orl"] = {
+                "weight_versions": [list(v) for v in req.versions],
+                "nodes": list(req.hops),
+            }
+        return body
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            self._check_key(request)
+        except HttpError as exc:
+            return _error(exc)
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.settings.served_model,
+                        "object": "model",
+                        "owned_by": "orchestrrl",
+                        "max_model_len": self.settings.max_context,
+                    }
+                ],
+            }
+        )
+
+    async def _health(self, request: web.Request) -> web.Response:
+        health = self.engine.instance_health()
+        up = any(h == "up" for h in health)
+        return web.json_response(
+            {
+                "status": "ok" if up else "unavailable",
+                "engine": self.engine.kind,
+                "state": self.engine.state.value,
+                "tp_layout": list(self.engine.tp_layout),
+                "instances": list(health),
+            },
+            status=200 if up else 503,
+        )
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        try:
+            self._check_key(request)
+            body = await self._json(request)
+            ids = body.get("request_ids") if isinstance(body, dict) else None
+            if (
+                not isinstance(ids, list)
+                or not ids
+                or len(ids) > MAX_ABORT_IDS
+                or not all(isinstance(i, str) and i for i in ids)
+            ):
+                raise bad("request_ids", ids, f"a list of 1..{MAX_ABORT_IDS} request ids (strings)")
+            unknown = [i for i in ids if (r := self.engine.request(i)) is None or r.done]
+            if unknown:  # all or none: nothing is aborted
+                raise HttpError(
+                    404,
+                    "not_found_error",
+                    f"no request in flight with id {', '.join(map(repr, unknown[:10]))}"
+                    + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
+                    + "; nothing was aborted",
+                    "request_ids",
+                )
+        except HttpError as exc:
+            return _error(exc)
+        self.engine.abort(ids)
+        return web.json_response({"aborted": ids})
+
+    async def _request(self, request: web.Request) -> web.Response:
+        try:
+            self._check_key(request)
+        except HttpError as exc:
+            return _error(exc)
+        rid = request.match_info["request_id"]
+        req = self.engine.request(rid)
+        if req is None:
+            return _error(HttpError(404, "not_found_error", f"no request {rid!r} here"))
+        return web.json_response(
+            {
+                "id": req.id,
+                "where": req.where.value,
+                "instance": req.instance,
+                "node": req.remote or self.engine.node,
+                "prompt_tokens": len(req.prompt),
+                "generated_tokens": len(req.output),
+                "max_tokens": req.max_tokens,
+                "finish_reason": req.finish,
+                "error": req.error or None,
+                "nodes": list(req.hops),
+            }
+        )
+
+    async def _weight_version(self, request: web.Request) -> web.Response:
+        try:
+            self._check_key(request)
+            body = await self._json(request)
+            version = body.get("version") if isinstance(body, dict) else None
+            if not isinstance(version, str) or not 1 <= len(version) <= 128:
+                raise bad("version", version, "a label of 1-128 characters")
+        except HttpError as exc:
+            return _error(exc)
+        old, self.engine.weight_version = self.engine.weight_version, version
+        log.info("weight_version", old=old, new=version)
+        return web.json_response({"version": version, "previous": old})
+
+
+def _failure(exc: RequestFailed) -> HttpError:
+    if exc.refused:
+        return HttpError(400, "invalid_request_error", str(exc))
+    if exc.aborted:
+        return HttpError(409, "request_aborted", str(exc))
+    return HttpError(500, "engine_error", str(exc))
+
+
+def _error(exc: HttpError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status)
+
+
+async def _event(resp: web.StreamResponse, body: dict[str, Any]) -> None:
+    await resp.write(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")

@@ -1,0 +1,179 @@
+"""One generation request as the gateway keeps it, and readers that stream its tokens.
+
+The gateway is the request's source of truth: its prompt ids, every output id delivered
+so far (with the weight version that produced it), its output cap and sampling settings,
+and where it is now. An instance or a remote node only ever continues it: a call
+submits the prompt followed by the output so far and asks for the tokens still owed, so
+whatever happens to the call (aborted for a migration or a reshard, its engine crashed),
+the gateway can resubmit it and the reader sees one uninterrupted response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from node_agent.engines.base import FinishReason, Sampling
+from orchestrrl import errors
+
+
+class Where(enum.Enum):
+    QUEUED = "queued"  # waiting at the gateway for a seat on an instance
+    RUNNING = "running"  # a call on one of this node's instances generates it
+    HELD = "held"  # exported for a migration, not resolved yet: nothing generates it
+    REMOTE = "remote"  # released to another node; this node follows its tokens there
+    FINISHED = "finished"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+DONE = frozenset({Where.FINISHED, Where.FAILED, Where.ABORTED})
+
+
+class RequestFailed(errors.OrlError):
+    """The request ended without finishing: it failed (engine trouble) or was aborted."""
+
+    def __init__(self, message: str, *, aborted: bool = False, refused: bool = False) -> None:
+        super().__init__(message)
+        self.aborted = aborted
+        self.refused = refused  # the engine refused it (a bad request, not a fault)
+
+
+@dataclass(eq=False)
+class Request:
+    id: str
+    seq: int  # arrival order at this gateway (queue order)
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: Sampling
+    created: float
+    origin: bool = True  # a client of this gateway submitted it (else: imported)
+    source_node: str = ""  # imported: the node that exported it here (its follower)
+    output: list[int] = field(default_factory=list)
+    versions: list[tuple[int, str]] = field(default_factory=list)  # (first index, version)
+    where: Where = Where.QUEUED
+    instance: int = -1  # index into the layout while RUNNING (or the import's target)
+    finish: FinishReason | None = None
+    error: str = ""
+    refused: bool = False  # FAILED because the engine refused it (a bad request)
+    remote: str = ""  # REMOTE: the node it runs on
+    calls: int = 0  # calls made on engines (for unique engine request ids)
+    failures: int = 0  # calls that failed while their instance stayed up
+    hops: list[str] = field(default_factory=list)  # the nodes it ran on, in order
+    created_wall: float = field(default_factory=time.time)  # seconds since the Unix epoch
+    _waiters: list[asyncio.Future[None]] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.where in DONE
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - len(self.output)
+
+    def next_call_id(self) -> str:
+        self.calls += 1
+        return f"{self.id}-c{self.calls}"
+
+    def append(self, tokens: tuple[int, ...], version: str) -> None:
+        if not tokens:
+            return
+        if not self.versions or self.versions[-1][1] != version:
+            self.versions.append((len(self.output), version))
+        self.output.extend(tokens)
+        self.notify()
+
+    def end(
+        self,
+        where: Where,
+        finish: FinishReason | None = None,
+        error: str = "",
+        *,
+        refused: bool = False,
+    ) -> None:
+        self.where = where
+        self.finish = finish
+        self.error = error
+        self.refused = refused
+        self.instance = -1
+        self.notify()
+
+    def notify(self) -> None:
+        for w in self._waiters:
+            if not w.done():
+                w.set_result(None)
+        self._waiters.clear()
+
+    async def changed(self) -> None:
+        """Wait until tokens are appended or the request changes state."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        await waiter
+
+    async def tokens(self, start: int = 0) -> AsyncIterator[tuple[int, ...]]:
+        """Output ids from index ``start`` on, as they come, until the request ends;
+        RequestFailed when it fails or is aborted."""
+        pos = start
+        while True:
+            if len(self.output) > pos:
+                chunk = tuple(self.output[pos:])
+                pos += len(chunk)
+                yield chunk
+                continue
+            if self.done:
+                if self.where is not Where.FINISHED:
+                    raise RequestFailed(
+                        self.error or f"request {self.id!r} {self.where.value}",
+                        aborted=self.where is Where.ABORTED,
+                        refused=self.refused,
+                    )
+                return
+            await self.changed()
+
+    # -- migration state (RequestState.engine_state) ------------------------------------
+
+    def engine_state(self) -> bytes:
+        return json.dumps(
+            {
+                "sampling": self.sampling.as_dict(),
+                "versions": [list(v) for v in self.versions],
+                "hops": self.hops,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+
+@dataclass(frozen=True)
+class ImportedState:
+    sampling: Sampling
+    versions: tuple[tuple[int, str], ...]
+    hops: tuple[str, ...]
+
+
+def parse_engine_state(data: bytes, output_len: int) -> ImportedState:
+    """The gateway's part of a migrating request (InvalidArgument when malformed)."""
+    if not data:
+        return ImportedState(Sampling(), ((0, ""),) if output_len else (), ())
+    try:
+        doc = json.loads(data.decode())
+        if not isinstance(doc, dict):
+            raise TypeError("not an object")
+        sampling = Sampling.from_dict(doc.get("sampling") or {}, "engine_state.sampling")
+        versions = tuple((int(i), str(v)) for i, v in doc.get("versions") or [])
+        hops = tuple(str(h) for h in doc.get("hops") or [])
+    except errors.InvalidArgument:
+        raise
+    except (ValueError, TypeError, UnicodeDecodeError, AttributeError) as exc:
+        raise errors.field_error(
+            "engine_state", data[:80], f"the gateway's JSON request state ({exc})"
+        ) from None
+    starts = [i for i, _ in versions]
+    if starts != sorted(set(starts)) or any(i < 0 or i > output_len for i in starts):
+        raise errors.field_error(
+            "engine_state.versions", list(versions), f"increasing indices in 0..{output_len}"
+        )
+    return ImportedState(sampling, versions, hops)

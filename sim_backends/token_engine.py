@@ -1,0 +1,188 @@
+"""An in-process stand-in for an engine instance (implements node_agent.engines.base.EngineServer).
+
+:class:`ScriptedEngine` generates tokens by a fixed rule of the whole sequence so far
+(prompt and output), like greedy decoding of a fixed model: the same prefix always
+continues the same way, on any instance of any TP degree. So a request that is cut off
+and resubmitted with its output so far continues exactly as an uninterrupted run,
+which is what the gateway's tests check, fast and without an engine process. Faults are
+injected by hand: :meth:`ScriptedEngine.crash` (the process dies), ``fail_starts``
+(the next starts fail), ``fail_calls`` (calls answer with an error).
+
+:class:`LocalPeers` lets gateways in one process follow each other's requests (what the
+agents do over gRPC).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from node_agent.engine import Destination
+from node_agent.engines.base import (
+    CAP_KV_WARM,
+    Chunk,
+    EngineFailed,
+    InstanceLoad,
+    Placement,
+    Submission,
+)
+from node_agent.gateway.engine import FollowChunk, GatewayEngine
+from orchestrrl import errors
+
+VOCAB = 1000
+
+
+def next_token(sequence: Sequence[int], vocab: int = VOCAB) -> int:
+    """The rule: a hash of the whole sequence (order matters)."""
+    h = 17
+    for t in sequence:
+        h = (h * 1_000_003 + t + 1) % 2_147_483_647
+    return h % vocab
+
+
+def greedy(prompt: Sequence[int], n: int, eos: int | None = None) -> list[int]:
+    """What an uninterrupted call of :class:`ScriptedEngine` returns."""
+    seq = list(prompt)
+    out: list[int] = []
+    for _ in range(n):
+        t = next_token(seq)
+        seq.append(t)
+        out.append(t)
+        if t == eos:
+            break
+    return out
+
+
+@dataclass
+class EngineRecord:
+    """What the stand-ins of one test did (shared by every instance a factory made)."""
+
+    started: list[Placement] = field(default_factory=list)
+    stopped: list[Placement] = field(default_factory=list)
+    submissions: list[tuple[Placement, Submission]] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    warmed: list[int] = field(default_factory=list)  # prefix lengths
+
+
+class ScriptedEngine:
+    """One instance; ``token_delay_s`` per decode iteration (all its calls advance together)."""
+
+    kind = "scripted"
+
+    def __init__(
+        self,
+        placement: Placement,
+        record: EngineRecord | None = None,
+        *,
+        max_num_seqs: int = 4,
+        token_delay_s: float = 0.002,
+        start_delay_s: float = 0.0,
+        eos: int | None = None,
+        fail_starts: int = 0,
+        kv_warm: bool = False,
+    ) -> None:
+        self.placement = placement
+        self.record = record or EngineRecord()
+        self.max_num_seqs = max_num_seqs
+        self.token_delay_s = token_delay_s
+        self.start_delay_s = start_delay_s
+        self.eos = eos
+        self.fail_starts = fail_starts
+        self.fail_calls = 0  # the next calls answer with an error (the process stays up)
+        self.capabilities = frozenset({CAP_KV_WARM} if kv_warm else ())
+        self._exit: asyncio.Future[int] | None = None
+        self._calls: dict[str, asyncio.Event] = {}
+        self.generated = 0
+
+    @property
+    def alive(self) -> bool:
+        return self._exit is not None and not self._exit.done()
+
+    async def start(self) -> None:
+        await asyncio.sleep(self.start_delay_s)
+        if self.fail_starts > 0:
+            self.fail_starts -= 1
+            raise errors.Unavailable(f"scripted instance {self.placement.index}: start failed")
+        self._exit = asyncio.get_running_loop().create_future()
+        self.record.started.append(self.placement)
+
+    async def wait_exit(self) -> int:
+        if self._exit is None:
+            raise errors.FailedPrecondition("not started")
+        return await asyncio.shield(self._exit)
+
+    async def stop(self) -> None:
+        if self.alive:
+            assert self._exit is not None
+            self._exit.set_result(0)
+            self.record.stopped.append(self.placement)
+
+    def crash(self, status: int = -9) -> None:
+        """The process dies: every call fails, wait_exit returns ``status``."""
+        if self._exit is not None and not self._exit.done():
+            self._exit.set_result(status)
+
+    async def generate(self, submission: Submission) -> AsyncGenerator[Chunk, None]:
+        if not self.alive:
+            raise EngineFailed(f"instance {self.placement.index} is not running")
+        if self.fail_calls > 0:
+            self.fail_calls -= 1
+            raise EngineFailed(f"instance {self.placement.index}: HTTP 500 (injected)")
+        self.record.submissions.append((self.placement, submission))
+        abort = self._calls[submission.engine_request_id] = asyncio.Event()
+        seq = list(submission.prompt)
+        try:
+            for n in range(submission.max_tokens):
+                await asyncio.sleep(self.token_delay_s)
+                if not self.alive:
+                    raise EngineFailed(f"instance {self.placement.index} exited")
+                if abort.is_set():
+                    raise EngineFailed("aborted")
+                t = next_token(seq)
+                seq.append(t)
+                self.generated += 1
+                last = n + 1 == submission.max_tokens
+                if t == self.eos and not submission.sampling.ignore_eos:
+                    yield Chunk((t,), "stop")
+                    return
+                yield Chunk((t,), "length" if last else None)
+        finally:
+            self._calls.pop(submission.engine_request_id, None)
+
+    async def abort(self, engine_request_ids: Sequence[str]) -> None:
+        for rid in engine_request_ids:
+            self.record.aborted.append(rid)
+            call = self._calls.get(rid)
+            if call is not None:
+                call.set()
+
+    async def load(self) -> InstanceLoad:
+        return InstanceLoad(
+            running=len(self._calls),
+            waiting=0,
+            kv_usage=len(self._calls) / self.max_num_seqs,
+            generation_tokens_total=float(self.generated),
+        )
+
+    async def warm(self, prefix: Sequence[int]) -> bool:
+        self.record.warmed.append(len(prefix))
+        return CAP_KV_WARM in self.capabilities
+
+
+class LocalPeers:
+    """Gateways in this process, by node name: what the agents' FollowRequest does."""
+
+    def __init__(self, gateways: Mapping[str, GatewayEngine] | None = None) -> None:
+        self.gateways: dict[str, GatewayEngine] = dict(gateways or {})
+        self.down: set[str] = set()  # nodes that cannot be reached
+
+    async def follow(
+        self, destination: Destination, request_id: str, start: int
+    ) -> AsyncIterator[FollowChunk]:
+        if destination.node in self.down or destination.node not in self.gateways:
+            raise errors.Unavailable(f"node {destination.node!r} cannot be reached")
+        async for chunk in self.gateways[destination.node].follow(request_id, start):
+            if destination.node in self.down:
+                raise errors.Unavailable(f"node {destination.node!r} went away")
+            yield chunk

@@ -1,0 +1,359 @@
+"""The gateway engine over scripted instances: admission, migration, reshard, crashes.
+
+The scripted instances continue any prefix the same way (like greedy decoding of one
+model), so every test checks the property the gateway exists for: whatever happens to a
+request on the way, its client reads exactly what one uninterrupted call would give.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from node_agent.engine import Destination, EngineState
+from node_agent.engines.base import Placement, Sampling
+from node_agent.gateway.engine import GatewayConfig, GatewayEngine
+from node_agent.gateway.requests import Request, RequestFailed, Where
+from orchestrrl import errors
+from sim_backends.token_engine import EngineRecord, LocalPeers, ScriptedEngine, greedy
+from tests.helpers import eventually
+
+pytestmark = pytest.mark.component
+
+GREEDY = Sampling(temperature=0.0)
+
+
+@dataclass
+class Node:
+    name: str
+    engine: GatewayEngine
+    record: EngineRecord
+    servers: list[ScriptedEngine] = field(default_factory=list)
+
+    def live(self) -> list[ScriptedEngine]:
+        return [s for s in self.servers if s.alive]
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.peers = LocalPeers()
+        self.nodes: dict[str, Node] = {}
+
+    async def add(
+        self,
+        name: str,
+        layout: tuple[int, ...] = (1, 1),
+        *,
+        seats: int = 4,
+        delay: float = 0.002,
+        tune: Callable[[ScriptedEngine], None] | None = None,
+        config: GatewayConfig | None = None,
+    ) -> Node:
+        record = EngineRecord()
+        node = Node(name, None, record)  # type: ignore[arg-type]
+
+        def make(p: Placement) -> ScriptedEngine:
+            s = ScriptedEngine(p, record, max_num_seqs=seats, token_delay_s=delay)
+            if tune is not None:
+                tune(s)
+            node.servers.append(s)
+            return s
+
+        node.engine = GatewayEngine(
+            "scripted",
+            sum(layout),
+            layout,
+            make,
+            lambda p: 9000 + p.devices[0],
+            peers=self.peers,
+            node=name,
+            config=config or GatewayConfig(restart_backoff_s=(0.01, 0.01)),
+        )
+        await node.engine.start()
+        self.nodes[name] = node
+        self.peers.gateways[name] = node.engine
+        return node
+
+    async def close(self) -> None:
+        for node in self.nodes.values():
+            await node.engine.close()
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[Cluster]:
+    c = Cluster()
+    yield c
+    await c.close()
+
+
+async def read_all(req: Request) -> list[int]:
+    out: list[int] = []
+    async for chunk in req.tokens():
+        out.extend(chunk)
+    return out
+
+
+def prompt(i: int) -> tuple[int, ...]:
+    return (1 + i, 2 + i, 3)
+
+
+async def test_requests_beyond_the_seats_queue_and_all_finish(cluster: Cluster) -> None:
+    node = await cluster.add("a", (1, 1), seats=2)
+    reqs = [node.engine.submit(prompt(i), 20, GREEDY) for i in range(7)]
+    await asyncio.sleep(0)
+    stats = node.engine.stats()
+    assert stats.running_requests + stats.queued_requests == 7
+    progress = node.engine.progress()
+    queued = [r for r in progress.requests if r.instance == -1]
+    assert len(queued) == 3 and {r.request_id for r in queued} == {r.id for r in reqs[4:]}
+    outs = await asyncio.gather(*(read_all(r) for r in reqs))
+    for i, out in enumerate(outs):
+        assert out == greedy(prompt(i), 20)
+    assert sorted(node.engine.progress().completed_lengths) == [20] * 7
+    assert node.engine.stats().running_requests == 0
+    # the client has read them: forgotten
+    for r in reqs:
+        node.engine.release(r)
+    assert node.engine.request(reqs[0].id) is None
+
+
+async def test_drain_stops_admission_until_resume(cluster: Cluster) -> None:
+    node = await cluster.add("a", (1, 1))
+    await node.engine.drain()
+    req = node.engine.submit(prompt(0), 5, GREEDY)
+    await asyncio.sleep(0.05)
+    assert req.where is Where.QUEUED and req.output == []
+    assert node.engine.state is EngineState.DRAINED
+    await node.engine.resume()
+    assert await read_all(req) == greedy(prompt(0), 5)
+
+
+async def test_a_new_step_starts_when_requests_arrive_at_an_idle_node(cluster: Cluster) -> None:
+    node = await cluster.add("a", (2,))
+    await read_all(node.engine.submit(prompt(0), 3, GREEDY))
+    assert node.engine.progress().step == 0
+    assert node.engine.progress().completed_lengths == (3,)
+    await read_all(node.engine.submit(prompt(1), 4, GREEDY))
+    assert node.engine.progress().step == 1
+    assert node.engine.progress().completed_lengths == (4,)
+
+
+async def migrate(
+    src: Node, dst: Node, ids: list[str], instance: int = 0, recompute: bool = True
+) -> tuple[str, ...]:
+    exported, missing = await src.engine.export_requests(ids)
+    assert not missing
+    result = await dst.engine.import_requests(exported, instance, recompute)
+    await src.engine.release_requests(exported, Destination(dst.name, f"{dst.name}:1"))
+    return result.admitted
+
+
+@pytest.mark.parametrize("cut", [0, 1, 7, 29])
+async def test_migration_mid_response_splices_into_one_uninterrupted_stream(
+    cluster: Cluster, cut: int
+) -> None:
+    a = await cluster.add("a", (1, 1))
+    b = await cluster.add("b", (2,))
+    req = a.engine.submit(prompt(0), 30, GREEDY)
+    reader = asyncio.create_task(read_all(req))
+    await eventually(lambda: len(req.output) >= cut)
+    if cut == 0:
+        await a.engine.drain()  # keep it queued: a queued request migrates too
+    admitted = await migrate(a, b, [req.id])
+    assert admitted == (req.id,)
+    assert await reader == greedy(prompt(0), 30)
+    assert req.where is Where.FINISHED and req.hops == ["a", "b"]
+    # the destination counts the completion; the imported record is gone once followed
+    assert b.engine.progress().completed_lengths == (30,)
+    await eventually(lambda: b.engine.request(req.id) is None)
+    # the destination's calls carried the source's output as prompt
+    _, sub = b.record.submissions[-1]
+    assert sub.prompt[:3] == prompt(0) and len(sub.prompt) - 3 + sub.max_tokens == 30
+
+
+async def test_a_request_moves_on_and_comes_home(cluster: Cluster) -> None:
+    a = await cluster.add("a", (1, 1), delay=0.004)
+    b = await cluster.add("b", (1, 1), delay=0.004)
+    c = await cluster.add("c", (2,), delay=0.004)
+    req = a.engine.submit(prompt(3), 60, GREEDY)
+    reader = asyncio.create_task(read_all(req))
+    await eventually(lambda: len(req.output) >= 5)
+    await migrate(a, b, [req.id], 1)
+    await eventually(lambda: (r := b.engine.request(req.id)) is not None and len(r.output) >= 20)
+    await migrate(b, c, [req.id])
+    await eventually(lambda: (r := c.engine.request(req.id)) is not None and len(r.output) >= 35)
+    await migrate(c, a, [req.id])  # home: the client's own gateway runs it again
+    assert await reader == greedy(prompt(3), 60)
+    assert req.hops == ["a", "b", "c", "a"]
+    assert req.where is Where.FINISHED
+
+
+async def test_imports_are_checked_and_change_nothing_when_refused(cluster: Cluster) -> None:
+    a = await cluster.add("a", (1, 1))
+    b = await cluster.add("b", (1, 1), seats=1)
+    reqs = [a.engine.submit(prompt(i), 500, GREEDY) for i in range(3)]
+    await eventually(lambda: all(len(r.output) > 0 for r in reqs[:2]))
+    exported, _ = await a.engine.export_requests([r.id for r in reqs])
+    with pytest.raises(errors.InvalidArgument, match="each request id once"):
+        await b.engine.import_requests([exported[0], exported[0]], 0, True)
+    with pytest.raises(errors.InvalidArgument, match="instance=5"):
+        await b.engine.import_requests(exported[:1], 5, True)
+    with pytest.raises(errors.FailedPrecondition, match="1 free seat"):
+        await b.engine.import_requests(exported[:2], 0, True)
+    await b.engine.drain()
+    with pytest.raises(errors.FailedPrecondition, match="not admitting"):
+        await b.engine.import_requests(exported[:1], 0, True)
+    await b.engine.resume()
+    assert b.engine.progress().requests == ()
+    await b.engine.import_requests(exported[:1], 0, True)
+    with pytest.raises(errors.InvalidArgument, match="does not have yet"):
+        await b.engine.import_requests(exported[:1], 1, True)
+    # what was not admitted goes back where it was
+    assert await a.engine.restore_requests(exported[1:]) == (reqs[1].id, reqs[2].id)
+    assert all(r.where in (Where.QUEUED, Where.RUNNING) for r in reqs[1:])
+
+
+async def test_reshard_with_requests_in_flight_completes_every_request(cluster: Cluster) -> None:
+    node = await cluster.add("a", (1, 1, 1, 1), seats=2, delay=0.003)
+    reqs = [node.engine.submit(prompt(i), 80, GREEDY) for i in range(11)]
+    readers = [asyncio.create_task(read_all(r)) for r in reqs]
+    for layout in [(2, 2), (4,), (1, 1, 2), (2, 1, 1)]:
+        await eventually(lambda: sum(len(r.output) for r in reqs) > 40)
+        result = await node.engine.reshard(layout)
+        assert result.new_layout == layout
+        assert [s.stage for s in result.stages] == [
+            "export_requests",
+            "stop_instances",
+            "start_instances",
+            "resubmit_requests",
+        ]
+        assert node.engine.tp_layout == layout
+        assert [p.tp for p in node.engine.instances] == list(layout)
+    outs = await asyncio.gather(*readers)
+    assert outs == [greedy(prompt(i), 80) for i in range(11)]
+    assert len(node.engine.progress().completed_lengths) == 11
+
+
+async def test_reshard_keeps_instances_whose_devices_do_not_change(cluster: Cluster) -> None:
+    node = await cluster.add("a", (2, 1, 1), delay=0.003)
+    req = node.engine.submit(prompt(0), 200, GREEDY)
+    await eventually(lambda: len(req.output) > 3)
+    assert req.instance == 0
+    started = len(node.record.started)
+    result = await node.engine.reshard((2, 2))
+    assert len(node.record.started) == started + 1  # only the new TP2 on devices 2-3
+    assert "kept 1 running" in result.message
+    assert req.where is Where.RUNNING and req.instance == 0
+    assert req.calls == 1  # never interrupted
+    assert await read_all(req) == greedy(prompt(0), 200)
+
+
+async def test_a_failed_reshard_brings_the_old_layout_back(cluster: Cluster) -> None:
+    fail = {"on": False}
+
+    def tune(s: ScriptedEngine) -> None:
+        if fail["on"] and s.placement.tp == 4:
+            s.fail_starts = 1
+
+    node = await cluster.add("a", (2, 2), tune=tune, delay=0.003)
+    reqs = [node.engine.submit(prompt(i), 50, GREEDY) for i in range(3)]
+    readers = [asyncio.create_task(read_all(r)) for r in reqs]
+    await eventually(lambda: all(r.output for r in reqs))
+    fail["on"] = True
+    with pytest.raises(errors.FailedPrecondition, match=r"old layout \[2, 2\] serves again"):
+        await node.engine.reshard((4,))
+    assert node.engine.tp_layout == (2, 2)
+    assert await asyncio.gather(*readers) == [greedy(prompt(i), 50) for i in range(3)]
+
+
+async def test_a_crashed_instance_is_restarted_and_its_requests_resume(cluster: Cluster) -> None:
+    node = await cluster.add("a", (1, 1), seats=2, delay=0.003)
+    reqs = [node.engine.submit(prompt(i), 60, GREEDY) for i in range(4)]
+    readers = [asyncio.create_task(read_all(r)) for r in reqs]
+    await eventually(lambda: all(len(r.output) > 5 for r in reqs))
+    node.live()[0].crash()
+    assert await asyncio.gather(*readers) == [greedy(prompt(i), 60) for i in range(4)]
+    assert node.engine.failures == 1
+    assert node.engine.instance_health() == ("up", "up")
+
+
+async def test_when_no_instance_can_restart_requests_fail_with_the_reason(
+    cluster: Cluster,
+) -> None:
+    node = await cluster.add("a", (2,), delay=0.003)
+    req = node.engine.submit(prompt(0), 500, GREEDY)
+    await eventually(lambda: len(req.output) > 3)
+    server = node.live()[0]
+    server.fail_starts = 99
+    server.crash(137)
+    with pytest.raises(RequestFailed, match="exited with status 137 and did not restart"):
+        await read_all(req)
+    assert node.engine.instance_health()[0].startswith("failed:")
+    assert len(req.output) > 3  # what was delivered stays delivered
+
+
+async def test_calls_that_fail_are_retried_then_the_request_fails(cluster: Cluster) -> None:
+    node = await cluster.add("a", (1,))
+    node.live()[0].fail_calls = 2
+    req = node.engine.submit(prompt(0), 10, GREEDY)
+    assert await read_all(req) == greedy(prompt(0), 10)
+    node.live()[0].fail_calls = 3
+    req = node.engine.submit(prompt(1), 10, GREEDY)
+    with pytest.raises(RequestFailed, match="failed 3 times"):
+        await read_all(req)
+
+
+async def test_a_lost_destination_resumes_the_request_at_its_source(cluster: Cluster) -> None:
+    a = await cluster.add("a", (1, 1), delay=0.003)
+    b = await cluster.add("b", (1, 1), delay=0.003)
+    req = a.engine.submit(prompt(0), 80, GREEDY)
+    reader = asyncio.create_task(read_all(req))
+    await eventually(lambda: len(req.output) > 10)
+    await migrate(a, b, [req.id])
+    await eventually(lambda: len(req.output) > 30)
+    cluster.peers.down.add("b")
+    await b.engine.close()  # the destination's agent stops
+    assert await reader == greedy(prompt(0), 80)
+    assert req.hops == ["a", "b", "a"]
+
+
+async def test_an_import_nobody_follows_is_aborted_after_the_grace(cluster: Cluster) -> None:
+    b = await cluster.add("b", (1,), delay=0.01, config=GatewayConfig(orphan_grace_s=0.1))
+    a = await cluster.add("a", (1,), delay=0.01)
+    req = a.engine.submit(prompt(0), 1000, GREEDY)
+    await eventually(lambda: len(req.output) > 2)
+    await migrate(a, b, [req.id])
+    await eventually(lambda: b.engine.request(req.id) is not None)
+    assert a.engine.abort([req.id]) == []  # the client goes away
+    await eventually(lambda: b.engine.request(req.id) is None, within_s=10)
+    assert b.engine.stats().running_requests == 0
+
+
+async def test_client_abort_and_unknown_ids(cluster: Cluster) -> None:
+    node = await cluster.add("a", (1,))
+    req = node.engine.submit(prompt(0), 1000, GREEDY)
+    await eventually(lambda: len(req.output) > 0)
+    assert node.engine.abort([req.id, "nope"]) == ["nope"]
+    with pytest.raises(RequestFailed, match="aborted by the client") as info:
+        await read_all(req)
+    assert info.value.aborted
+    assert node.engine.stats().running_requests == 0
+
+
+async def test_bad_submissions_are_refused(cluster: Cluster) -> None:
+    node = await cluster.add("a", (1,), config=GatewayConfig(max_queue=1))
+    with pytest.raises(errors.InvalidArgument, match="max_tokens=0"):
+        node.engine.submit(prompt(0), 0, GREEDY)
+    with pytest.raises(errors.InvalidArgument, match="prompt"):
+        node.engine.submit((), 3, GREEDY)
+    with pytest.raises(errors.InvalidArgument, match="temperature"):
+        node.engine.submit(prompt(0), 3, Sampling(temperature=-1))
+    await node.engine.drain()
+    node.engine.submit(prompt(0), 3, GREEDY, "x")
+    with pytest.raises(errors.InvalidArgument, match="request_id='x'"):
+        node.engine.submit(prompt(0), 3, GREEDY, "x")
+    with pytest.raises(errors.FailedPrecondition, match="queue is full"):
+        node.engine.submit(prompt(0), 3, GREEDY)
