@@ -90,6 +90,7 @@ class ScriptedEngine:
         self.eos = eos
         self.fail_starts = fail_starts
         self.fail_calls = 0  # the next calls answer with an error (the process stays up)
+        self.hung = False  # calls cannot connect and health checks fail, the process runs
         self.capabilities = frozenset({CAP_KV_WARM} if kv_warm else ())
         self._exit: asyncio.Future[int] | None = None
         self._calls: dict[str, asyncio.Event] = {}
@@ -125,7 +126,11 @@ class ScriptedEngine:
 
     async def generate(self, submission: Submission) -> AsyncGenerator[Chunk, None]:
         if not self.alive:
-            raise EngineFailed(f"instance {self.placement.index} is not running")
+            raise EngineFailed(f"instance {self.placement.index} is not running", instance=True)
+        if self.hung:
+            raise EngineFailed(
+                f"instance {self.placement.index}: connection refused", instance=True
+            )
         if self.fail_calls > 0:
             self.fail_calls -= 1
             raise EngineFailed(f"instance {self.placement.index}: HTTP 500 (injected)")
@@ -136,7 +141,7 @@ class ScriptedEngine:
             for n in range(submission.max_tokens):
                 await asyncio.sleep(self.token_delay_s)
                 if not self.alive:
-                    raise EngineFailed(f"instance {self.placement.index} exited")
+                    raise EngineFailed(f"instance {self.placement.index} exited", instance=True)
                 if abort.is_set():
                     raise EngineFailed("aborted")
                 t = next_token(seq)
@@ -164,6 +169,9 @@ class ScriptedEngine:
             kv_usage=len(self._calls) / self.max_num_seqs,
             generation_tokens_total=float(self.generated),
         )
+
+    async def healthy(self) -> bool:
+        return self.alive and not self.hung
 
     async def warm(self, prefix: Sequence[int]) -> bool:
         self.record.warmed.append(len(prefix))

@@ -130,11 +130,14 @@ class Placement:
 class EngineFailed(errors.OrlError):
     """The instance failed a call: its process died or it answered with an error.
     ``retry`` False: the engine refused the call itself (a bad request: token id out of
-    the vocabulary, prompt too long), so calling again cannot help."""
+    the vocabulary, prompt too long), so calling again cannot help. ``instance`` True: the
+    instance could not be reached at all (connection refused or cut): the instance is in
+    trouble, not the request."""
 
-    def __init__(self, message: str, *, retry: bool = True) -> None:
+    def __init__(self, message: str, *, retry: bool = True, instance: bool = False) -> None:
         super().__init__(message)
         self.retry = retry
+        self.instance = instance
 
 
 class EngineServer(Protocol):
@@ -176,6 +179,9 @@ class EngineServer(Protocol):
 
     async def load(self) -> InstanceLoad:
         """Scrape the engine's metrics."""
+
+    async def healthy(self) -> bool:
+        """The server answers its health check."""
 
     async def warm(self, prefix: Sequence[int]) -> bool:
         """Fill the prefix cache for ``prefix`` (CAP_KV_WARM); False when not supported."""

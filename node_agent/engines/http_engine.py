@@ -84,6 +84,11 @@ async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str
             yield event
 
 
+def transport_failure(name: str, exc: aiohttp.ClientError) -> EngineFailed:
+    """A call that could not reach the instance (refused, reset, cut): the instance's trouble."""
+    return EngineFailed(f"{name}: {exc!r}", instance=True)
+
+
 async def failure(response: aiohttp.ClientResponse, what: str) -> EngineFailed:
     """An EngineFailed for a non-200 answer: 4xx means the engine refused the request."""
     body = (await response.text())[:500]
@@ -183,6 +188,15 @@ class HttpEngine:
 
     async def warm(self, prefix: Sequence[int]) -> bool:
         return False
+
+    async def healthy(self) -> bool:
+        try:
+            async with self.session.get(
+                self.base + self.health_path, timeout=aiohttp.ClientTimeout(total=5)
+            ) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
 
     async def post_quietly(self, path: str, body: object) -> None:
         """A best-effort control call (an abort): errors are ignored, time is bounded."""

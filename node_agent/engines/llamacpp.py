@@ -32,7 +32,13 @@ from typing import Any
 import aiohttp
 
 from node_agent.engines.base import Chunk, EngineFailed, FinishReason, Submission
-from node_agent.engines.http_engine import HttpEngine, cpu_cores, failure, sse_events
+from node_agent.engines.http_engine import (
+    HttpEngine,
+    cpu_cores,
+    failure,
+    sse_events,
+    transport_failure,
+)
 
 STOPPED: dict[str, FinishReason] = {"limit": "length", "eos": "stop", "word": "stop"}
 
@@ -135,9 +141,7 @@ class LlamaCppServer(HttpEngine):
                     return
                 raise EngineFailed(f"{self.name}: the stream ended without stop")
         except aiohttp.ClientError as exc:
-            if rid in self._calls and self._calls[rid].closed and not finished:
-                raise EngineFailed(f"{self.name}: call {rid} aborted") from exc
-            raise EngineFailed(f"{self.name}: {exc!r}") from exc
+            raise transport_failure(self.name, exc) from exc
         finally:
             response = self._calls.pop(rid, None)
             if response is not None and not finished:

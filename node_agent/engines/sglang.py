@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 
 from node_agent.engines.base import CAP_PAUSE, Chunk, EngineFailed, FinishReason, Submission
-from node_agent.engines.http_engine import HttpEngine, failure, sse_events
+from node_agent.engines.http_engine import HttpEngine, failure, sse_events, transport_failure
 
 
 def cpu_supported(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
@@ -149,7 +149,7 @@ class SglangServer(HttpEngine):
                         raise EngineFailed(f"{self.name}: the call ended with {reason!r}")
                 raise EngineFailed(f"{self.name}: the stream ended without a finish reason")
         except aiohttp.ClientError as exc:
-            raise EngineFailed(f"{self.name}: {exc!r}") from exc
+            raise transport_failure(self.name, exc) from exc
         finally:
             if not finished:
                 with contextlib.suppress(Exception):

@@ -29,7 +29,13 @@ from collections.abc import AsyncGenerator, Sequence
 import aiohttp
 
 from node_agent.engines.base import CAP_PAUSE, Chunk, EngineFailed, FinishReason, Submission
-from node_agent.engines.http_engine import HttpEngine, cpu_cores, failure, sse_events
+from node_agent.engines.http_engine import (
+    HttpEngine,
+    cpu_cores,
+    failure,
+    sse_events,
+    transport_failure,
+)
 
 
 class VllmServer(HttpEngine):
@@ -126,7 +132,7 @@ class VllmServer(HttpEngine):
                         raise EngineFailed(f"{self.name}: the call ended with {reason!r}")
                 raise EngineFailed(f"{self.name}: the stream ended without a finish reason")
         except aiohttp.ClientError as exc:
-            raise EngineFailed(f"{self.name}: {exc!r}") from exc
+            raise transport_failure(self.name, exc) from exc
         finally:
             if not finished:
                 with contextlib.suppress(Exception):

@@ -74,6 +74,7 @@ RESTART_BACKOFF_S = (0.5, 2.0, 5.0)  # an instance that keeps exiting is restart
 ORPHAN_GRACE_S = 60.0  # an imported request nobody follows is aborted after this
 DONE_KEPT_S = 300.0  # a finished imported request is kept this long for its follower
 RATE_WINDOW_S = 2.0
+CHECK_EVERY_S = 0.25
 
 
 class QueueFull(errors.FailedPrecondition):
@@ -110,6 +111,7 @@ class GatewayConfig:
     restart_backoff_s: tuple[float, ...] = RESTART_BACKOFF_S
     orphan_grace_s: float = ORPHAN_GRACE_S
     follow_retries: int = 3  # reconnects to a destination before resuming locally
+    hung_after_s: float = 30.0  # an instance unreachable this long while running is restarted
 
 
 @dataclass(eq=False)
@@ -122,6 +124,7 @@ class _Slot:
     failed: str = ""  # why it is out of service for good
     restarts: int = 0
     watcher: asyncio.Task[None] | None = None
+    checker: asyncio.Task[None] | None = None  # an unreachable instance being checked
     load: InstanceLoad = field(default_factory=InstanceLoad)
 
     @property
@@ -834,7 +837,10 @@ class GatewayEngine:
                 raise EngineFailed(f"instance {slot.index}: the stream ended early")
             self._finish(req, finish)
         except EngineFailed as exc:
-            self._call_failed(req, slot, str(exc), exc.retry)
+            if exc.instance:
+                self._instance_trouble(req, slot, str(exc))
+            else:
+                self._call_failed(req, slot, str(exc), exc.retry)
         finally:
             if slot.running.get(req.id) is asyncio.current_task():
                 del slot.running[req.id]
@@ -870,6 +876,32 @@ class GatewayEngine:
             return
         log.warning("call_failed_retrying", request=req.id, error=why, failures=req.failures)
         self._enqueue(req)
+
+    def _instance_trouble(self, req: Request, slot: _Slot, why: str) -> None:
+        """The instance could not be reached: the request waits for a seat (here or on
+        another instance) and the instance is checked before it gets more."""
+        self._enqueue(req)
+        if slot.up and not slot.stopping and slot.checker is None:
+            slot.up = False
+            log.warning("instance_unreachable", instance=slot.index, error=why)
+            slot.checker = self._spawn(self._check(slot), "instance check")
+
+    async def _check(self, slot: _Slot) -> None:
+        """Back in service when healthy again; when it stays unreachable while its process
+        runs (hung), stop it, and the watcher restarts it. An exit is the watcher's."""
+        try:
+            for _ in range(round(self.config.hung_after_s / CHECK_EVERY_S)):
+                await asyncio.sleep(CHECK_EVERY_S)
+                if slot.stopping or not slot.server.alive:
+                    return
+                if await slot.server.healthy():
+                    slot.up = True
+                    self._wake.set()
+                    return
+            log.error("instance_hung", instance=slot.index, after_s=self.config.hung_after_s)
+            await slot.server.stop()  # the watcher sees the exit and restarts it
+        finally:
+            slot.checker = None
 
     async def _cancel_calls(self, slot: _Slot) -> int:
         """Abort every call on ``slot``; their requests wait at the queue's front."""

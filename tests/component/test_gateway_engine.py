@@ -357,3 +357,30 @@ async def test_bad_submissions_are_refused(cluster: Cluster) -> None:
         node.engine.submit(prompt(0), 3, GREEDY, "x")
     with pytest.raises(errors.FailedPrecondition, match="queue is full"):
         node.engine.submit(prompt(0), 3, GREEDY)
+
+
+async def test_an_unreachable_instance_is_checked_then_used_again(cluster: Cluster) -> None:
+    node = await cluster.add("a", (1, 1), delay=0.003)
+    server = node.live()[0]
+    server.hung = True  # refuses connections for a while, its process still runs
+    reqs = [node.engine.submit(prompt(i), 30, GREEDY) for i in range(4)]
+    await eventually(lambda: node.engine.instance_health()[0] != "up")
+    server.hung = False
+    assert await asyncio.gather(*(read_all(r) for r in reqs)) == [
+        greedy(prompt(i), 30) for i in range(4)
+    ]
+    await eventually(lambda: node.engine.instance_health() == ("up", "up"))
+    assert all(r.failures == 0 for r in reqs)  # not the requests' fault
+
+
+async def test_a_hung_instance_is_restarted(cluster: Cluster) -> None:
+    node = await cluster.add(
+        "a", (1,), config=GatewayConfig(hung_after_s=0.5, restart_backoff_s=(0.01,))
+    )
+    server = node.live()[0]
+    server.hung = True
+    req = node.engine.submit(prompt(0), 20, GREEDY)
+    await eventually(lambda: node.record.stopped != [])  # stopped as hung
+    server.hung = False  # the restart brings it back
+    assert await read_all(req) == greedy(prompt(0), 20)
+    assert node.engine.failures == 1

@@ -1,0 +1,181 @@
+"""The gateway over real llama.cpp servers (``llama-server``) with a tiny random GGUF, on CPU.
+
+What a rollout client relies on, checked against the engine itself: the tokens it reads
+are the engine's; a request cut off by a migration, a reshard or a crash goes on to the
+same greedy output an uninterrupted call gives; nothing is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from node_agent.engine import Destination
+from node_agent.engines.http_engine import HttpEngine
+from node_agent.gateway.requests import RequestFailed, Where
+from tests.engines.conftest import (
+    GREEDY,
+    Nodes,
+    read_all,
+    settings_for,
+    stream_http,
+)
+from tests.helpers import eventually
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [[5 + i, 17, 3 + 2 * i, 99, 42 + i, 7] for i in range(6)]
+N = 96
+
+
+@pytest.fixture
+async def nodes(llama_binary: Path, gguf_model: Path, tmp_path: Path) -> AsyncIterator[Nodes]:
+    nodes = Nodes("llamacpp", settings_for(llama_binary, gguf_model, tmp_path))
+    yield nodes
+    await nodes.close()
+
+
+async def direct(server: HttpEngine, prompt: list[int], n: int) -> list[int]:
+    """One call straight to the engine (no gateway): the reference output."""
+    body = {"prompt": prompt, "n_predict": n, "temperature": 0, "ignore_eos": True,
+            "return_tokens": True, "cache_prompt": False}  # fmt: skip
+    async with aiohttp.ClientSession() as http, http.post(server.base + "/completion", json=body) as r:
+        assert r.status == 200
+        doc = await r.json()
+    return list(doc["tokens"])
+
+
+@pytest.fixture
+async def reference(nodes: Nodes) -> dict[int, list[int]]:
+    """Uninterrupted greedy outputs of PROMPTS, from the engine itself."""
+    ref = await nodes.add("ref", (1,))
+    server = ref.servers[0]
+    assert isinstance(server, HttpEngine)
+    return {i: await direct(server, p, N) for i, p in enumerate(PROMPTS)}
+
+
+async def test_the_gateway_streams_exactly_the_engines_tokens(
+    nodes: Nodes, reference: dict[int, list[int]]
+) -> None:
+    node = await nodes.add("a", (1, 1), http=True)
+    got = await asyncio.gather(
+        *(
+            stream_http(node.url, {"prompt": p, "max_tokens": N, "temperature": 0,
+                                   "ignore_eos": True})  # fmt: skip
+            for p in PROMPTS
+        )
+    )
+    assert got == [reference[i] for i in range(len(PROMPTS))]
+
+
+async def test_load_and_progress_match_the_engine(nodes: Nodes) -> None:
+    node = await nodes.add("a", (1, 1))
+    before = [await s.load() for s in node.live()]
+    reqs = [node.engine.submit(p, 400, GREEDY) for p in PROMPTS[:4]]
+    await eventually(lambda: all(len(r.output) > 20 for r in reqs), within_s=60)
+    progress = {r.request_id: r for r in node.engine.progress().requests}
+    assert set(progress) == {r.id for r in reqs}
+    for r in reqs:
+        assert progress[r.id].instance in (0, 1)
+        assert progress[r.id].generated_tokens <= len(r.output)
+        assert progress[r.id].prompt_tokens == len(PROMPTS[0])
+    loads = [await s.load() for s in node.live()]
+    running = sum(load.running or 0 for load in loads)
+    assert running == node.engine.stats().running_requests == 4
+    await asyncio.gather(*(read_all(r) for r in reqs))
+    after = [await s.load() for s in node.live()]
+    generated = sum(
+        (a.generation_tokens_total or 0) - (b.generation_tokens_total or 0)
+        for a, b in zip(after, before, strict=True)
+    )
+    assert generated == sum(len(r.output) for r in reqs) == 4 * 400
+    assert sorted(node.engine.progress().completed_lengths) == [400] * 4
+
+
+async def test_drain_stops_admission(nodes: Nodes, reference: dict[int, list[int]]) -> None:
+    node = await nodes.add("a", (1,))
+    await node.engine.drain()
+    req = node.engine.submit(PROMPTS[0], N, GREEDY)
+    await asyncio.sleep(0.5)
+    assert req.where is Where.QUEUED and req.output == []
+    load = await node.live()[0].load()
+    assert load.running == 0
+    await node.engine.resume()
+    assert await read_all(req) == reference[0]
+
+
+@pytest.mark.parametrize("cut", [1, 17, 60])
+async def test_migration_mid_response_gives_the_uninterrupted_output(
+    nodes: Nodes, reference: dict[int, list[int]], cut: int
+) -> None:
+    a = await nodes.add("a", (1,))
+    b = await nodes.add("b", (1,))
+    reqs = [a.engine.submit(p, N, GREEDY) for p in PROMPTS[:3]]
+    readers = [asyncio.create_task(read_all(r)) for r in reqs]
+    await eventually(lambda: len(reqs[0].output) >= cut, within_s=60)
+    exported, missing = await a.engine.export_requests([r.id for r in reqs])
+    assert not missing and exported[0].generated_tokens >= cut
+    result = await b.engine.import_requests(exported, 0, recompute=True)
+    assert set(result.admitted) == {r.id for r in reqs}
+    await a.engine.release_requests(exported, Destination("b", "in-process"))
+    outs = await asyncio.gather(*readers)
+    assert outs == [reference[i] for i in range(3)]
+    assert all(r.hops == ["a", "b"] for r in reqs)
+
+
+async def test_reshard_with_requests_in_flight_loses_nothing(
+    nodes: Nodes, reference: dict[int, list[int]]
+) -> None:
+    node = await nodes.add("a", (1, 1))
+    reqs = [node.engine.submit(p, N, GREEDY) for p in PROMPTS]
+    readers = [asyncio.create_task(read_all(r)) for r in reqs]
+    for layout in [(2,), (1, 1)]:
+        await eventually(lambda: sum(len(r.output) for r in reqs) > 60, within_s=60)
+        result = await node.engine.reshard(layout)
+        assert result.new_layout == layout
+        assert {s.stage for s in result.stages} >= {"stop_instances", "start_instances"}
+        assert [p.tp for p in node.engine.instances] == list(layout)
+    outs = await asyncio.gather(*readers)
+    assert outs == [reference[i] for i in range(len(PROMPTS))]
+    assert sorted(node.engine.progress().completed_lengths) == [N] * len(PROMPTS)
+
+
+async def test_a_killed_engine_is_restarted_and_its_requests_resume(
+    nodes: Nodes, reference: dict[int, list[int]]
+) -> None:
+    node = await nodes.add("a", (1,))
+    reqs = [node.engine.submit(p, N, GREEDY) for p in PROMPTS[:3]]
+    readers = [asyncio.create_task(read_all(r)) for r in reqs]
+    await eventually(lambda: all(len(r.output) > 10 for r in reqs), within_s=60)
+    server = node.live()[0]
+    assert isinstance(server, HttpEngine) and server.process.pid is not None
+    os.kill(server.process.pid, signal.SIGKILL)
+    assert await asyncio.gather(*readers) == [reference[i] for i in range(3)]
+    assert node.engine.failures == 1 and node.engine.instance_health() == ("up",)
+
+
+async def test_an_engine_that_cannot_restart_fails_its_requests_clearly(
+    llama_binary: Path, gguf_model: Path, tmp_path: Path
+) -> None:
+    model = tmp_path / "doomed.gguf"
+    model.write_bytes(gguf_model.read_bytes())
+    nodes = Nodes("llamacpp", settings_for(llama_binary, model, tmp_path))
+    try:
+        node = await nodes.add("a", (1,))
+        req = node.engine.submit(PROMPTS[0], 4000, GREEDY)
+        await eventually(lambda: len(req.output) > 5, within_s=60)
+        model.unlink()  # the restart cannot load it
+        server = node.live()[0]
+        assert isinstance(server, HttpEngine) and server.process.pid is not None
+        os.kill(server.process.pid, signal.SIGKILL)
+        with pytest.raises(RequestFailed, match="exited with status -9 and did not restart"):
+            await asyncio.wait_for(read_all(req), 120)
+        assert node.engine.instance_health()[0].startswith("failed:")
+    finally:
+        await nodes.close()
