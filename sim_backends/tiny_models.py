@@ -185,8 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m sim_backends.tiny_models",
         description="write a tiny random-weight Llama for a real engine on a CPU",
     )
-    p.add_argument("format", choices=["hf", "gguf"], help="hf: a directory (vLLM, SGLang); "
-                   "gguf: a file (llama.cpp)")  # fmt: skip
+    p.add_argument(
+        "format",
+        choices=["hf", "gguf"],
+        help="hf: a directory (vLLM, SGLang); gguf: a file (llama.cpp)",
+    )
     p.add_argument("out", type=Path)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

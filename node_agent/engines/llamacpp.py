@@ -64,17 +64,24 @@ class LlamaCppServer(HttpEngine):
         s, p = self.settings, self.placement
         argv = [
             s.command,
-            "--model", s.model,
-            "--host", "127.0.0.1",
-            "--port", str(p.port),
-            "--parallel", str(s.max_num_seqs),
-            "--ctx-size", str(s.max_num_seqs * s.context),
-            "--seed", str(s.seed),
+            "--model",
+            s.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(p.port),
+            "--parallel",
+            str(s.max_num_seqs),
+            "--ctx-size",
+            str(s.max_num_seqs * s.context),
+            "--seed",
+            str(s.seed),
             "--metrics",
             "--slots",
-            "--slot-save-path", self.slot_dir,
+            "--slot-save-path",
+            self.slot_dir,
             "--no-webui",
-        ]  # fmt: skip
+        ]
         if p.device == "cpu":
             mask = sum(1 << c for c in cpu_cores(p.devices))
             argv += ["--threads", str(p.tp), "--threads-batch", str(p.tp)]

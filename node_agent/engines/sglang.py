@@ -39,8 +39,10 @@ def cpu_supported(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
         text = cpuinfo.read_text()
     except OSError:
         return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])  # fmt: skip
+    flags = next(
+        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")),
+        [],
+    )
     return {"amx_tile", "amx_bf16"} <= set(flags)
 
 

@@ -43,9 +43,16 @@ async def nodes(llama_binary: Path, gguf_model: Path, tmp_path: Path) -> AsyncIt
 
 async def direct(server: HttpEngine, prompt: list[int], n: int) -> list[int]:
     """One call straight to the engine (no gateway): the reference output."""
-    body = {"prompt": prompt, "n_predict": n, "temperature": 0, "ignore_eos": True,
-            "return_tokens": True, "cache_prompt": False}  # fmt: skip
-    async with aiohttp.ClientSession() as http, http.post(server.base + "/completion", json=body) as r:
+    body = {
+        "prompt": prompt,
+        "n_predict": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_tokens": True,
+        "cache_prompt": False,
+    }
+    url = server.base + "/completion"
+    async with aiohttp.ClientSession() as http, http.post(url, json=body) as r:
         assert r.status == 200
         doc = await r.json()
     return list(doc["tokens"])
@@ -66,8 +73,9 @@ async def test_the_gateway_streams_exactly_the_engines_tokens(
     node = await nodes.add("a", (1, 1), http=True)
     got = await asyncio.gather(
         *(
-            stream_http(node.url, {"prompt": p, "max_tokens": N, "temperature": 0,
-                                   "ignore_eos": True})  # fmt: skip
+            stream_http(
+                node.url, {"prompt": p, "max_tokens": N, "temperature": 0, "ignore_eos": True}
+            )
             for p in PROMPTS
         )
     )
