@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -172,7 +173,7 @@ async def test_an_engine_that_cannot_restart_fails_its_requests_clearly(
     llama_binary: Path, gguf_model: Path, tmp_path: Path
 ) -> None:
     model = tmp_path / "doomed.gguf"
-    model.write_bytes(gguf_model.read_bytes())
+    shutil.copyfile(gguf_model, model)
     nodes = Nodes("llamacpp", settings_for(llama_binary, model, tmp_path))
     try:
         node = await nodes.add("a", (1,))
