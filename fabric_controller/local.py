@@ -21,7 +21,7 @@ from pathlib import Path
 
 from orchestrrl import errors
 from orchestrrl import wiring as wiring_mod
-from orchestrrl.model import Wiring
+from orchestrrl.model import Role, Wiring
 
 DEFAULT_RUN_DIR = Path(".orl-local")
 STATE_FILE = "cluster.json"
@@ -34,6 +34,52 @@ class Proc:
     pid: int
     address: str
     log: str
+
+
+ENGINES_DIR = Path(".engines")  # what `make engines` installs (scripts/install-engines.sh)
+INSTALLED = {
+    "vllm": ENGINES_DIR / "vllm" / "bin" / "python",
+    "llamacpp": ENGINES_DIR / "llama.cpp" / "bin" / "llama-server",
+}
+
+
+def installed_engine(kind: str) -> str | None:
+    """The engine `make engines` installed in this checkout, if any."""
+    path = INSTALLED.get(kind)
+    return str(path.resolve()) if path is not None and path.exists() else None
+
+
+@dataclass(frozen=True)
+class LocalEngine:
+    """A real rollout engine for the generation nodes of a local cluster (the training
+    nodes keep the simulated one): every generation agent runs its instances on its
+    share of this host's CPU cores and serves a gateway on a free port."""
+
+    kind: str  # vllm, llamacpp or sglang
+    model: str
+    command: str
+    args: tuple[str, ...] = ()
+    tp_layout: str = ""  # e.g. "1,1"; "" the agent's default
+    max_num_seqs: int = 8
+    context: int = 2048
+    start_timeout_s: float = 600.0
+
+    def agent_args(self, run_dir: Path, node: str, cpu_offset: int) -> list[str]:
+        argv = [
+            "--engine", self.kind,
+            "--engine-model", str(Path(self.model).resolve()),
+            "--engine-command", self.command,
+            "--engine-max-num-seqs", str(self.max_num_seqs),
+            "--engine-context", str(self.context),
+            "--engine-start-timeout", str(self.start_timeout_s),
+            "--engine-cpu-offset", str(cpu_offset),
+            "--engine-log-dir", str((run_dir / "logs" / "engines" / node).resolve()),
+            "--gateway-listen", "127.0.0.1:0",
+            "--gpu-backend", "sim",  # each GPU of the layout is a CPU core here
+        ]  # fmt: skip
+        if self.tp_layout:
+            argv += ["--tp-layout", self.tp_layout]
+        return argv + [f"--engine-arg={a}" for a in self.args]
 
 
 @dataclass(frozen=True)
@@ -103,8 +149,10 @@ def up(
     timeout_s: float = 30.0,
     heartbeat_interval_s: float = 0.5,
     progress: Callable[[str], None] = lambda _msg: None,
+    engine: LocalEngine | None = None,
 ) -> LocalCluster:
-    """Start the cluster; on any failure stop what was started and raise."""
+    """Start the cluster; on any failure stop what was started and raise. ``engine``:
+    the generation nodes run that real engine (the default: every node simulated)."""
     w = wiring_mod.load(wiring_path)
     existing, alive = status(run_dir)
     if existing is not None and any(alive.values()):
@@ -170,7 +218,15 @@ def up(
         )
         procs.append(proc)
         progress(f"controller serving on {controller}")
+        cores = 0  # generation agents share this host's cores in wiring order
         for n in w.nodes:
+            real = engine is not None and n.role is Role.GEN
+            if real:
+                assert engine is not None
+                how = engine.agent_args(run_dir, n.name, cores)
+                cores += n.gpus
+            else:
+                how = ["--gpu-backend", "auto", "--engine", "sim"]
             proc, _ = _spawn(
                 run_dir,
                 "agent",
@@ -185,15 +241,14 @@ def up(
                     controller,
                     "--gpus",
                     str(n.gpus),
-                    "--gpu-backend",
-                    "auto",
-                    "--engine",
-                    "sim",
+                    *how,
                     "--plaintext",  # loopback only
                 ],
-                timeout_s,
+                engine.start_timeout_s if real and engine is not None else timeout_s,
             )
             procs.append(proc)
+            if real:
+                progress(f"agent {n.name}: {engine.kind if engine else ''} instances up")
         progress(f"{len(w.nodes)} node agents started")
         cluster = LocalCluster(
             str(run_dir.resolve()), str(Path(wiring_path).resolve()), controller, procs, time.time()

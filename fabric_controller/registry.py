@@ -29,6 +29,8 @@ class NodeRecord:
     gpu_backend: str = ""
     last_seen: float | None = None  # monotonic seconds
     telemetry: node_agent_pb2.TelemetrySample | None = None
+    engine: str = ""  # the rollout engine's kind (vllm, llamacpp, sglang, sim)
+    gateway: str = ""  # HOST:PORT of the node's generation gateway ("" without one)
 
 
 def health(record: NodeRecord, now: float, deadline_s: float) -> Health:
@@ -58,9 +60,19 @@ class Registry:
             fresh._counts[h] += 1
         return fresh
 
-    def register(self, node: str, address: str, gpu_backend: str, now: float) -> NodeRecord:
+    def register(
+        self,
+        node: str,
+        address: str,
+        gpu_backend: str,
+        now: float,
+        engine: str = "",
+        gateway: str = "",
+    ) -> NodeRecord:
         self.wiring.node(node)  # NotFound with the known names
-        record = NodeRecord(node, address, secrets.token_hex(8), gpu_backend, now, None)
+        record = NodeRecord(
+            node, address, secrets.token_hex(8), gpu_backend, now, None, engine, gateway
+        )
         self._nodes[node] = record
         return record
 
@@ -113,6 +125,8 @@ class Registry:
             gpu_backend=record.gpu_backend,
             last_seen=now,
             telemetry=sample,
+            engine=record.engine,
+            gateway=record.gateway,
         )
 
     def counts(self) -> dict[Health, int]:

@@ -72,6 +72,8 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
             request.agent_address,
             request.status.gpu_backend,
             len(request.status.gpus),
+            request.status.engine,
+            request.status.gateway,
         )
         cur = self.c.current
         return pb.RegisterResponse(
@@ -272,6 +274,8 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
                     last_seen_age_s=-1.0 if age is None else age,
                     last_telemetry=record.telemetry,
                     gpu_backend=record.gpu_backend,
+                    engine=record.engine,
+                    gateway=record.gateway,
                 )
             )
         return pb.ListNodesResponse(nodes=out)

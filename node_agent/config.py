@@ -84,6 +84,7 @@ class EngineConfig:
     gateway_listen: str = DEFAULT_GATEWAY_LISTEN
     gateway_api_key_file: Path | None = None
     weight_version: str = "0"
+    cpu_offset: int = 0  # CPU-only: instance devices map to cores from this one on
 
     @property
     def real(self) -> bool:
@@ -171,6 +172,7 @@ KEYS: dict[str, Key] = {
         Key("gateway_listen", "str"),
         Key("gateway_api_key_file", "str"),
         Key("weight_version", "str"),
+        Key("engine_cpu_offset", "int"),
         Key("telemetry_interval", "number"),
         Key("telemetry_buffer", "int"),
         Key("telemetry_flush_interval", "number"),
@@ -203,6 +205,7 @@ DEFAULTS: dict[str, Any] = {
     "engine_start_timeout": "900",
     "gateway_listen": DEFAULT_GATEWAY_LISTEN,
     "weight_version": "0",
+    "engine_cpu_offset": "0",
     "telemetry_interval": "1.0",
     "telemetry_buffer": str(DEFAULT_BUFFER_SAMPLES),
     "telemetry_flush_interval": str(DEFAULT_FLUSH_INTERVAL_S),
@@ -371,6 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--gateway-api-key-file",
         metavar="FILE",
         help="clients must send 'Authorization: Bearer' with the key in FILE",
+    )
+    g.add_argument(
+        "--engine-cpu-offset",
+        metavar="N",
+        help="CPU-only node: GPU i of the layout runs on CPU core N+i (several agents on "
+        "one host) (default 0)",
     )
     g.add_argument(
         "--weight-version",
@@ -698,6 +707,7 @@ def _engine(
     key_file = values.get("gateway_api_key_file")
     if key_file is not None:
         check("gateway_api_key_file", lambda f: read_api_key(Path(key_file), f))
+    cpu_offset = check("engine_cpu_offset", lambda f: _int(values["engine_cpu_offset"], f, 0, 4095))
     version = values["weight_version"]
     if not 1 <= len(version) <= 128:
         problems.append(str(errors.field_error(where["weight_version"], version, "1-128 chars")))
@@ -723,6 +733,7 @@ def _engine(
         gateway_listen=listen,
         gateway_api_key_file=Path(key_file) if key_file else None,
         weight_version=version,
+        cpu_offset=cpu_offset,
     )
 
 
@@ -853,6 +864,7 @@ def _engine_toml(e: EngineConfig) -> dict[str, Any]:
         "gateway_listen": e.gateway_listen,
         "gateway_api_key_file": str(e.gateway_api_key_file) if e.gateway_api_key_file else None,
         "weight_version": e.weight_version,
+        "engine_cpu_offset": e.cpu_offset,
     }
 
 

@@ -227,6 +227,7 @@ async def open_rollout(config: AgentConfig, gpus: GpuBackend, gpu_count: int) ->
         log_dir=e.log_dir,
         start_timeout_s=e.start_timeout_s,
         seed=config.seed,
+        cpu_offset=e.cpu_offset,
     )
     peers = GrpcPeers(config.tls)
     gateway = GatewayEngine(

@@ -97,6 +97,8 @@ class NodeView:
     last_seen_age_s: float | None
     gpu_backend: str
     telemetry: dict[str, Any] = field(default_factory=dict)
+    engine: str = ""  # rollout engine kind
+    gateway: str = ""  # HOST:PORT of the node's generation gateway ("" without one)
 
 
 @dataclass(frozen=True)
@@ -342,6 +344,8 @@ class AsyncClient:
                 last_seen_age_s=None if n.last_seen_age_s < 0 else n.last_seen_age_s,
                 gpu_backend=n.gpu_backend,
                 telemetry=_telemetry_summary(n),
+                engine=n.engine,
+                gateway=n.gateway,
             )
             for n in r.nodes
         ]

@@ -41,13 +41,14 @@ class EngineSettings:
     start_timeout_s: float = 600.0
     stop_grace_s: float = 10.0
     seed: int = 0
+    cpu_offset: int = 0  # CPU-only node: device i runs on core cpu_offset + i
 
 
-def cpu_cores(devices: Sequence[int]) -> tuple[int, ...]:
-    """The CPU cores standing in for ``devices`` on a CPU-only node (device i is the
-    i-th core this process may run on, wrapping around)."""
+def cpu_cores(devices: Sequence[int], offset: int = 0) -> tuple[int, ...]:
+    """The CPU cores standing in for ``devices`` on a CPU-only node: device i is core
+    ``offset + i`` among those this process may run on, wrapping around."""
     allowed = sorted(os.sched_getaffinity(0))
-    return tuple(allowed[d % len(allowed)] for d in devices)
+    return tuple(allowed[(offset + d) % len(allowed)] for d in devices)
 
 
 def base_env(extra: Mapping[str, str]) -> dict[str, str]:

@@ -62,28 +62,18 @@ class LlamaCppServer(HttpEngine):
 
     def argv(self) -> list[str]:
         s, p = self.settings, self.placement
-        argv = [
-            s.command,
-            "--model",
-            s.model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(p.port),
-            "--parallel",
-            str(s.max_num_seqs),
-            "--ctx-size",
-            str(s.max_num_seqs * s.context),
-            "--seed",
-            str(s.seed),
-            "--metrics",
-            "--slots",
-            "--slot-save-path",
-            self.slot_dir,
-            "--no-webui",
-        ]
+        argv = [s.command, "--model", s.model, "--host", "127.0.0.1", "--port", str(p.port)]
+        argv += ["--parallel", str(s.max_num_seqs), "--ctx-size", str(s.max_num_seqs * s.context)]
+        argv += ["--seed", str(s.seed), "--metrics", "--slots", "--no-webui"]
+        argv += ["--slot-save-path", self.slot_dir]
+        # no host-RAM prompt cache: with it, the greedy outputs of concurrent requests were
+        # seen to depend on their neighbours (measured on this server build)
+        argv += ["--cache-ram", "0"]
+        # a stream whose client went away is noticed at the next ping; with the default
+        # 30 s, stopping a server with such a stream waited that long
+        argv += ["--sse-ping-interval", "1"]
         if p.device == "cpu":
-            mask = sum(1 << c for c in cpu_cores(p.devices))
+            mask = sum(1 << c for c in cpu_cores(p.devices, s.cpu_offset))
             argv += ["--threads", str(p.tp), "--threads-batch", str(p.tp)]
             argv += ["--cpu-mask", f"{mask:x}", "--cpu-strict", "1", "--n-gpu-layers", "0"]
         else:

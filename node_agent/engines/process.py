@@ -1,7 +1,8 @@
 """An engine server process: launch, wait until healthy, watch, stop.
 
 The process gets its own process group (vLLM and SGLang spawn workers), so stopping it
-signals the whole group: SIGTERM, then SIGKILL after a grace period. Its output goes to a
+signals the whole group: SIGTERM, then SIGKILL after a grace period. It is killed when
+the agent dies, however the agent dies. Its output goes to a
 log file; when it fails to start, the error carries the end of that log.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 import time
@@ -23,6 +25,15 @@ from orchestrrl.logs import get_logger
 log = get_logger("node_agent.engines")
 
 LOG_TAIL_BYTES = 2000
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the agent dies (even by SIGKILL), so no engine
+    server outlives it holding GPUs and ports. (Under systemd the unit's cgroup is killed
+    as well.)"""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def tail(path: Path, size: int = LOG_TAIL_BYTES) -> str:
@@ -83,6 +94,7 @@ class EngineProcess:
                     stderr=asyncio.subprocess.STDOUT,
                     env=self.env,
                     start_new_session=True,
+                    preexec_fn=_die_with_parent,
                 )
             except OSError as exc:
                 raise errors.Unavailable(

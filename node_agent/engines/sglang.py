@@ -63,29 +63,12 @@ class SglangServer(HttpEngine):
 
     def argv(self) -> list[str]:
         s, p = self.settings, self.placement
-        argv = [
-            s.command,
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            s.model,
-            "--served-model-name",
-            s.served_model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(p.port),
-            "--tp-size",
-            str(p.tp),
-            "--max-running-requests",
-            str(s.max_num_seqs),
-            "--context-length",
-            str(s.context),
-            "--random-seed",
-            str(s.seed),
-            "--skip-tokenizer-init",
-            "--enable-metrics",
-        ]
+        argv = [s.command, "-m", "sglang.launch_server", "--model-path", s.model]
+        argv += ["--served-model-name", s.served_model]
+        argv += ["--host", "127.0.0.1", "--port", str(p.port)]
+        argv += ["--tp-size", str(p.tp), "--max-running-requests", str(s.max_num_seqs)]
+        argv += ["--context-length", str(s.context), "--random-seed", str(s.seed)]
+        argv += ["--skip-tokenizer-init", "--enable-metrics"]
         if p.device == "cpu":
             argv += ["--device", "cpu"]
         return argv + list(s.args)

@@ -50,28 +50,12 @@ class VllmServer(HttpEngine):
 
     def argv(self) -> list[str]:
         s, p = self.settings, self.placement
-        argv = [
-            s.command,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            s.model,
-            "--served-model-name",
-            s.served_model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(p.port),
-            "--tensor-parallel-size",
-            str(p.tp),
-            "--max-num-seqs",
-            str(s.max_num_seqs),
-            "--max-model-len",
-            str(s.context),
-            "--seed",
-            str(s.seed),
-            "--disable-uvicorn-access-log",
-        ]
+        argv = [s.command, "-m", "vllm.entrypoints.openai.api_server", "--model", s.model]
+        argv += ["--served-model-name", s.served_model]
+        argv += ["--host", "127.0.0.1", "--port", str(p.port)]
+        argv += ["--tensor-parallel-size", str(p.tp), "--max-num-seqs", str(s.max_num_seqs)]
+        argv += ["--max-model-len", str(s.context), "--seed", str(s.seed)]
+        argv += ["--disable-uvicorn-access-log"]
         if p.device == "cpu" and p.tp > 1:
             argv += ["--distributed-executor-backend", "mp"]
         return argv + list(s.args)
@@ -85,7 +69,9 @@ class VllmServer(HttpEngine):
         if p.device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, p.devices))
         else:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, cpu_cores(p.devices)))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                map(str, cpu_cores(p.devices, self.settings.cpu_offset))
+            )
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         return env
 

@@ -515,7 +515,7 @@ class GatewayEngine:
         admitted: list[Request] = []
         for m, parsed in states:
             req = self._requests.get(m.request_id)
-            if req is not None:  # coming home: this node follows it remotely
+            if req is not None:  # coming home, or moving between this node's instances
                 self._cancel_follow(req)
                 req.remote = ""
             else:
@@ -529,7 +529,8 @@ class GatewayEngine:
                 )
             req.output[:] = m.output_token_ids
             req.versions[:] = parsed.versions
-            req.hops[:] = [*parsed.hops, self.node]
+            here = parsed.hops[-1:] == (self.node,)
+            req.hops[:] = parsed.hops if here else [*parsed.hops, self.node]
             if not req.origin and not self._followers[req.id]:
                 self._unfollowed[req.id] = self._clock()  # until its source follows it
             admitted.append(req)
@@ -585,8 +586,10 @@ class GatewayEngine:
                     f"an output cap >= 1 and >= the {len(m.output_token_ids)} tokens generated",
                 )
             have = self._requests.get(m.request_id)
+            # a request this node follows elsewhere comes home; one exported from this
+            # node and not resolved yet moves to another of its instances
             if have is not None and not (
-                have.where is Where.REMOTE
+                have.where in (Where.REMOTE, Where.HELD)
                 and tuple(m.output_token_ids[: len(have.output)]) == tuple(have.output)
                 and have.prompt == m.prompt_token_ids
             ):

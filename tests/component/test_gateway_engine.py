@@ -384,3 +384,19 @@ async def test_a_hung_instance_is_restarted(cluster: Cluster) -> None:
     server.hung = False  # the restart brings it back
     assert await read_all(req) == greedy(prompt(0), 20)
     assert node.engine.failures == 1
+
+
+async def test_a_request_moves_between_instances_of_its_node(cluster: Cluster) -> None:
+    a = await cluster.add("a", (1, 1), delay=0.003)
+    req = a.engine.submit(prompt(0), 60, GREEDY)
+    reader = asyncio.create_task(read_all(req))
+    await eventually(lambda: len(req.output) > 10)
+    before = req.instance
+    exported, _ = await a.engine.export_requests([req.id])
+    await a.engine.import_requests(exported, 1 - before, recompute=True)
+    assert req.where is Where.RUNNING and req.instance == 1 - before
+    # the controller then resolves the export: nothing to release or restore any more
+    assert await a.engine.release_requests(exported, Destination("a", "x")) == ()
+    assert await a.engine.restore_requests(exported) == ()
+    assert await reader == greedy(prompt(0), 60)
+    assert req.hops == ["a"]

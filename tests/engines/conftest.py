@@ -9,6 +9,8 @@ which command installs it.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -104,9 +106,16 @@ class Nodes:
         self.nodes: list[Node] = []
 
     async def add(
-        self, name: str, layout: tuple[int, ...], *, http: bool = False, gpus: int | None = None
+        self,
+        name: str,
+        layout: tuple[int, ...],
+        *,
+        http: bool = False,
+        gpus: int | None = None,
+        cpu_offset: int = 0,
     ) -> Node:
-        make = server_factory(self.kind, self.settings(name))
+        settings = dataclasses.replace(self.settings(name), cpu_offset=cpu_offset)
+        make = server_factory(self.kind, settings)
         node = Node(name, None)  # type: ignore[arg-type]
 
         def tracked(p: Placement) -> EngineServer:
@@ -128,8 +137,9 @@ class Nodes:
         self.nodes.append(node)
         self.peers.gateways[name] = node.engine
         if http:
-            s = self.settings(name)
-            node.http = GatewayServer(node.engine, GatewaySettings(s.served_model, s.context))
+            node.http = GatewayServer(
+                node.engine, GatewaySettings(settings.served_model, settings.context)
+            )
             await node.http.start("127.0.0.1:0")
         return node
 
@@ -141,7 +151,14 @@ class Nodes:
 
 
 def settings_for(
-    command: Path, model: Path, log_dir: Path, *, seqs: int = 4, context: int = 1024
+    command: Path,
+    model: Path,
+    log_dir: Path,
+    *,
+    seqs: int = 4,
+    context: int = 1024,
+    args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> Callable[[str], EngineSettings]:
     def make(node: str) -> EngineSettings:
         return EngineSettings(
@@ -150,9 +167,11 @@ def settings_for(
             served_model="tiny",
             max_num_seqs=seqs,
             context=context,
+            args=args,
+            env=env or {},
             log_dir=log_dir / node,
-            start_timeout_s=300,
-            stop_grace_s=10,
+            start_timeout_s=600,
+            stop_grace_s=15,
         )
 
     return make
@@ -176,8 +195,6 @@ async def stream_http(url: str, body: dict[str, object]) -> list[int]:
         async for line in r.content:
             text = line.decode().strip()
             if text.startswith("data: {"):
-                import json
-
                 event = json.loads(text[6:])
                 assert "error" not in event, event
                 tokens.extend(event["choices"][0]["token_ids"])

