@@ -173,6 +173,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--run-dir", type=Path, default=None, help="run directory (default: a temporary directory)"
     )
+    de = add(
+        sub,
+        "demo-engines",
+        "a local cluster on real CPU engines: requests migrate and nodes reshard, outputs "
+        "checked against uninterrupted runs",
+    )
+    de.add_argument("--engine", choices=["llamacpp", "vllm"], default="llamacpp")
+    de.add_argument("--engine-command", default="", metavar="PATH", help="default: from .engines/")
+    de.add_argument("--requests", type=int, default=6, help="requests of the step (1-16)")
+    de.add_argument(
+        "--max-tokens",
+        type=int,
+        default=3000,
+        help="the longest request's tokens (16-4000); the others get less, a long tail",
+    )
+    de.add_argument(
+        "--run-dir", type=Path, default=None, help="run directory (default: a temporary one)"
+    )
     return p
 
 
@@ -504,6 +522,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.wiring, args.steps, args.run_dir)
 
 
+def cmd_demo_engines(args: argparse.Namespace) -> int:
+    from fabric_controller.demo_engines import DemoConfig, run_demo_engines
+
+    if not 1 <= args.requests <= 16:
+        raise errors.field_error("--requests", args.requests, "an integer from 1 to 16")
+    if not 16 <= args.max_tokens <= 4000:
+        raise errors.field_error("--max-tokens", args.max_tokens, "an integer from 16 to 4000")
+    cfg = DemoConfig(
+        args.engine, args.engine_command, args.requests, args.max_tokens, run_dir=args.run_dir
+    )
+    return run_demo_engines(cfg, as_json=getattr(args, "json", False))
+
+
 def cmd_certs(args: argparse.Namespace) -> int:
     from orchestrrl.devcerts import make_dev_pki
 
@@ -542,6 +573,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "events": cmd_events,
     "config": cmd_config,
     "local": cmd_local,
+    "demo-engines": cmd_demo_engines,
     "demo": cmd_demo,
     "certs": cmd_certs,
 }

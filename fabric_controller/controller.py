@@ -204,8 +204,11 @@ class Controller:
         gpus: int,
         engine: str = "",
         gateway: str = "",
+        kv_import: bool = True,
     ) -> NodeRecord:
-        record = self.registry.register(node, address, gpu_backend, self._mono(), engine, gateway)
+        record = self.registry.register(
+            node, address, gpu_backend, self._mono(), engine, gateway, kv_import
+        )
         wired = self.wiring.node(node).gpus
         note = "" if gpus == wired else f"; reports {gpus} GPUs but the wiring says {wired}"
         if note:

@@ -31,6 +31,7 @@ class NodeRecord:
     telemetry: node_agent_pb2.TelemetrySample | None = None
     engine: str = ""  # the rollout engine's kind (vllm, llamacpp, sglang, sim)
     gateway: str = ""  # HOST:PORT of the node's generation gateway ("" without one)
+    kv_import: bool = True  # its engine takes a moved KV cache (else it recomputes)
 
 
 def health(record: NodeRecord, now: float, deadline_s: float) -> Health:
@@ -68,10 +69,11 @@ class Registry:
         now: float,
         engine: str = "",
         gateway: str = "",
+        kv_import: bool = True,
     ) -> NodeRecord:
         self.wiring.node(node)  # NotFound with the known names
         record = NodeRecord(
-            node, address, secrets.token_hex(8), gpu_backend, now, None, engine, gateway
+            node, address, secrets.token_hex(8), gpu_backend, now, None, engine, gateway, kv_import
         )
         self._nodes[node] = record
         return record
@@ -127,6 +129,7 @@ class Registry:
             telemetry=sample,
             engine=record.engine,
             gateway=record.gateway,
+            kv_import=record.kv_import,
         )
 
     def counts(self) -> dict[Health, int]:

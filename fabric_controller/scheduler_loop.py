@@ -131,7 +131,9 @@ class ComputeScheduler:
             if health is not Health.UP:
                 skipped.append(f"{record.name}: {health.value}")
                 continue
-            got = scheduling.node_view(record.name, node.gpus, record.telemetry)
+            got = scheduling.node_view(
+                record.name, node.gpus, record.telemetry, kv_import=record.kv_import
+            )
             if isinstance(got, str):
                 skipped.append(f"{record.name}: {got}")
                 continue
@@ -246,7 +248,8 @@ class ComputeScheduler:
         after = "+".join(f"TP{t}" for t in cmd.layout)
         try:
             reply = await self.clients(cmd.node, address).reshard(cmd.command_id, cmd.layout)
-            ok, outcome = True, f": {reply.message}"
+            stages = ", ".join(f"{x.stage} {x.seconds:.3f} s" for x in reply.stages)
+            ok, outcome = True, f": {reply.message}" + (f" (stages: {stages})" if stages else "")
         except errors.OrlError as exc:
             ok, outcome = False, f" failed: {exc}"
         return self._record(
@@ -306,6 +309,8 @@ class ComputeScheduler:
                 ids,
             )
         released = await self._resolve(src, cmd, export_id, (cmd.target, addresses[cmd.target]))
+        if not cmd.recompute and imported.bytes_moved == 0 and imported.recomputed_tokens:
+            how = "recompute (a KV move was asked for; the destination engine takes no KV cache)"
         return done(
             True,
             f"{len(imported.admitted)} request(s) to instance {cmd.target_instance} by {how}"

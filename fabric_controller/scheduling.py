@@ -107,10 +107,15 @@ class NodeView:
     timestamp: float  # of the sample, seconds since the Unix epoch
     requests: tuple[Progress, ...]
     completed: tuple[int, ...]
+    kv_import: bool = True  # its engine takes a moved KV cache (else: recompute)
 
 
 def node_view(
-    node: str, wired_gpus: int, sample: node_agent_pb2.TelemetrySample | None
+    node: str,
+    wired_gpus: int,
+    sample: node_agent_pb2.TelemetrySample | None,
+    *,
+    kv_import: bool = True,
 ) -> NodeView | str:
     """The node's view, or why it is left out of this round."""
     if sample is None:
@@ -141,6 +146,7 @@ def node_view(
         sample.timestamp,
         tuple(progress),
         tuple(int(x) for x in sample.engine.completed_lengths),
+        kv_import,
     )
 
 
@@ -181,7 +187,7 @@ def build_state(views: Iterable[NodeView]) -> Snapshot:
     dup: list[str] = []
     caps: list[int] = []
     for v in ordered:
-        nodes.append(NodeGpus(v.node, tuple(range(sum(v.layout)))))
+        nodes.append(NodeGpus(v.node, tuple(range(sum(v.layout))), v.kv_import))
         insts = node_instances(v.node, v.layout)
         instances.extend(insts)
         for k, inst in enumerate(insts):

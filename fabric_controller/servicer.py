@@ -74,6 +74,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
             len(request.status.gpus),
             request.status.engine,
             request.status.gateway,
+            request.status.kv_import,
         )
         cur = self.c.current
         return pb.RegisterResponse(

@@ -34,6 +34,7 @@ def status_to_pb(status: NodeStatus) -> node_agent_pb2.NodeStatus:
         engine=status.engine,
         gateway=status.gateway,
         instance_health=status.instance_health,
+        kv_import=status.kv_import,
     )
 
 

@@ -114,6 +114,10 @@ class RolloutEngine(Protocol):
     @property
     def tp_layout(self) -> tuple[int, ...]: ...
 
+    @property
+    def kv_import(self) -> bool:
+        """It can admit a migrating request with its KV cache moved from elsewhere."""
+
     def stats(self) -> EngineStats: ...
 
     def progress(self) -> EngineProgress:

@@ -39,6 +39,7 @@ class NodeStatus:
     engine: str = "sim"  # the rollout engine's kind
     gateway: str = ""  # HOST:PORT of the generation gateway ("" without one)
     instance_health: tuple[str, ...] = ()
+    kv_import: bool = True
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ class Collector:
             engine=self._engine_kind,
             gateway=self._gateway,
             instance_health=self._instance_health() if self._instance_health else (),
+            kv_import=self._engine.kv_import,
         )
 
     async def read(self, progress: bool = True) -> Reading:

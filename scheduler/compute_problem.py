@@ -196,6 +196,8 @@ class Problem:
     # KV bytes/token, KV heads, NVLink latency and B/s per GPU pair, network latency and B/s
     # per NIC (see PerfModel.kv_move_time)
     links: tuple[float, int, float, float, float, float]
+    # nodes whose engines cannot take a moved KV cache: moves to them recompute it
+    recompute_only: frozenset[str] = frozenset()
     # q, mi, pre and ctx as numpy arrays (float64, then int64), for the vectorised passes
     arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] = field(
         default=(
@@ -262,6 +264,14 @@ class Problem:
         if not self.has_kv[r]:
             return 0.0, MoveMethod.DISPATCH
         same_node = src_node == dst.node
+        if dst.node in self.recompute_only:
+            # its engine rebuilds the KV cache of whatever arrives, by prefill; across the
+            # node's own reshard the request stays and is recomputed there
+            cost = self.costs.get(len(dst.gpus))
+            rec = cost.prefill_per_token_s * self.ctx[r] if cost is not None else math.inf
+            if same_node and src_node_changes:
+                return rec, MoveMethod.RELAYOUT
+            return rec, MoveMethod.RECOMPUTE
         if same_node and src_node_changes:
             return 0.0, MoveMethod.RELAYOUT
         # PerfModel.kv_move_time, with its constants hoisted (this runs per candidate move)
@@ -443,6 +453,7 @@ def build_problem(
         instances=instances,
         by_node=by_node,
         links=_links(perf),
+        recompute_only=frozenset(n.name for n in state.nodes if not n.kv_import),
         arrays=(q_a, mi_a, pre_a, ctx_a),
         current_index=current_index,
         rank_array=rank_a,

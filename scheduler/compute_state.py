@@ -57,6 +57,9 @@ class Request:
 class NodeGpus:
     name: str
     gpus: tuple[int, ...]
+    # its engine can take a request with its KV cache moved from elsewhere; otherwise a
+    # request that moves to it (or stays across its reshard) is recomputed by prefill
+    kv_import: bool = True
 
 
 @dataclass(frozen=True)

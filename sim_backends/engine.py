@@ -151,6 +151,10 @@ class SimulatedEngine:
     def tp_layout(self) -> tuple[int, ...]:
         return self._layout
 
+    @property
+    def kv_import(self) -> bool:
+        return True  # it takes a moved KV cache (at no simulated cost)
+
     def stats(self) -> EngineStats:
         self._advance()
         # one pass over the instances (read at every telemetry sample); the sums are taken

@@ -192,9 +192,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("out", type=Path)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=TinyShape.layers, choices=range(1, 9))
+    p.add_argument(
+        "--hidden", type=int, default=TinyShape.hidden, choices=[64 * k for k in range(1, 33)]
+    )
+    p.add_argument(
+        "--vocab", type=int, default=TinyShape.vocab, choices=range(16, 65537), metavar="N"
+    )
     args = p.parse_args(argv)
     writer = write_hf_llama if args.format == "hf" else write_gguf_llama
-    print(writer(args.out, seed=args.seed))
+    shape = TinyShape(args.layers, args.hidden, intermediate=2 * args.hidden, vocab=args.vocab)
+    print(writer(args.out, shape, seed=args.seed))
     return 0
 
 

@@ -173,6 +173,12 @@ class ScriptedEngine:
     async def healthy(self) -> bool:
         return self.alive and not self.hung
 
+    async def pause(self) -> None:
+        raise NotImplementedError("the scripted engine cannot pause in place")
+
+    async def resume(self) -> None:
+        raise NotImplementedError("the scripted engine cannot pause in place")
+
     async def warm(self, prefix: Sequence[int]) -> bool:
         self.record.warmed.append(len(prefix))
         return CAP_KV_WARM in self.capabilities

@@ -183,5 +183,11 @@ class EngineServer(Protocol):
     async def healthy(self) -> bool:
         """The server answers its health check."""
 
+    async def pause(self) -> None:
+        """Stop generating, keeping in-flight calls and their KV cache (CAP_PAUSE)."""
+
+    async def resume(self) -> None:
+        """Generate again after :meth:`pause`."""
+
     async def warm(self, prefix: Sequence[int]) -> bool:
         """Fill the prefix cache for ``prefix`` (CAP_KV_WARM); False when not supported."""

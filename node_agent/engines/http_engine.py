@@ -150,7 +150,10 @@ class HttpEngine:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, force_close=False),
+                # a connection per call: engine servers close idle keep-alive connections on
+                # their own (llama-server did between two calls), and a request written to
+                # such a connection fails
+                connector=aiohttp.TCPConnector(limit=0, force_close=True),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
             )
         return self._session
@@ -213,6 +216,12 @@ class HttpEngine:
 
     def generate(self, submission: Submission) -> AsyncGenerator[Chunk, None]:
         raise NotImplementedError
+
+    async def pause(self) -> None:
+        raise NotImplementedError(f"{self.kind} cannot pause in place")
+
+    async def resume(self) -> None:
+        raise NotImplementedError(f"{self.kind} cannot pause in place")
 
     async def abort(self, engine_request_ids: Sequence[str]) -> None:
         raise NotImplementedError

@@ -48,6 +48,7 @@ from node_agent.engine import (
 )
 from node_agent.engines.base import (
     CAP_KV_WARM,
+    CAP_PAUSE,
     Device,
     EngineFailed,
     EngineServer,
@@ -125,6 +126,7 @@ class _Slot:
     restarts: int = 0
     watcher: asyncio.Task[None] | None = None
     checker: asyncio.Task[None] | None = None  # an unreachable instance being checked
+    paused: bool = False  # paused in place by GatewayEngine.pause
     load: InstanceLoad = field(default_factory=InstanceLoad)
 
     @property
@@ -252,6 +254,10 @@ class GatewayEngine:
     @property
     def tp_layout(self) -> tuple[int, ...]:
         return self._layout
+
+    @property
+    def kv_import(self) -> bool:
+        return False  # an imported request is resubmitted: its KV cache is recomputed
 
     @property
     def instances(self) -> tuple[Placement, ...]:
@@ -407,13 +413,24 @@ class GatewayEngine:
         self._wake.set()
 
     async def pause(self) -> None:
-        """Stop generating: calls are aborted and their requests wait at the front of the
-        queue with their output so far (their KV cache is recomputed at unpause)."""
+        """Stop generating. Instances that can pause in place (vLLM, SGLang) keep their
+        calls and KV cache; on the others the calls are aborted and their requests wait at
+        the front of the queue with their output so far (KV recomputed at unpause)."""
+        if self._paused:
+            return
         self._paused = True
         for slot in self._slots:
-            await self._cancel_calls(slot)
+            if slot.up and CAP_PAUSE in slot.server.capabilities:
+                await slot.server.pause()
+                slot.paused = True
+            else:
+                await self._cancel_calls(slot)
 
     async def unpause(self) -> None:
+        for slot in self._slots:
+            if slot.paused:
+                slot.paused = False
+                await slot.server.resume()
         self._paused = False
         self._wake.set()
 
@@ -650,6 +667,7 @@ class GatewayEngine:
         mark("start_instances")
         slots = [keep[p.index] if p.index in keep else fresh[p.index] for p in new_places]
         self._adopt(slots, layout)
+        self._resharding = False
         resumed = self._dispatch()
         mark("resubmit_requests")
         stages = tuple(

@@ -110,6 +110,10 @@ class TorchReshardEngine:
     def tp_layout(self) -> tuple[int, ...]:
         return self._pool.layout
 
+    @property
+    def kv_import(self) -> bool:
+        return self._inner.kv_import
+
     def stats(self) -> EngineStats:
         return self._inner.stats()
 

@@ -21,6 +21,7 @@ import pytest_asyncio
 
 from node_agent.engine import Destination
 from node_agent.engines.http_engine import HttpEngine
+from node_agent.gateway.requests import Where
 from tests.engines.conftest import GREEDY, Nodes, read_all, settings_for, stream_http
 from tests.helpers import eventually
 
@@ -86,19 +87,28 @@ async def test_load_and_progress_match_the_engine(nodes: Nodes) -> None:
     a = node(nodes, "a")
     servers = a.live()
     before = [await s.load() for s in servers]
-    n = 1000  # long enough to be running still when the gauges have caught up
+    n = 1000
     reqs = [a.engine.submit(p, n, GREEDY) for p in PROMPTS[:4]]
     await eventually(lambda: all(len(r.output) > 10 for r in reqs), within_s=120)
-    progress = {p.request_id: p for p in a.engine.progress().requests}
-    assert set(progress) == {r.id for r in reqs}
-    assert all(p.instance in (0, 1) and p.max_tokens == n for p in progress.values())
-    await asyncio.sleep(0.5)  # vLLM updates its gauges a moment later
-    during = [await s.load() for s in servers]
-    assert all(not r.done for r in reqs)
-    assert sum(x.running or 0 for x in during) == a.engine.stats().running_requests == 4
-    assert all(x.kv_usage is not None and 0 < x.kv_usage <= 1 for x in during)
+    # vLLM paused in place (dev mode): nothing finishes while the gauges catch up
+    await a.engine.pause()
+    try:
+        await asyncio.sleep(1.0)
+        progress = {p.request_id: p for p in a.engine.progress().requests}
+        running = [r for r in reqs if not r.done]
+        assert set(progress) == {r.id for r in running}
+        assert all(r.where is Where.RUNNING for r in running)  # kept on the engine
+        for r in running:
+            assert progress[r.id].max_tokens == n and progress[r.id].prompt_tokens == 6
+            assert progress[r.id].generated_tokens == len(r.output)
+        during = [await s.load() for s in servers]
+        assert sum(x.running or 0 for x in during) == a.engine.stats().running_requests
+        assert a.engine.stats().running_requests == len(running)
+        assert all(x.kv_usage is not None and 0 <= x.kv_usage <= 1 for x in during)
+    finally:
+        await a.engine.unpause()
     await asyncio.gather(*(read_all(r) for r in reqs))
-    await asyncio.sleep(1.5)
+    await asyncio.sleep(1.0)
     after = [await s.load() for s in servers]
     generated = sum(
         (x.generation_tokens_total or 0) - (y.generation_tokens_total or 0)

@@ -153,6 +153,22 @@ def test_recompute_wins_when_the_network_is_slow() -> None:
     assert methods == {MoveMethod.RECOMPUTE}
 
 
+def test_engines_that_take_no_kv_cache_get_recomputed_moves() -> None:
+    """A gateway over vLLM/llama.cpp resubmits what it admits: moves to it are priced and
+    labelled as recomputation, never as a KV move."""
+    nodes, insts = cluster(2, (4, 4))
+    nodes = tuple(dataclasses.replace(n, kv_import=False) for n in nodes)
+    hot = insts[0]
+    reqs = tuple(Request(f"r{i:02d}", 2000, 500 + 10 * i, hot.id, True) for i in range(16))
+    state = ComputeState(nodes, tuple(insts), reqs)
+    plan = balance(state, forecast_for(state), PM, now=1.0)
+    moved = [m for m in plan.migrations if m.source != m.target]
+    assert moved
+    assert {m.method for m in moved} == {MoveMethod.RECOMPUTE}
+    assert all(m.cost_s > 0 for m in moved)
+    assert_valid(state, plan)
+
+
 def test_requests_no_instance_can_hold_stay_queued() -> None:
     pm = PerfModel(QWEN25_72B, H800)
     nodes, insts = cluster(1, (4, 4))
