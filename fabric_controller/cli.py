@@ -181,13 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     de.add_argument("--engine", choices=["llamacpp", "vllm"], default="llamacpp")
     de.add_argument("--engine-command", default="", metavar="PATH", help="default: from .engines/")
-    de.add_argument("--requests", type=int, default=6, help="requests of the step (1-16)")
+    de.add_argument("--requests", type=int, default=8, help="requests of the step (1-16)")
     de.add_argument(
         "--max-tokens",
         type=int,
-        default=3000,
+        default=2000,
         help="the longest request's tokens (16-4000); the others get less, a long tail",
     )
+    de.add_argument("--equal-lengths", action="store_true", help="every request --max-tokens long")
     de.add_argument(
         "--run-dir", type=Path, default=None, help="run directory (default: a temporary one)"
     )
@@ -530,7 +531,12 @@ def cmd_demo_engines(args: argparse.Namespace) -> int:
     if not 16 <= args.max_tokens <= 4000:
         raise errors.field_error("--max-tokens", args.max_tokens, "an integer from 16 to 4000")
     cfg = DemoConfig(
-        args.engine, args.engine_command, args.requests, args.max_tokens, run_dir=args.run_dir
+        args.engine,
+        args.engine_command,
+        args.requests,
+        args.max_tokens,
+        args.equal_lengths,
+        run_dir=args.run_dir,
     )
     return run_demo_engines(cfg, as_json=getattr(args, "json", False))
 

@@ -205,9 +205,10 @@ class Controller:
         engine: str = "",
         gateway: str = "",
         kv_import: bool = True,
+        max_num_seqs: int = 0,
     ) -> NodeRecord:
         record = self.registry.register(
-            node, address, gpu_backend, self._mono(), engine, gateway, kv_import
+            node, address, gpu_backend, self._mono(), engine, gateway, kv_import, max_num_seqs
         )
         wired = self.wiring.node(node).gpus
         note = "" if gpus == wired else f"; reports {gpus} GPUs but the wiring says {wired}"

@@ -32,6 +32,7 @@ class NodeRecord:
     engine: str = ""  # the rollout engine's kind (vllm, llamacpp, sglang, sim)
     gateway: str = ""  # HOST:PORT of the node's generation gateway ("" without one)
     kv_import: bool = True  # its engine takes a moved KV cache (else it recomputes)
+    max_num_seqs: int = 0  # sequences per instance of its engine (0: unknown)
 
 
 def health(record: NodeRecord, now: float, deadline_s: float) -> Health:
@@ -70,10 +71,20 @@ class Registry:
         engine: str = "",
         gateway: str = "",
         kv_import: bool = True,
+        max_num_seqs: int = 0,
     ) -> NodeRecord:
         self.wiring.node(node)  # NotFound with the known names
         record = NodeRecord(
-            node, address, secrets.token_hex(8), gpu_backend, now, None, engine, gateway, kv_import
+            node,
+            address,
+            secrets.token_hex(8),
+            gpu_backend,
+            now,
+            None,
+            engine,
+            gateway,
+            kv_import,
+            max_num_seqs,
         )
         self._nodes[node] = record
         return record
@@ -130,6 +141,7 @@ class Registry:
             engine=record.engine,
             gateway=record.gateway,
             kv_import=record.kv_import,
+            max_num_seqs=record.max_num_seqs,
         )
 
     def counts(self) -> dict[Health, int]:

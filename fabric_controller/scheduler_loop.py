@@ -31,7 +31,7 @@ from orchestrrl import errors
 from orchestrrl.logs import get_logger
 from orchestrrl.model import Role
 from orchestrrl.v1 import node_agent_pb2
-from scheduler.compute_state import ComputePlan
+from scheduler.compute_state import ComputePlan, MoveMethod
 from scheduler.perf_model import H800, QWEN25_14B, PerfModel
 
 log = get_logger("fabric_controller.scheduling")
@@ -101,6 +101,7 @@ class ComputeScheduler:
         self._wall = wall_clock
         self._tracker = scheduling.StepTracker()
         self._rounds = 0
+        self._moved: dict[str, float] = {}  # request id -> when the loop last moved it
         self._actions: collections.deque[ActionRecord] = collections.deque(maxlen=ACTIONS_KEPT)
         self._view = ScheduleView(enabled, self.config.interval_s)
 
@@ -132,7 +133,11 @@ class ComputeScheduler:
                 skipped.append(f"{record.name}: {health.value}")
                 continue
             got = scheduling.node_view(
-                record.name, node.gpus, record.telemetry, kv_import=record.kv_import
+                record.name,
+                node.gpus,
+                record.telemetry,
+                kv_import=record.kv_import,
+                max_num_seqs=record.max_num_seqs,
             )
             if isinstance(got, str):
                 skipped.append(f"{record.name}: {got}")
@@ -163,9 +168,17 @@ class ComputeScheduler:
             return decision
         plan = decision.plan
         self._rounds += 1
+        cooled = now - self.config.move_cooldown_s
+        self._moved = {r: t for r, t in self._moved.items() if t > cooled}
         reshards, migrations = scheduling.commands_for(
-            plan, snap, f"sched-{int(now)}-{self._rounds}", self.config.max_migrations
+            plan,
+            snap,
+            f"sched-{int(now)}-{self._rounds}",
+            self.config.max_migrations,
+            frozenset(self._moved),
         )
+        for m in migrations:
+            self._moved.update(dict.fromkeys(m.request_ids, now))
         self._view = ScheduleView(
             True,
             self.config.interval_s,
@@ -270,7 +283,9 @@ class ComputeScheduler:
         """Export -> import -> resolve (see the module docstring); the outcome."""
         started = time.monotonic()
         route = f"{cmd.source} -> {cmd.target}"
-        how = "recompute" if cmd.recompute else "KV move"
+        how = {MoveMethod.DISPATCH: "dispatch (queued, no KV cache)"}.get(
+            cmd.method, "recompute" if cmd.recompute else "KV move"
+        )
         src = self.clients(cmd.source, addresses[cmd.source])
         dst = self.clients(cmd.target, addresses[cmd.target])
         export_id = f"{cmd.command_id}-export"

@@ -74,6 +74,9 @@ class SchedulingConfig:
     history_steps: int = 8  # completed-length sets of past steps kept for the forecast
     max_migrations: int = 64  # requests moved per round at most (the rest wait a round)
     hold_s: float = 30.0  # how long a source holds exported requests unresolved
+    # a request moved is not moved again for this long: predictions from telemetry a round
+    # old would otherwise send it back and forth, paying its recomputation every time
+    move_cooldown_s: float = 10.0
 
     def __post_init__(self) -> None:
         check_interval(self.interval_s, "interval_s")
@@ -81,6 +84,10 @@ class SchedulingConfig:
             raise errors.field_error("history_steps", self.history_steps, ">= 1")
         if self.max_migrations < 0:
             raise errors.field_error("max_migrations", self.max_migrations, ">= 0")
+        if not 0 <= self.move_cooldown_s <= 3600:
+            raise errors.field_error(
+                "move_cooldown_s", self.move_cooldown_s, "seconds in [0, 3600]"
+            )
         if not 0 < self.hold_s <= 3600:
             raise errors.field_error("hold_s", self.hold_s, "seconds in (0, 3600]")
 
@@ -108,6 +115,7 @@ class NodeView:
     requests: tuple[Progress, ...]
     completed: tuple[int, ...]
     kv_import: bool = True  # its engine takes a moved KV cache (else: recompute)
+    max_num_seqs: int = 0  # sequences per instance of its engine (0: unknown)
 
 
 def node_view(
@@ -116,6 +124,7 @@ def node_view(
     sample: node_agent_pb2.TelemetrySample | None,
     *,
     kv_import: bool = True,
+    max_num_seqs: int = 0,
 ) -> NodeView | str:
     """The node's view, or why it is left out of this round."""
     if sample is None:
@@ -147,6 +156,7 @@ def node_view(
         tuple(progress),
         tuple(int(x) for x in sample.engine.completed_lengths),
         kv_import,
+        max_num_seqs,
     )
 
 
@@ -169,6 +179,12 @@ class Snapshot:
     views: Mapping[str, NodeView]
     max_tokens: int | None
     duplicates: tuple[str, ...] = ()  # request ids reported by two nodes (kept once)
+    queued_on: Mapping[str, str] = field(default_factory=dict)  # queued request -> its node
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The smallest per-instance cap the nodes report (0: none reports one)."""
+        return min((v.max_num_seqs for v in self.views.values() if v.max_num_seqs), default=0)
 
     @property
     def layouts(self) -> dict[str, tuple[int, ...]]:
@@ -186,6 +202,7 @@ def build_state(views: Iterable[NodeView]) -> Snapshot:
     seen: set[str] = set()
     dup: list[str] = []
     caps: list[int] = []
+    queued_on: dict[str, str] = {}
     for v in ordered:
         nodes.append(NodeGpus(v.node, tuple(range(sum(v.layout))), v.kv_import))
         insts = node_instances(v.node, v.layout)
@@ -199,6 +216,7 @@ def build_state(views: Iterable[NodeView]) -> Snapshot:
             seen.add(p.request_id)
             caps.append(p.max_tokens)
             if p.instance < 0:
+                queued_on[p.request_id] = v.node
                 requests.append(Request(p.request_id, p.prompt_tokens, p.generated_tokens))
             else:
                 requests.append(
@@ -218,6 +236,7 @@ def build_state(views: Iterable[NodeView]) -> Snapshot:
         {v.node: v for v in ordered},
         max(known) if known and len(known) == len(caps) else None,
         tuple(sorted(dup)),
+        queued_on,
     )
 
 
@@ -304,10 +323,13 @@ def decide(
         now=now,
         last_plan_at=tracker.last_plan_at,
     )
+    planner = config.planner
+    if snap.max_num_seqs:  # the engines' own cap on an instance's batch
+        planner = replace(planner, max_num_seqs=snap.max_num_seqs)
     if due:
-        plan = plan_compute(snap.state, forecast, perf, now, config.planner)
+        plan = plan_compute(snap.state, forecast, perf, now, planner)
         return Decision("replan", plan, "re-plan point of the step")
-    plan = balance(snap.state, forecast, perf, now, config.planner)
+    plan = balance(snap.state, forecast, perf, now, planner)
     return Decision("balance", plan, "between re-plan points")
 
 
@@ -350,6 +372,7 @@ _MOVES = {
     MoveMethod.KV_NVLINK: False,
     MoveMethod.KV_NETWORK: False,
     MoveMethod.RECOMPUTE: True,
+    MoveMethod.DISPATCH: True,  # a queued request: no KV cache to move
 }
 
 
@@ -364,12 +387,19 @@ def after_index(plan: ComputePlan, snap: Snapshot) -> dict[str, tuple[str, int]]
 
 
 def commands_for(
-    plan: ComputePlan, snap: Snapshot, tag: str, max_migrations: int
+    plan: ComputePlan,
+    snap: Snapshot,
+    tag: str,
+    max_migrations: int,
+    settled: frozenset[str] = frozenset(),
 ) -> tuple[tuple[ReshardCommand, ...], tuple[MigrateCommand, ...]]:
-    """Agent commands carrying ``plan`` out; ``tag`` makes their command ids unique.
+    """Agent commands carrying ``plan`` out; ``tag`` makes their command ids unique;
+    requests in ``settled`` (moved a moment ago) stay where they are.
 
-    Queued requests are left to the engines' own admission (the plan's dispatch is a
-    prediction); requests re-laid out by their node's reshard move with it.
+    A queued request that the plan dispatches to another node's instance moves there (a
+    queue does not drain across nodes by itself: an engine admits only its own); one it
+    dispatches on its own node is left to that node's admission. Requests re-laid out by
+    their node's reshard move with it.
     """
     reshards = tuple(
         ReshardCommand(f"{tag}-reshard-{r.node}", r.node, r.after, snap.views[r.node].layout)
@@ -379,13 +409,22 @@ def commands_for(
     groups: dict[tuple[str, str, int, MoveMethod], list[tuple[str, float]]] = {}
     count = 0
     for m in plan.migrations:
-        recompute = _MOVES.get(m.method)
-        if recompute is None or m.source is None or count >= max_migrations:
+        if m.method not in _MOVES or m.method is MoveMethod.DISPATCH or m.source is None:
+            continue
+        if count >= max_migrations or m.request in settled:
             continue
         src_node = snap.index[m.source][0]
         dst_node, k = where[m.target]
         groups.setdefault((src_node, dst_node, k, m.method), []).append((m.request, m.cost_s))
         count += 1
+    for rid, inst in plan.assignment:
+        src = snap.queued_on.get(rid)
+        if src is None or count >= max_migrations or rid in settled:
+            continue
+        dst_node, k = where[inst]
+        if dst_node != src:
+            groups.setdefault((src, dst_node, k, MoveMethod.DISPATCH), []).append((rid, 0.0))
+            count += 1
     migrations = []
     for n, ((src, dst, k, method), items) in enumerate(sorted(groups.items())):
         migrations.append(

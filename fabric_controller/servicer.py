@@ -75,6 +75,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
             request.status.engine,
             request.status.gateway,
             request.status.kv_import,
+            request.status.max_num_seqs,
         )
         cur = self.c.current
         return pb.RegisterResponse(

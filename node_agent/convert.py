@@ -35,6 +35,7 @@ def status_to_pb(status: NodeStatus) -> node_agent_pb2.NodeStatus:
         gateway=status.gateway,
         instance_health=status.instance_health,
         kv_import=status.kv_import,
+        max_num_seqs=status.max_num_seqs,
     )
 
 

@@ -118,6 +118,10 @@ class RolloutEngine(Protocol):
     def kv_import(self) -> bool:
         """It can admit a migrating request with its KV cache moved from elsewhere."""
 
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences one instance decodes at once (0: unknown)."""
+
     def stats(self) -> EngineStats: ...
 
     def progress(self) -> EngineProgress:

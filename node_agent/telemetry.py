@@ -40,6 +40,7 @@ class NodeStatus:
     gateway: str = ""  # HOST:PORT of the generation gateway ("" without one)
     instance_health: tuple[str, ...] = ()
     kv_import: bool = True
+    max_num_seqs: int = 0
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ class Collector:
             gateway=self._gateway,
             instance_health=self._instance_health() if self._instance_health else (),
             kv_import=self._engine.kv_import,
+            max_num_seqs=self._engine.max_num_seqs,
         )
 
     async def read(self, progress: bool = True) -> Reading:

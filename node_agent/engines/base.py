@@ -25,8 +25,6 @@ Device = Literal["cpu", "cuda"]
 
 # Optional capabilities an adapter may have (EngineServer.capabilities).
 CAP_PAUSE = "pause"  # pause generation in place, keeping in-flight state
-CAP_SLEEP = "sleep"  # release accelerator memory while idle, and wake
-CAP_KV_WARM = "kv_warm"  # fill the prefix cache for a token prefix before a submission
 
 
 @dataclass(frozen=True)
@@ -188,6 +186,3 @@ class EngineServer(Protocol):
 
     async def resume(self) -> None:
         """Generate again after :meth:`pause`."""
-
-    async def warm(self, prefix: Sequence[int]) -> bool:
-        """Fill the prefix cache for ``prefix`` (CAP_KV_WARM); False when not supported."""

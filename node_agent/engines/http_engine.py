@@ -190,9 +190,6 @@ class HttpEngine:
                 values[k] = int(values[k])
         return InstanceLoad(**values)
 
-    async def warm(self, prefix: Sequence[int]) -> bool:
-        return False
-
     async def healthy(self) -> bool:
         try:
             async with self.session.get(

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
+import shutil
 import signal
 import time
 from collections.abc import Mapping, Sequence
@@ -25,15 +25,18 @@ from orchestrrl.logs import get_logger
 log = get_logger("node_agent.engines")
 
 LOG_TAIL_BYTES = 2000
-PR_SET_PDEATHSIG = 1
+SETPRIV = shutil.which("setpriv")  # util-linux
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the agent dies (even by SIGKILL), so no engine
-    server outlives it holding GPUs and ports. (Under systemd the unit's cgroup is killed
-    as well.)"""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+def with_parent_death_signal(argv: Sequence[str]) -> list[str]:
+    """``argv`` run so that it gets SIGKILL when the agent dies (even by SIGKILL), and no
+    engine server outlives it holding GPUs and ports: util-linux's ``setpriv
+    --pdeathsig`` sets it and execs the server. (Not a preexec_fn: Python code between
+    fork and exec in a threaded process can crash the child. Under systemd the unit's
+    cgroup is killed as well.)"""
+    if SETPRIV is None:
+        return list(argv)
+    return [SETPRIV, "--pdeathsig", "KILL", "--", *argv]
 
 
 def tail(path: Path, size: int = LOG_TAIL_BYTES) -> str:
@@ -88,13 +91,12 @@ class EngineProcess:
             out.flush()
             try:
                 self._proc = await asyncio.create_subprocess_exec(
-                    *self.argv,
+                    *with_parent_death_signal(self.argv),
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=out,
                     stderr=asyncio.subprocess.STDOUT,
                     env=self.env,
                     start_new_session=True,
-                    preexec_fn=_die_with_parent,
                 )
             except OSError as exc:
                 raise errors.Unavailable(

@@ -9,8 +9,9 @@ entry of the TP layout, and keeps every request's state (:mod:`node_agent.gatewa
   ``max_num_seqs``); ``drain`` stops dispatching, ``resume`` starts it again;
 - **migration**: ``export_requests`` aborts the requests' calls and holds their state;
   ``import_requests`` (on the destination) submits prompt + output so far, asking for the
-  tokens still owed (the KV cache is recomputed by prefill, or warmed first where the
-  engine can); when the source releases them it *follows* them on the destination
+  tokens still owed (the destination's engine recomputes the KV cache by prefill; an
+  instance without a free seat queues them for the node's next one); when the source
+  releases them it *follows* them on the destination
   (``Peers.follow``) and appends what arrives, so the client's stream goes on unbroken;
 - **reshard**: the calls on instances that change are aborted and their requests queued
   again (front of the queue, in arrival order), those instances stop, the new layout's
@@ -47,7 +48,6 @@ from node_agent.engine import (
     validate_layout,
 )
 from node_agent.engines.base import (
-    CAP_KV_WARM,
     CAP_PAUSE,
     Device,
     EngineFailed,
@@ -258,6 +258,10 @@ class GatewayEngine:
     @property
     def kv_import(self) -> bool:
         return False  # an imported request is resubmitted: its KV cache is recomputed
+
+    @property
+    def max_num_seqs(self) -> int:
+        return min((s.server.max_num_seqs for s in self._slots), default=0)
 
     @property
     def instances(self) -> tuple[Placement, ...]:
@@ -523,12 +527,6 @@ class GatewayEngine:
             )
         slot = self._slots[instance]
         states = self._check_imports(requests)
-        if not slot.up or len(states) > slot.seats:
-            raise errors.FailedPrecondition(
-                f"instance {instance} (TP{slot.placement.tp}) has "
-                + (f"{slot.seats} free seat(s)" if slot.up else "no server up (restarting)")
-                + f"; the import needs {len(states)}"
-            )
         admitted: list[Request] = []
         for m, parsed in states:
             req = self._requests.get(m.request_id)
@@ -551,33 +549,26 @@ class GatewayEngine:
             if not req.origin and not self._followers[req.id]:
                 self._unfollowed[req.id] = self._clock()  # until its source follows it
             admitted.append(req)
-        warm = 0.0
-        if not recompute and CAP_KV_WARM in slot.server.capabilities:
-            w0 = time.perf_counter()
-            for req in admitted:
-                await slot.server.warm(req.prompt + tuple(req.output))
-            warm = time.perf_counter() - w0
+        seated = admitted[: slot.seats]
         for req in admitted:
             self._leave_idle()
-            self._run_on(req, slot)
+            if req in seated:
+                self._run_on(req, slot)
+            else:  # the instance is full (or restarting): next free seat of this node
+                self._enqueue(req)
         tokens = sum(len(r.prompt) + len(r.output) for r in admitted)
-        stages = [StageTiming("admit", time.perf_counter() - t0 - warm)]
-        if warm:
-            stages.insert(0, StageTiming("warm_kv", warm))
-        how = (
-            "prefix KV warmed, then resubmitted"
-            if warm
-            else "resubmitted with the output so far; the engine recomputes their KV cache"
-            + ("" if recompute else f" ({self.kind} cannot receive a KV cache)")
-        )
+        waiting = len(admitted) - len(seated)
         return ImportResult(
             tuple(r.id for r in admitted),
             instance,
             0,
             tokens,
-            tuple(stages),
-            f"{len(admitted)} request(s) on instance {instance} "
-            f"(TP{slot.placement.tp}, {self.kind}): {how}",
+            (StageTiming("admit", time.perf_counter() - t0),),
+            f"{len(seated)} request(s) on instance {instance} (TP{slot.placement.tp}, "
+            f"{self.kind})"
+            + (f", {waiting} queued for this node's next free seat" if waiting else "")
+            + ": resubmitted with their output so far, the engine recomputes their KV cache"
+            + ("" if recompute else f" ({self.kind} cannot receive a KV cache)"),
         )
 
     def _check_imports(

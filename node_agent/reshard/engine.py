@@ -114,6 +114,10 @@ class TorchReshardEngine:
     def kv_import(self) -> bool:
         return self._inner.kv_import
 
+    @property
+    def max_num_seqs(self) -> int:
+        return self._inner.max_num_seqs
+
     def stats(self) -> EngineStats:
         return self._inner.stats()
 

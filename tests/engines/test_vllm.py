@@ -29,6 +29,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
 
 PROMPTS = [[5 + i, 17, 3 + 2 * i, 99, 42 + i, 7] for i in range(6)]
 N = 64
+LONG = 1000  # long enough to cut at a few hundred tokens: on a core of its own this model
+# makes ~3000 tokens/s
 ARGS = ("--dtype=float32", "--enforce-eager", "--skip-tokenizer-init")
 
 
@@ -117,36 +119,51 @@ async def test_load_and_progress_match_the_engine(nodes: Nodes) -> None:
     assert generated == sum(len(r.output) for r in reqs) == 4 * n
 
 
-@pytest.mark.parametrize("cut", [1, 23, 50])
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def long_reference(nodes: Nodes) -> dict[int, list[int]]:
+    server = node(nodes, "b").servers[0]
+    assert isinstance(server, HttpEngine)
+    return {i: await direct(server, p, LONG) for i, p in enumerate(PROMPTS[:3])}
+
+
+@pytest.mark.parametrize("cut", [1, 40, 120])
 async def test_migration_mid_response_gives_the_uninterrupted_output(
-    nodes: Nodes, reference: dict[int, list[int]], cut: int
+    nodes: Nodes, long_reference: dict[int, list[int]], cut: int
 ) -> None:
     a, b = node(nodes, "a"), node(nodes, "b")
-    reqs = [a.engine.submit(p, N, GREEDY) for p in PROMPTS[:3]]
+    reqs = [a.engine.submit(p, LONG, GREEDY) for p in PROMPTS[:3]]
     readers = [asyncio.create_task(read_all(r)) for r in reqs]
     await eventually(lambda: len(reqs[0].output) >= cut, within_s=120)
-    exported, missing = await a.engine.export_requests([r.id for r in reqs])
-    assert not missing
+    await a.engine.pause()  # in place: this tiny model finishes a request in a blink
+    try:
+        moving = [r for r in reqs if not r.done]  # on a free core one may be done already
+        exported, missing = await a.engine.export_requests([r.id for r in moving])
+    finally:
+        await a.engine.unpause()
+    assert reqs[0] in moving and not missing and exported[0].generated_tokens >= cut
     result = await b.engine.import_requests(exported, 0, recompute=True)
-    assert set(result.admitted) == {r.id for r in reqs}
+    assert set(result.admitted) == {r.id for r in moving}
     await a.engine.release_requests(exported, Destination("b", "in-process"))
-    assert await asyncio.gather(*readers) == [reference[i] for i in range(3)]
-    assert all(r.hops == ["a", "b"] for r in reqs)
+    assert await asyncio.gather(*readers) == [long_reference[i] for i in range(3)]
+    assert all(r.hops == ["a", "b"] for r in moving)
 
 
 async def test_a_killed_engine_is_restarted_and_its_requests_resume(
-    nodes: Nodes, reference: dict[int, list[int]]
+    nodes: Nodes, long_reference: dict[int, list[int]]
 ) -> None:
     b = node(nodes, "b")
-    reqs = [b.engine.submit(p, N, GREEDY) for p in PROMPTS[:2]]
+    reqs = [b.engine.submit(p, LONG, GREEDY) for p in PROMPTS[:2]]
     readers = [asyncio.create_task(read_all(r)) for r in reqs]
     await eventually(lambda: all(len(r.output) > 5 for r in reqs), within_s=120)
+    await b.engine.pause()  # in place, so that neither finishes before the kill
     server = b.live()[0]
     assert isinstance(server, HttpEngine) and server.process.pid is not None
     os.killpg(server.process.pid, signal.SIGKILL)  # the API server and its engine core
+    await b.engine.unpause()
     outs = await asyncio.wait_for(asyncio.gather(*readers), 300)
-    assert outs == [reference[i] for i in range(2)]
+    assert outs == [long_reference[i] for i in range(2)]
     assert b.engine.failures == 1 and b.engine.instance_health() == ("up",)
+    assert all(r.calls == 2 for r in reqs)  # cut off once, resumed once
 
 
 async def test_reshard_with_requests_in_flight_loses_nothing(

@@ -209,6 +209,29 @@ def test_between_replan_points_only_balancing_runs() -> None:
     assert not d2.plan.reshards
 
 
+def test_queued_requests_go_to_another_nodes_free_seats() -> None:
+    """A full node's queue does not drain to an idle node by itself (an engine admits
+    only its own): the plan's dispatch of queued requests elsewhere becomes migrations."""
+    running = [(f"r{i}", i % 4, 100) for i in range(8)]  # 4 instances x 2 seats, full
+    queued = [(f"q{i}", -1, 0) for i in range(8)]
+    a = s.node_view("g0", 8, sample(requests=running + queued), max_num_seqs=2)
+    b = s.node_view("g1", 8, sample(requests=[]), max_num_seqs=2)
+    assert isinstance(a, s.NodeView) and isinstance(b, s.NodeView)
+    snap = s.build_state([a, b])
+    assert snap.max_num_seqs == 2 and snap.queued_on == {f"q{i}": "g0" for i in range(8)}
+    t = s.observe(s.StepTracker(history=HISTORY), [a, b], 50.0, 8)
+    d = s.decide(t, snap, PM, 60.0, s.SchedulingConfig())
+    assert d.plan is not None
+    _, migrations = s.commands_for(d.plan, snap, "t", 64)
+    moved = {rid for m in migrations if m.method is MoveMethod.DISPATCH for rid in m.request_ids}
+    assert moved and moved <= {f"q{i}" for i in range(8)}
+    assert all(
+        (m.source, m.target, m.recompute) == ("g0", "g1", True)
+        for m in migrations
+        if m.method is MoveMethod.DISPATCH
+    )
+
+
 def test_migrations_per_round_are_capped() -> None:
     snap, t = long_tail()
     d = s.decide(t, snap, PM, 60.0, s.SchedulingConfig())
@@ -289,3 +312,14 @@ def test_orlctl_schedule_show_prints_layouts_plan_and_actions() -> None:
     assert "g1             TP8\n" in text
     assert "carried out" in text
     assert "FAILED migrate  g0 -> g1: g1 refused 2 request(s) (0.04 s)" in text
+
+
+def test_requests_moved_a_moment_ago_stay_where_they_are() -> None:
+    snap, t = long_tail()
+    d = s.decide(t, snap, PM, 60.0, s.SchedulingConfig())
+    assert d.plan is not None
+    _, migrations = s.commands_for(d.plan, snap, "t", 64)
+    moved = {rid for m in migrations for rid in m.request_ids}
+    assert moved
+    _, again = s.commands_for(d.plan, snap, "t", 64, settled=frozenset(moved))
+    assert again == ()
