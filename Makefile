@@ -57,7 +57,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-bench: $(STAMP)
+bench: $(STAMP) engines
 	$(PY) bench/phase_switch.py --json bench/results/phase_switch.json
 	$(PY) bench/phase_switch.py --nodes 64,512,2048 --switching-ms 0 --rounds 10 \
 		--json bench/results/phase_switch_scale.json
@@ -71,6 +71,7 @@ bench: $(STAMP)
 	$(PY) bench/agent_overhead.py --also-unbatched --json bench/results/agent_overhead.json
 	$(PY) bench/planner.py --json bench/results/planner.json
 	$(PY) bench/sim_network.py --json bench/results/sim_network.json
+	$(PY) bench/gateway.py --json bench/results/gateway.json
 	@if [ "$$(id -u)" -eq 0 ]; then $(PY) bench/routes.py --json bench/results/routes.json; \
 	else echo "bench/routes.py skipped: programming routes into namespaces needs root"; fi
 

@@ -29,8 +29,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
 
 PROMPTS = [[5 + i, 17, 3 + 2 * i, 99, 42 + i, 7] for i in range(6)]
 N = 64
-LONG = 1000  # long enough to cut at a few hundred tokens: on a core of its own this model
-# makes ~3000 tokens/s
+LONG = 4000  # long enough to cut at a few hundred tokens and pause before the end: on a
+# core of its own this model makes ~3000 tokens/s, shared by the requests in flight
 ARGS = ("--dtype=float32", "--enforce-eager", "--skip-tokenizer-init")
 
 
@@ -39,7 +39,9 @@ async def nodes(
     vllm_binary: Path, hf_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Nodes]:
     log_dir = tmp_path_factory.mktemp("vllm")
-    nodes = Nodes("vllm", settings_for(vllm_binary, hf_model, log_dir, args=ARGS))
+    nodes = Nodes(
+        "vllm", settings_for(vllm_binary, hf_model, log_dir, context=4096, args=ARGS)
+    )
     try:
         await asyncio.gather(nodes.add("a", (1, 1), http=True), nodes.add("b", (1,), cpu_offset=1))
         yield nodes
