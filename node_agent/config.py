@@ -673,6 +673,10 @@ def _engine(
         problems.append(f"--engine-model is required with --engine {kind} (the weights' path)")
     elif not Path(model).exists():
         problems.append(str(errors.field_error(where["engine_model"], model, "an existing path")))
+    elif kind == "llamacpp" and not Path(model).is_file():
+        problems.append(
+            str(errors.field_error(where["engine_model"], model, "a GGUF file (llama.cpp)"))
+        )
     command = values.get("engine_command") or DEFAULT_ENGINE_COMMAND[kind]
     if shutil.which(command) is None:
         problems.append(
@@ -711,7 +715,7 @@ def _engine(
     version = values["weight_version"]
     if not 1 <= len(version) <= 128:
         problems.append(str(errors.field_error(where["weight_version"], version, "1-128 chars")))
-    served = values.get("served_model_name") or (Path(model).stem if model else "")
+    served = values.get("served_model_name") or (_model_name(Path(model)) if model else "")
     if len(problems) > before:
         return None
     log_dir = values.get("engine_log_dir") or os.path.join(
@@ -747,12 +751,20 @@ def read_api_key(path: Path, field: str = "--gateway-api-key-file") -> str:
     return key
 
 
+def _model_name(model: Path) -> str:
+    """The default served name: a GGUF file's without .gguf, a directory's whole (Qwen2.5-7B)."""
+    return model.stem if model.is_file() else model.name
+
+
 def _env(texts: Sequence[str], field: str) -> tuple[tuple[str, str], ...]:
-    out = []
+    out: list[tuple[str, str]] = []
     for text in texts:
         name, eq, value = text.partition("=")
-        if not eq or not name or not (name.replace("_", "a").isalnum() and not name[0].isdigit()):
+        ident = name.replace("_", "a")
+        if not eq or not name or not (ident.isascii() and ident.isalnum()) or name[0].isdigit():
             raise errors.field_error(field, text, "NAME=VALUE with NAME of letters, digits, _")
+        if name in (n for n, _ in out):
+            raise errors.field_error(field, text, f"each NAME once ({name} is set twice)")
         out.append((name, value))
     return tuple(out)
 
