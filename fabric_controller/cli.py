@@ -340,7 +340,7 @@ def _node_row(n: NodeView) -> str:
     t = n.telemetry
     util = f"{t['gpu_utilization_mean'] * 100:.0f}%" if t else "-"
     tps = f"{t['tokens_per_s']:.0f}" if t else "-"
-    layout = "x".join(str(x) for x in t.get("tp_layout", [])) if t else "-"
+    layout = "+".join(str(x) for x in t.get("tp_layout", [])) if t else "-"
     return (
         f"{n.node:<14} {n.pod:<10} {n.role:<6} {n.health:<8} {n.agent_address:<22} "
         f"{seen:<11} {n.gpu_backend or '-':<5} {util:>5} {tps:>8} {layout:<8} "

@@ -39,9 +39,7 @@ async def nodes(
     vllm_binary: Path, hf_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Nodes]:
     log_dir = tmp_path_factory.mktemp("vllm")
-    nodes = Nodes(
-        "vllm", settings_for(vllm_binary, hf_model, log_dir, context=4096, args=ARGS)
-    )
+    nodes = Nodes("vllm", settings_for(vllm_binary, hf_model, log_dir, context=4096, args=ARGS))
     try:
         await asyncio.gather(nodes.add("a", (1, 1), http=True), nodes.add("b", (1,), cpu_offset=1))
         yield nodes
