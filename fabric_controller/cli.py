@@ -28,6 +28,7 @@ from orchestrrl.client import (
     controller_address,
     to_json,
 )
+from orchestrrl.convert import optional_phase_from_pb
 from orchestrrl.model import Phase
 from orchestrrl.tls import TlsConfig
 from orchestrrl.tls import from_args as tls_from_args
@@ -99,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     pset.add_argument(
         "--request-id",
         default="",
-        help="idempotency key: a retry returns the first result instead of applying again",
+        help="idempotency key: a retry with the same phase returns the first result (a new "
+        "epoch, 'nothing to change' or a gated answer) instead of applying again; the same "
+        "key with another phase is refused",
     )
     pplan = add(psub, "plan", "show what `phase set` would change, without changing anything")
     pplan.add_argument("phase", choices=PHASES)
@@ -258,16 +261,28 @@ def _by_pair(circuits: Sequence[CircuitView]) -> list[str]:
     ]
 
 
+def _degraded(r: PhaseChange) -> list[str]:
+    if not r.degraded:
+        return []
+    total = sum(m.circuits for m in r.missing)
+    return [
+        f"  DEGRADED: {total} circuit(s) missing because OCS ports are down "
+        "(re-planned when they come back up):",
+        *(f"    {m.pod_a} <-> {m.pod_b}: {m.circuits} missing" for m in r.missing),
+    ]
+
+
 def describe_change(r: PhaseChange) -> str:
     if r.gated:
-        return f"epoch {r.epoch}: not changed: {r.message}"
+        return "\n".join([f"epoch {r.epoch}: not changed: {r.message}", *_degraded(r)])
     if not r.changed:
-        return f"epoch {r.epoch}: {r.message}"
+        return "\n".join([f"epoch {r.epoch}: {r.message}", *_degraded(r)])
     lines = [
         f"epoch {r.epoch}: phase {r.phase}  (+{len(r.added)} -{len(r.removed)} circuits, "
-        f"{len(r.circuits)} in place)",
+        f"{len(r.circuits)} in place)" + ("  DEGRADED" if r.degraded else ""),
         f"  stages: {_stages(r.stages)}",
         *(f"  {line}" for line in r.explanation.splitlines()),
+        *_degraded(r),
     ]
     return "\n".join(lines + _by_pair(r.circuits))
 
@@ -359,15 +374,44 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_topology(args: argparse.Namespace) -> int:
+def topology_json(t: Any) -> dict[str, Any]:
+    """The JSON of `topology show`: the wiring as the proto names it, and the committed
+    state with the names and spelling of `phase get` (``epoch`` a number, ``phase`` as
+    `phase set` takes it or null, circuits as ``ocs``, ``a``, ``b``, ``pod_a``, ``pod_b``)."""
     from google.protobuf import json_format
 
+    def plain(messages: Any) -> list[dict[str, Any]]:
+        return [
+            json_format.MessageToDict(
+                m, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+            )
+            for m in messages
+        ]
+
+    phase = optional_phase_from_pb(t.phase)
+    return {
+        "cluster": t.cluster,
+        "pods": plain(t.pods),
+        "nodes": plain(t.nodes),
+        "tors": plain(t.tors),
+        "ocses": plain(t.ocses),
+        "epoch": t.epoch,
+        "phase": None if phase is None else phase.value,
+        "circuits": to_json(_circuit_views(t.circuits)),
+    }
+
+
+def _circuit_views(circuits: Any) -> list[CircuitView]:
+    return [CircuitView(x.ocs, x.port_a, x.port_b, x.pod_a, x.pod_b) for x in circuits]
+
+
+def cmd_topology(args: argparse.Namespace) -> int:
     with _client(args) as c:
         t = c.topology()
     if getattr(args, "json", False):
-        print(json.dumps(json_format.MessageToDict(t, preserving_proto_field_name=True), indent=2))
+        print(json.dumps(topology_json(t), indent=2, sort_keys=True))
         return 0
-    circuits = [CircuitView(x.ocs, x.port_a, x.port_b, x.pod_a, x.pod_b) for x in t.circuits]
+    circuits = _circuit_views(t.circuits)
     lines = [f"cluster {t.cluster}: {len(t.pods)} pods, {len(t.nodes)} nodes, epoch {t.epoch}"]
     for p in t.pods:
         uplinks = sum(len(tor.uplinks) for tor in t.tors if tor.pod == p.name)
@@ -483,6 +527,7 @@ def cmd_local(args: argparse.Namespace) -> int:
             lambda: (
                 f"local cluster up: controller at {cluster.controller}\n"
                 f"  export ORL_CONTROLLER={cluster.controller}\n"
+                f"  Prometheus /metrics of every daemon: `orlctl local status`\n"
                 f"  logs in {cluster.run_dir}/logs; stop with `orlctl local down`"
             ),
         )
@@ -506,7 +551,8 @@ def cmd_local(args: argparse.Namespace) -> int:
                 [f"controller {found.controller}; run dir {found.run_dir}"]
                 + [
                     f"  {r['role']:<10} {r['name']:<14} pid {r['pid']:<8} "
-                    f"{'running' if r['alive'] else 'EXITED':<8} {r['address']}"
+                    f"{'running' if r['alive'] else 'EXITED':<8} {r['address']:<21}"
+                    + (f" metrics http://{r['metrics']}/metrics" if r["metrics"] else "")
                     for r in rows
                 ]
             ),

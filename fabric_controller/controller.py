@@ -12,9 +12,21 @@ switch returned for its last batch (the switch's own read-back, taken atomically
 the batch) instead of listing it again, and phase plans are memoized on their inputs.
 
 Recovery rule after a crash: a reconfiguration whose OCS batches were all
-acknowledged (stage ``ocs_programmed`` or later) is rolled forward and committed;
-anything earlier is rolled back to the last committed epoch. Either way the
-switches are re-read and repaired to exactly the chosen epoch.
+acknowledged (stage ``ocs_programmed`` or later) is rolled forward and committed; so
+is one journaled earlier whose circuits the switches already hold exactly (the crash
+fell between the last batch and the journal) when verification passes; anything
+else is rolled back to the last committed epoch. Either way the switches are re-read
+and repaired to exactly the chosen epoch.
+
+Request ids: every successful answer to a phase request with a ``request_id`` is
+recorded in the store (a committed epoch in the same transaction as the epoch; "nothing
+to change", a gated change and a drift repair on their own), and a retry with the same
+id and phase gets it again, never a new change; the same id with another phase is
+refused. A failed attempt changes nothing and records nothing: its retry is fresh.
+
+Degraded phases: when OCS ports are down, a phase may get fewer circuits than it would
+with every port up; its epoch records the pod pairs short of circuits (``missing``),
+its answer and event say so, and the drift check re-plans it when ports come back.
 """
 
 from __future__ import annotations
@@ -33,9 +45,18 @@ from fabric_controller.drivers.electrical import ElectricalDriver
 from fabric_controller.drivers.ocs import OcsDriver, PortPair
 from fabric_controller.events import Event, EventHub
 from fabric_controller.metrics import ControllerMetrics
-from fabric_controller.reconcile import Batch, check_tables, converge, ours, steps
+from fabric_controller.reconcile import (
+    Batch,
+    check_tables,
+    converge,
+    describe_shortfall,
+    ours,
+    shortfall,
+    steps,
+)
 from fabric_controller.registry import Health, NodeRecord, Registry, health
-from fabric_controller.store import EpochRecord, PendingRecord, Store
+from fabric_controller.store import EpochRecord, Missing, PendingRecord, RequestOutcome, Store
+from fabric_controller.telemetry_bounds import Implausible
 from fabric_controller.tor_routes import routed_tors, tor_routes
 from orchestrrl import errors
 from orchestrrl.logs import get_logger
@@ -46,6 +67,10 @@ from scheduler.gate import DEFAULT_SETTLING_MARGIN_S, slack_gate
 from scheduler.network import PhaseCircuits, PhaseDemand, plan_phase_circuits
 
 log = get_logger("fabric_controller")
+
+# A node sending implausible telemetry is warned about at most this often (each sample
+# is counted: orl_telemetry_rejected_total{reason="implausible"}).
+IMPLAUSIBLE_WARN_INTERVAL_S = 60.0
 
 # Stages journaled in the store; a crash hook may fire after each.
 ROLL_FORWARD_STAGES = ("ocs_programmed",)
@@ -58,6 +83,15 @@ class PhaseResult:
     message: str
     gated: bool = False
     explanation: str = ""  # how the circuits were chosen (planner or template, and why)
+
+    @property
+    def missing(self) -> Missing:
+        """Circuits the epoch lacks because OCS ports are down (empty: none)."""
+        return self.record.missing
+
+    @property
+    def degraded(self) -> bool:
+        return self.record.degraded
 
 
 class _Stages:
@@ -82,6 +116,13 @@ class _Stages:
 
 def _pairs(circuits: frozenset[Circuit]) -> str:
     return ", ".join(str(c) for c in sorted(circuits)) or "none"
+
+
+def _ports(ports: frozenset[tuple[str, int]]) -> str:
+    """``ocs0:3, ocs0:7`` (at most 8 named, then a count)."""
+    named = sorted(ports)
+    text = ", ".join(f"{o}:{p}" for o, p in named[:8]) or "none"
+    return text + (f" and {len(named) - 8} more" if len(named) > 8 else "")
 
 
 class Controller:
@@ -128,6 +169,8 @@ class Controller:
         self._needs_recovery = True
         self.wiring = wiring
         self.registry = Registry(wiring, heartbeat_deadline_s)
+        # node -> (when its last implausible-telemetry warning was logged, left out since)
+        self._implausible_warned: dict[str, tuple[float, int]] = {}
         self._check_drivers(wiring)
 
     def _check_drivers(self, wiring: Wiring) -> None:
@@ -147,7 +190,7 @@ class Controller:
         self._current = await self.store.current()
         self.metrics.epoch.set(self._current.epoch)
         log.info(
-            "controller state loaded",
+            "state_loaded",
             epoch=self._current.epoch,
             phase=self._current.phase.value if self._current.phase else None,
             circuits=len(self._current.circuits),
@@ -157,7 +200,9 @@ class Controller:
             async with self._locked("recovery"):
                 await self._recover()
         except errors.OrlError as exc:
-            log.error("recovery incomplete; retried before the next phase change", error=str(exc))
+            log.error(
+                "recovery_incomplete", error=str(exc), note="retried before the next phase change"
+            )
             self.events.publish(Event("recovery_failed", message=str(exc)))
         return self.current
 
@@ -178,7 +223,7 @@ class Controller:
     @contextlib.asynccontextmanager
     async def _locked(self, what: str) -> AsyncIterator[None]:
         if self._reconfig.locked():
-            log.info("waiting for the reconfiguration in progress", in_progress=self._in_progress)
+            log.info("waiting_for_reconfiguration", in_progress=self._in_progress)
         try:
             async with asyncio.timeout(self.lock_timeout_s):
                 await self._reconfig.acquire()
@@ -213,8 +258,15 @@ class Controller:
         wired = self.wiring.node(node).gpus
         note = "" if gpus == wired else f"; reports {gpus} GPUs but the wiring says {wired}"
         if note:
-            log.warning("GPU count differs from the wiring", node=node, reported=gpus, wired=wired)
-        log.info("node registered", node=node, agent=address, gpu_backend=gpu_backend)
+            log.warning("gpu_count_differs_from_wiring", node=node, reported=gpus, wired=wired)
+        shared = self.registry.others_at(node, address, self._mono())
+        if shared:  # not refused: the first to register an address must not lock out its owner
+            note += (
+                f"; node(s) {', '.join(shared)} (up) registered the same agent address: an agent "
+                "runs only the commands meant for its own node"
+            )
+            log.warning("agent_address_shared", node=node, others=shared)
+        log.info("node_registered", node=node, agent=address, gpu_backend=gpu_backend)
         self.events.publish(
             Event("node_registered", node=node, message=f"agent at {address}{note}")
         )
@@ -235,12 +287,32 @@ class Controller:
         in it (an agent's upload: one). Each node keeps its newest sample; every sample is
         counted; the lag observed is the upload's: the age of its newest sample (older
         samples of a batch waited in the agent by design). An unknown or unregistered
-        node rejects the whole upload, storing nothing."""
-        self.registry.telemetry_batch(newest, self._mono())
+        node rejects the whole upload, storing nothing. A node's newest sample with
+        implausible figures is not stored (counted, and a warning at most every
+        ``IMPLAUSIBLE_WARN_INTERVAL_S`` per node)."""
+        rejected = self.registry.telemetry_batch(newest, self._mono(), self._wall())
+        if rejected:
+            self._implausible_telemetry(rejected)
         self.metrics.telemetry_samples.inc(samples)
         taken = max((s.timestamp for s in newest), default=0.0)
         if taken > 0:
             self.metrics.telemetry_lag.observe(max(0.0, self._wall() - taken))
+
+    def _implausible_telemetry(self, rejected: Sequence[tuple[str, Implausible]]) -> None:
+        now = self._mono()
+        for node, why in rejected:
+            self.metrics.telemetry_rejected.labels(reason="implausible").inc()
+            last, suppressed = self._implausible_warned.get(node, (None, 0))
+            if last is not None and now - last < IMPLAUSIBLE_WARN_INTERVAL_S:
+                self._implausible_warned[node] = (last, suppressed + 1)
+                continue
+            self._implausible_warned[node] = (now, 0)
+            log.warning(
+                "telemetry_sample_implausible",
+                node=node,
+                problem=str(why),
+                suppressed=suppressed,  # warnings left out since the last one of the node
+            )
 
     def nodes(self) -> list[tuple[NodeRecord, Health, float | None]]:
         now = self._mono()
@@ -255,12 +327,12 @@ class Controller:
         the one that just spoke (register, heartbeat: no scan of the whole cluster)."""
         for node, before, after in self.registry.transitions(self._mono(), only):
             if after is Health.DOWN:
-                log.warning("node missed its heartbeat deadline", node=node)
+                log.warning("node_down", node=node)
                 self.events.publish(
                     Event("node_down", node=node, message="heartbeat deadline missed")
                 )
             elif after is Health.UP and before is Health.DOWN:
-                log.info("node is back", node=node)
+                log.info("node_up", node=node)
                 self.events.publish(Event("node_up", node=node, message="heartbeats resumed"))
         for h, n in self.registry.counts().items():
             self.metrics.nodes.labels(h.value).set(n)
@@ -303,6 +375,20 @@ class Controller:
             while len(self._plans) > self.plan_cache_size:
                 self._plans.popitem(last=False)
         return planned
+
+    def _shortfall(
+        self,
+        phase: Phase,
+        committed: frozenset[Circuit],
+        failed: frozenset[tuple[str, int]],
+        planned: PhaseCircuits,
+    ) -> Missing:
+        """What ``planned`` (around the ``failed`` ports) lacks against the same phase
+        planned with every port up: the circuits the port failures cost it."""
+        if not any(self.wiring.port_owner(o, p) is not None for o, p in failed):
+            return ()
+        full = self._plan_phase(phase, committed, frozenset())
+        return shortfall(self.wiring, full.circuits.desired, planned.circuits.desired)
 
     async def run_liveness(self) -> None:
         """Mark nodes down when they miss their deadline (runs until cancelled)."""
@@ -370,7 +456,7 @@ class Controller:
                     f"{list(batch.connect) or 'none'}) and its table does not show "
                     f"it: {exc}",
                 ) from exc
-            log.warning("OCS answer lost; its table shows the batch", ocs=batch.ocs)
+            log.warning("ocs_answer_lost_batch_applied", ocs=batch.ocs)
             return table
         except errors.OrlError as exc:
             raise _StageError(
@@ -457,14 +543,28 @@ class Controller:
 
     async def _recover(self, observed: frozenset[Circuit] | None = None) -> str:
         """Converge to the committed epoch, or roll an interrupted one forward or back
-        (``observed``: the switches' circuits if just read)."""
+        (``observed``: the switches' circuits if just read). An interrupted epoch whose
+        journal stops before ``ocs_programmed`` is rolled forward too when the switches
+        hold exactly its circuits and verification passes (the optics need not move
+        twice); if that verification fails, it is rolled back."""
         pending = await self.store.pending()
         current = self.current
         forward = pending is not None and pending.stage in ROLL_FORWARD_STAGES
+        held = False  # the switches already hold the interrupted epoch's circuits
+        if pending is not None and not forward:
+            if observed is None:
+                observed, _ = await self._observe()
+            held = forward = converge(self.wiring, observed, pending.circuits).empty
         target = pending.circuits if forward and pending else current.circuits
-        plan = await self._converge(
-            target, f"recover-{current.epoch}-{secrets.token_hex(4)}", observed
-        )
+        tag = f"recover-{current.epoch}-{secrets.token_hex(4)}"
+        try:
+            plan = await self._converge(target, tag, observed)
+        except _StageError as exc:
+            if not held:
+                raise
+            log.warning("interrupted_epoch_failed_verification", error=str(exc))
+            forward = held = False
+            plan = await self._converge(current.circuits, tag)
         self._needs_recovery = False
         if pending is None:
             if not plan.empty:
@@ -473,7 +573,7 @@ class Controller:
                     f"switches repaired to epoch {current.epoch}: +{len(plan.add)} "
                     f"-{len(plan.remove)} circuits ({_pairs(plan.add | plan.remove)})"
                 )
-                log.warning("drift repaired", epoch=current.epoch, message=msg)
+                log.warning("drift_repaired", epoch=current.epoch, message=msg)
                 self.events.publish(Event("drift_repaired", epoch=current.epoch, message=msg))
                 return msg
             return f"switches match epoch {current.epoch}"
@@ -487,15 +587,23 @@ class Controller:
                 stages={"recovered": 0.0},
                 committed_at=self._wall(),
                 request_id=pending.request_id,
+                missing=pending.missing,
             )
-            await self.store.commit(record)
+            why = " (the switches already held its circuits)" if held else ""
+            msg = (
+                f"interrupted epoch {pending.epoch} ({pending.phase.value}) rolled forward from "
+                f"stage {pending.stage}{why} and committed; fabric at epoch {record.epoch}"
+            )
+            outcome = None
+            if pending.request_id:
+                outcome = RequestOutcome(
+                    pending.request_id, pending.phase, record.epoch, True, False, msg, "",
+                    record.committed_at,
+                )  # fmt: skip
+            await self.store.commit(record, outcome)
             self._current = record
             self.metrics.epochs.inc()
             self.metrics.epoch.set(record.epoch)
-            msg = (
-                f"interrupted epoch {pending.epoch} ({pending.phase.value}) rolled forward from "
-                f"stage {pending.stage} and committed; fabric at epoch {record.epoch}"
-            )
             self.events.publish(
                 Event("recovered", epoch=record.epoch, phase=record.phase, message=msg)
             )
@@ -513,28 +621,58 @@ class Controller:
         return msg
 
     async def reconcile_once(self) -> str | None:
-        """Repair drift between the switches and the committed epoch, and re-plan the
-        phase around ports that went down under its circuits (skips when busy)."""
+        """Repair drift between the switches and the committed epoch, re-plan the phase
+        around ports that went down under its circuits, and re-plan a degraded phase when
+        ports came back up so that it gets its full circuits again (skips when busy)."""
         if self._reconfig.locked():
             return None
         async with self._locked("drift check"):
             current = self.current
             observed, down = await self._observe()
+            if current.phase is None or self._needs_recovery:
+                return await self._recover(observed)
             hit = sorted(
                 c for c in current.circuits if (c.ocs, c.a) in down or (c.ocs, c.b) in down
             )
-            if not hit or current.phase is None or self._needs_recovery:
-                return await self._recover(observed)
-            log.warning("ports down under circuits; re-planning", circuits=[str(c) for c in hit])
-            result = await self._reconfigure(current.phase, "", None)
-            msg = (
-                f"port(s) down under {', '.join(map(str, hit))}: phase {current.phase.value} "
-                f"re-planned around them as epoch {result.record.epoch}"
-            )
-            self.events.publish(
-                Event("rerouted", epoch=result.record.epoch, phase=current.phase, message=msg)
-            )
-            return msg
+            if hit:
+                log.warning("ports_down_under_circuits", circuits=[str(c) for c in hit])
+                result = await self._reconfigure(current.phase, "", None)
+                msg = (
+                    f"port(s) down under {_pairs(frozenset(hit))}: phase "
+                    f"{current.phase.value} re-planned around them as epoch "
+                    f"{result.record.epoch}"
+                ) + (f"; degraded: {describe_shortfall(result.missing)}" if result.degraded else "")
+                self.events.publish(
+                    Event("rerouted", epoch=result.record.epoch, phase=current.phase, message=msg)
+                )
+                return msg
+            if current.degraded and self._restorable(current, down):
+                result = await self._reconfigure(current.phase, "", None)
+                if result.changed:
+                    new = result.record
+                    msg = (
+                        f"OCS port(s) back up: degraded epoch {current.epoch} "
+                        f"({describe_shortfall(current.missing)}) re-planned as epoch "
+                        f"{new.epoch}: +{len(new.added)} -{len(new.removed)} circuits; "
+                    ) + (
+                        f"still degraded: {describe_shortfall(new.missing)}"
+                        if new.degraded
+                        else f"phase {current.phase.value} has its full circuits again"
+                    )
+                    log.warning("degraded_phase_restored", message=msg)
+                    self.events.publish(
+                        Event("restored", epoch=new.epoch, phase=current.phase, message=msg)
+                    )
+                    return msg
+            return await self._recover(observed)
+
+    def _restorable(self, current: EpochRecord, down: frozenset[tuple[str, int]]) -> bool:
+        """A degraded epoch's phase, planned around the ports down now, would lack fewer
+        circuits than the epoch does (ports came back up)."""
+        assert current.phase is not None
+        planned = self._plan_phase(current.phase, current.circuits, down)
+        now = self._shortfall(current.phase, current.circuits, down, planned)
+        return sum(n for *_, n in now) < sum(n for *_, n in current.missing)
 
     async def run_reconcile(self, interval_s: float) -> None:
         """Check for drift every ``interval_s`` (runs until cancelled)."""
@@ -544,7 +682,7 @@ class Controller:
                 await self.reconcile_once()
             except errors.OrlError as exc:
                 self._needs_recovery = True
-                log.warning("drift check failed", error=str(exc))
+                log.warning("drift_check_failed", error=str(exc))
 
     # -- phases --
 
@@ -558,15 +696,25 @@ class Controller:
     async def set_phase(
         self, phase: Phase, request_id: str = "", idle_window_s: float | None = None
     ) -> PhaseResult:
+        """Change to ``phase`` (a new epoch), or say why nothing changed.
+
+        With a ``request_id`` the request is idempotent: its first successful outcome
+        (a new epoch, "nothing to change", a gated change, a drift repair) is recorded
+        durably, and a retry with the same id and phase returns that outcome (the epoch
+        it named, ``changed`` false) without changing anything, even after other
+        changes or a restart; the same id with another phase is refused
+        (FailedPrecondition naming the first request's phase and epoch). A failed
+        attempt (an error, or a change rolled back) changes nothing and is not
+        recorded: a retry with its id is a fresh attempt."""
         if request_id:
-            previous = await self.store.by_request(request_id)
-            if previous is not None:
-                return PhaseResult(previous, False, f"request {request_id!r} already applied")
+            replay = await self._replay(phase, request_id)
+            if replay is not None:
+                return replay
         async with self._locked(f"epoch {self.current.epoch + 1} ({phase.value})"):
             if request_id:  # a caller with this id may have finished while this one waited
-                previous = await self.store.by_request(request_id)
-                if previous is not None:
-                    return PhaseResult(previous, False, f"request {request_id!r} already applied")
+                replay = await self._replay(phase, request_id)
+                if replay is not None:
+                    return replay
             if self._needs_recovery:
                 try:
                     await self._recover()
@@ -575,7 +723,41 @@ class Controller:
                         f"cannot change phase: the switches are not at a known epoch yet "
                         f"(recovery failed: {exc})"
                     ) from None
-            return await self._reconfigure(phase, request_id, idle_window_s)
+                if request_id:  # recovery may have committed this id's interrupted epoch
+                    replay = await self._replay(phase, request_id)
+                    if replay is not None:
+                        return replay
+            result = await self._reconfigure(phase, request_id, idle_window_s)
+            if request_id and not result.changed:  # a new epoch recorded its outcome itself
+                await self.store.record_outcome(
+                    RequestOutcome(
+                        request_id, phase, result.record.epoch, False, result.gated,
+                        result.message, result.explanation, self._wall(),
+                    )
+                )  # fmt: skip
+            return result
+
+    async def _replay(self, phase: Phase, request_id: str) -> PhaseResult | None:
+        """The recorded outcome of ``request_id`` (None if it has none yet); refused when
+        it was for another phase."""
+        done = await self.store.outcome(request_id)
+        if done is None:
+            return None
+        if done.phase is not phase:
+            raise errors.FailedPrecondition(
+                f"request_id={errors.shown(request_id)} was already used for phase "
+                f"{done.phase.value} (answered at epoch {done.epoch}); not applied to phase "
+                f"{phase.value}: a retry must ask for the same phase, a new request needs a "
+                "new request_id"
+            )
+        record = await self.store.epoch(done.epoch)
+        return PhaseResult(
+            record,
+            False,
+            f"request {errors.shown(request_id)} already applied: {done.message}",
+            gated=done.gated,
+            explanation=done.explanation,
+        )
 
     def _switching_time(self, plan_steps: list[list[Batch]]) -> float:
         """Optics time of the steps: each waits for its slowest switch."""
@@ -600,10 +782,11 @@ class Controller:
             epoch_plan = planned.circuits
             plan = converge(self.wiring, observed, epoch_plan.desired)
             plan_steps = steps(plan)
+            missing = self._shortfall(phase, current.circuits, down, planned)
         explanation = planned.explanation
         if phase is current.phase and epoch_plan.desired == current.circuits:
             if plan.empty:
-                bound.info("phase already in place", circuits=len(plan.desired))
+                bound.info("phase_already_in_place", circuits=len(plan.desired))
                 return PhaseResult(
                     current,
                     False,
@@ -614,7 +797,7 @@ class Controller:
         gate = slack_gate(idle_window_s, self._switching_time(plan_steps), self.settling_margin_s)
         if not gate.reconfigure:
             self.metrics.gated.inc()
-            bound.info("slack gate kept the topology", reason=gate.reason)
+            bound.info("phase_gated", reason=gate.reason)
             self.events.publish(
                 Event("phase_gated", epoch=current.epoch, phase=phase, message=gate.reason)
             )
@@ -626,7 +809,7 @@ class Controller:
             await self.store.begin(
                 PendingRecord(
                     epoch, phase, plan.desired, epoch_plan.add, epoch_plan.remove, "planned",
-                    request_id or None, self._wall(),
+                    request_id or None, self._wall(), missing,
                 )
             )  # fmt: skip
         self._fault("planned")
@@ -660,9 +843,24 @@ class Controller:
             stages=dict(st.times),
             committed_at=self._wall(),
             request_id=request_id or None,
+            missing=missing,
         )
+        message = f"epoch {epoch}: phase {phase.value}"
+        degraded = ""
+        if missing:
+            lost = frozenset(p for p in down if self.wiring.port_owner(*p) is not None)
+            degraded = f"degraded: {describe_shortfall(missing)} because OCS port(s) " + (
+                f"{_ports(lost)} are down"
+            )
+            message += f"; {degraded}"
+            bound.warning("phase_degraded", missing=missing, down=_ports(lost))
+        outcome = None
+        if request_id:
+            outcome = RequestOutcome(
+                request_id, phase, epoch, True, False, message, explanation, record.committed_at
+            )
         with st.stage("commit"):
-            await self.store.commit(record)
+            await self.store.commit(record, outcome)
         self._fault("committed")
         # the commit's own duration is known only after it; the caller sees it too
         record = replace(record, stages=dict(st.times))
@@ -673,7 +871,7 @@ class Controller:
         self.metrics.circuit_changes.labels("add").inc(len(plan.add))
         self.metrics.circuit_changes.labels("remove").inc(len(plan.remove))
         bound.info(
-            "epoch committed", added=len(plan.add), removed=len(plan.remove), stages=st.times
+            "epoch_committed", added=len(plan.add), removed=len(plan.remove), stages=st.times
         )
         self.events.publish(
             Event(
@@ -681,13 +879,12 @@ class Controller:
                 epoch=epoch,
                 phase=phase,
                 message=f"+{len(plan.add)} -{len(plan.remove)} circuits "
-                f"({planned.planner} planner); {gate.reason}",
+                f"({planned.planner} planner); {gate.reason}"
+                + (f"; {degraded}" if degraded else ""),
                 stages=dict(st.times),
             )
         )
-        return PhaseResult(
-            record, True, f"epoch {epoch}: phase {phase.value}", explanation=explanation
-        )
+        return PhaseResult(record, True, message, explanation=explanation)
 
     async def _repair(
         self, current: EpochRecord, plan: CircuitPlan, bound: structlog.typing.FilteringBoundLogger
@@ -705,7 +902,7 @@ class Controller:
             f"already in phase {current.phase.value if current.phase else '-'}; repaired drift "
             f"of epoch {current.epoch}: +{len(plan.add)} -{len(plan.remove)} circuits"
         )
-        bound.warning("drift repaired", added=len(plan.add), removed=len(plan.remove))
+        bound.warning("drift_repaired", added=len(plan.add), removed=len(plan.remove))
         self.events.publish(Event("drift_repaired", epoch=current.epoch, message=msg))
         return PhaseResult(current, False, msg)
 
@@ -732,7 +929,7 @@ class Controller:
             f"epoch {epoch} ({phase.value}) not committed: stage {exc.stage}: {exc.detail}; "
             f"{outcome}"
         )
-        log.error("reconfiguration failed", epoch=epoch, phase=phase.value, error=message)
+        log.error("reconfiguration_failed", epoch=epoch, phase=phase.value, error=message)
         self.events.publish(Event("phase_failed", epoch=epoch, phase=phase, message=message))
         raise errors.FailedPrecondition(message) from None
 

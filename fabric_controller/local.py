@@ -3,7 +3,9 @@
 The simulated OCS(es), the controller and one agent per node of a wiring file are
 started from this Python (``python -m ...``), each writing its bound address to a
 ready file; everything about the run (pids, addresses, logs, state) lives in a run
-directory so that `down` and `status` work from any later shell.
+directory so that `down` and `status` work from any later shell. The controller and
+every agent serve Prometheus /metrics on an ephemeral loopback port (the simulated OCS
+has no metrics), listed by `status`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 
 from orchestrrl import errors
 from orchestrrl import wiring as wiring_mod
+from orchestrrl.grpcutil import metrics_file
 from orchestrrl.model import Role, Wiring
 
 DEFAULT_RUN_DIR = Path(".orl-local")
@@ -34,7 +37,10 @@ class Proc:
     pid: int
     address: str
     log: str
+    metrics: str = ""  # HOST:PORT of its Prometheus /metrics ("": none)
 
+
+METRICS_LISTEN = "127.0.0.1:0"  # every daemon that has metrics: an ephemeral port
 
 ENGINES_DIR = Path(".engines")  # what `make engines` installs (scripts/install-engines.sh)
 INSTALLED = {
@@ -162,7 +168,7 @@ def up(
         )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
-    for stale in [run_dir / STATE_FILE, *run_dir.glob("*.addr")]:
+    for stale in [run_dir / STATE_FILE, *run_dir.glob("*.addr"), *run_dir.glob("*.metrics")]:
         stale.unlink(missing_ok=True)
     state_db = run_dir / "state.db"
     for suffix in ("", "-wal", "-shm"):  # a fresh simulated OCS needs a fresh epoch history
@@ -215,6 +221,7 @@ def up(
                 *overrides,
             ],
             timeout_s,
+            metrics=True,
         )
         procs.append(proc)
         progress(f"controller serving on {controller}")
@@ -245,6 +252,7 @@ def up(
                     "--plaintext",  # loopback only
                 ],
                 engine.start_timeout_s if real and engine is not None else timeout_s,
+                metrics=True,
             )
             procs.append(proc)
             if real:
@@ -264,11 +272,14 @@ def up(
 
 
 def _spawn(
-    run_dir: Path, role: str, name: str, args: list[str], timeout_s: float
+    run_dir: Path, role: str, name: str, args: list[str], timeout_s: float, metrics: bool = False
 ) -> tuple[Proc, str]:
+    """Start a daemon and wait for its ready file; ``metrics``: it serves /metrics too."""
     ready = (run_dir / f"{role}-{name}.addr").resolve()
     log_path = (run_dir / "logs" / f"{role}-{name}.log").resolve()
     cmd = [sys.executable, "-m", *args, "--ready-file", str(ready), "--log-format", "json"]
+    if metrics:
+        cmd += ["--metrics-listen", METRICS_LISTEN]
     with open(log_path, "ab") as log_file:
         popen = subprocess.Popen(
             cmd,
@@ -290,7 +301,9 @@ def _spawn(
             raise errors.Unavailable(f"{role} {name} did not become ready in {timeout_s:.0f} s")
         time.sleep(0.02)
     address = ready.read_text().strip()
-    return Proc(role, name, popen.pid, address, str(log_path)), address
+    served = metrics_file(ready)
+    metrics_at = served.read_text().strip() if metrics and served.exists() else ""
+    return Proc(role, name, popen.pid, address, str(log_path), metrics_at), address
 
 
 def _wait_registered(w: Wiring, controller: str, timeout_s: float) -> None:

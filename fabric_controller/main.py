@@ -180,7 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_TRAINING_BYTES / 1e9:.1f}G, BF16 gradients of Qwen2.5-14B; 0: "
         "unknown, the training phase template is used)",
     )
-    p.add_argument("--ready-file", type=Path, help="write the bound address here when serving")
+    p.add_argument(
+        "--ready-file",
+        type=Path,
+        help="write the bound address here when serving (and with --metrics-listen the "
+        "bound /metrics address to FILE.metrics)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     add_tls_arguments(p)
@@ -190,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def serve(args: argparse.Namespace) -> int:
     tls = tls_mod.from_args(args)
     if tls is None:
-        log.warning("serving WITHOUT TLS (--plaintext): for local development only")
+        log.warning("serving_without_tls", note="--plaintext: for local development only")
     w = wiring_mod.load(args.wiring)
     overrides = dict(args.ocs_address)
     unknown = sorted(set(overrides) - {o.name for o in w.ocses})
@@ -206,7 +211,7 @@ async def serve(args: argparse.Namespace) -> int:
         t.name: LinuxSwitchDriver(t.name, t.netns) for t in w.tors if t.netns
     }
     if switches:
-        log.info("programming routes on Linux ToRs", tors=sorted(switches))
+        log.info("tor_routes_enabled", tors=sorted(switches))
     store = Store(args.state)
     interval = float(args.heartbeat_interval)
     controller = Controller(
@@ -225,11 +230,12 @@ async def serve(args: argparse.Namespace) -> int:
     # them out of the cyclic collector, whose full passes over a 2048-node wiring would
     # otherwise land inside phase changes (tens of ms each; see bench/phase_switch.py).
     gc.freeze()
-    stop_metrics = (
-        grpcutil.start_metrics_server(args.metrics_listen, controller.metrics.registry)
+    metrics_server = (
+        grpcutil.serve_metrics(args.metrics_listen, controller.metrics.registry)
         if args.metrics_listen
         else None
     )
+    stop_metrics = metrics_server.stop if metrics_server is not None else None
     for d in drivers.values():
         await _probe(d, w.ocs(d.name).ports)
     agents = AgentClients(tls)
@@ -252,18 +258,23 @@ async def serve(args: argparse.Namespace) -> int:
         clients=len(w.nodes),  # every agent's stream at once after a restart
     )
     log.info(
-        "fabric controller serving",
+        "controller_serving",
         address=server.address,
         cluster=w.cluster,
         nodes=len(w.nodes),
         ocses=len(w.ocses),
         state=str(args.state),
+        metrics=metrics_server.address if metrics_server is not None else None,
     )
     stop = grpcutil.shutdown_signal()
     asyncio.get_running_loop().add_signal_handler(
         signal.SIGHUP, lambda: _reload(controller, args.wiring)
     )
-    grpcutil.write_ready_file(args.ready_file, server.address)
+    grpcutil.write_ready_file(
+        args.ready_file,
+        server.address,
+        metrics=metrics_server.address if metrics_server is not None else "",
+    )
     try:
         async with asyncio.TaskGroup() as tg:
             loops = [
@@ -272,10 +283,10 @@ async def serve(args: argparse.Namespace) -> int:
                 tg.create_task(grpcutil.watchdog()),
             ]
             if compute.enabled:
-                log.info("compute scheduling on", interval_s=args.compute_interval)
+                log.info("compute_scheduling_on", interval_s=args.compute_interval)
                 loops.append(tg.create_task(compute.run()))
             await stop.wait()
-            log.info("shutting down")
+            log.info("shutting_down")
             grpcutil.sd_notify("STOPPING=1")
             for task in loops:
                 task.cancel()
@@ -296,9 +307,9 @@ def _reload(controller: Controller, path: Path) -> None:
     """SIGHUP: validate the wiring file again; adopt it only when valid."""
     try:
         controller.reload(wiring_mod.load(path))
-        log.info("wiring reloaded", wiring=str(path), nodes=len(controller.wiring.nodes))
+        log.info("wiring_reloaded", wiring=str(path), nodes=len(controller.wiring.nodes))
     except errors.OrlError as exc:
-        log.error("wiring reload rejected; keeping the last good wiring", error=str(exc))
+        log.error("wiring_reload_rejected", error=str(exc), note="keeping the last good wiring")
 
 
 def _crash_hook() -> Callable[[str], None]:
@@ -307,7 +318,7 @@ def _crash_hook() -> Callable[[str], None]:
     stage = os.environ.get("ORL_FAULT_CRASH_AT", "")
     if not stage:
         return lambda _stage: None
-    log.warning("fault injection armed: will SIGKILL itself", stage=stage)
+    log.warning("fault_injection_armed", stage=stage, note="will SIGKILL itself")
 
     def hook(reached: str) -> None:
         if reached == stage:
@@ -322,18 +333,21 @@ async def _probe(driver: OcsDriver, wired_ports: int) -> None:
         info = await driver.info()
     except errors.OrlError as exc:
         log.warning(
-            "OCS not reachable yet; phase changes fail until it is", ocs=driver.name, error=str(exc)
+            "ocs_unreachable",
+            ocs=driver.name,
+            error=str(exc),
+            note="phase changes fail until it is reachable",
         )
         return
     if info.port_count < wired_ports:
         log.error(
-            "OCS has fewer ports than the wiring says",
+            "ocs_fewer_ports_than_wiring",
             ocs=driver.name,
             switch_ports=info.port_count,
             wiring_ports=wired_ports,
         )
     else:
-        log.info("OCS reachable", ocs=driver.name, ports=info.port_count, backend=info.backend)
+        log.info("ocs_reachable", ocs=driver.name, ports=info.port_count, backend=info.backend)
 
 
 def main(argv: list[str] | None = None) -> int:

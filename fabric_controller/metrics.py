@@ -42,6 +42,13 @@ class ControllerMetrics:
         self.telemetry_samples = Counter(
             "orl_telemetry_samples", "Telemetry samples received", registry=self.registry
         )
+        self.telemetry_rejected = Counter(
+            "orl_telemetry_rejected",
+            "Telemetry samples left out, by reason (undecodable: corrupt bytes; implausible: "
+            "figures beyond the plausibility bounds)",
+            ["reason"],
+            registry=self.registry,
+        )
         self.telemetry_lag = Histogram(
             "orl_telemetry_lag_seconds",
             "Age of a telemetry sample when the controller processed it",

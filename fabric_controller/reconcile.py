@@ -92,3 +92,34 @@ def check_tables(
     return [f"circuit {c} is missing" for c in missing] + [
         f"circuit {c} is still connected" for c in still
     ]
+
+
+def shortfall(
+    wiring: Wiring, full: Iterable[Circuit], got: Iterable[Circuit]
+) -> tuple[tuple[str, str, int], ...]:
+    """Circuits per pod pair that ``got`` lacks against ``full`` (the same phase planned
+    with every port up): ``(pod_a, pod_b, circuits)`` with ``pod_a <= pod_b``, sorted;
+    empty when ``got`` has at least as many circuits as ``full`` for every pair."""
+
+    def per_pair(circuits: Iterable[Circuit]) -> dict[tuple[str, str], int]:
+        counts: dict[tuple[str, str], int] = defaultdict(int)
+        for c in circuits:
+            a, b = wiring.circuit_pods(c)
+            counts[(a, b) if a <= b else (b, a)] += 1
+        return counts
+
+    have = per_pair(got)
+    return tuple(
+        (a, b, n - have.get((a, b), 0))
+        for (a, b), n in sorted(per_pair(full).items())
+        if n > have.get((a, b), 0)
+    )
+
+
+def describe_shortfall(missing: Iterable[tuple[str, str, int]]) -> str:
+    """``3 circuit(s) missing (train0-train1: 2, gen0-train0: 1)`` (at most 8 pairs named)."""
+    missing = list(missing)
+    total = sum(n for _, _, n in missing)
+    named = ", ".join(f"{a}-{b}: {n}" for a, b, n in missing[:8])
+    more = f", and {len(missing) - 8} more pair(s)" if len(missing) > 8 else ""
+    return f"{total} circuit(s) missing ({named}{more})"

@@ -10,6 +10,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from fabric_controller.telemetry_bounds import Implausible, TelemetryBounds, check_sample
 from orchestrrl import errors
 from orchestrrl.model import Wiring
 from orchestrrl.v1 import node_agent_pb2
@@ -89,6 +90,16 @@ class Registry:
         self._nodes[node] = record
         return record
 
+    def others_at(self, node: str, address: str, now: float) -> tuple[str, ...]:
+        """The other nodes that registered ``address`` as their agent's and are up."""
+        return tuple(
+            r.name
+            for r in self._nodes.values()
+            if r.name != node
+            and r.agent_address == address
+            and health(r, now, self.deadline_s) is Health.UP
+        )
+
     def _session(self, node: str, session_id: str) -> NodeRecord:
         self.wiring.node(node)  # NotFound with the known names
         record = self._nodes[node]
@@ -105,16 +116,32 @@ class Registry:
         return record
 
     def telemetry_batch(
-        self, samples: Sequence[node_agent_pb2.TelemetrySample], now: float
-    ) -> None:
+        self,
+        samples: Sequence[node_agent_pb2.TelemetrySample],
+        now: float,
+        wall: float | None = None,
+    ) -> list[tuple[str, Implausible]]:
         """Samples of one upload, oldest first: each node keeps its newest. Every sample's
-        node is checked before anything is stored, so a bad one changes nothing."""
+        node is checked before anything is stored, so a bad one changes nothing. A newest
+        sample with implausible figures (:mod:`fabric_controller.telemetry_bounds`; ``wall``
+        the controller's clock) is not stored: the node keeps its last plausible one, and
+        the rejected nodes are returned with why."""
         newest: dict[str, node_agent_pb2.TelemetrySample] = {}
         for sample in samples:
             newest[sample.node] = sample
         records = [(self._registered(node), sample) for node, sample in newest.items()]
+        rejected: list[tuple[str, Implausible]] = []
         for record, sample in records:
+            bad = check_sample(sample, self.bounds(record), wall)
+            if bad is not None:
+                rejected.append((record.name, bad))
+                continue
             self._store(record, sample, now)
+        return rejected
+
+    def bounds(self, record: NodeRecord) -> TelemetryBounds:
+        """The plausibility bounds of a node's telemetry: its wired GPUs, its engine's seats."""
+        return TelemetryBounds(self.wiring.node(record.name).gpus, record.max_num_seqs)
 
     def _registered(self, node: str) -> NodeRecord:
         record = self._nodes.get(node)

@@ -115,9 +115,9 @@ class ComputeScheduler:
             try:
                 await self.round()
             except errors.OrlError as exc:
-                log.warning("compute scheduling round failed", error=str(exc))
+                log.warning("compute_round_failed", error=str(exc))
             except Exception:  # a bug here must not take the fabric controller down
-                log.exception("compute scheduling round crashed; next round in the interval")
+                log.exception("compute_round_crashed", note="next round in the interval")
 
     # -- one round --
 

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeAlias
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from fabric_controller.controller import Controller
 from fabric_controller.events import Event
@@ -14,7 +15,7 @@ from fabric_controller.registry import Health
 from fabric_controller.scheduler_loop import ComputeScheduler, ScheduleView
 from fabric_controller.scheduling import after_index, layouts_after
 from fabric_controller.store import EpochRecord
-from orchestrrl import errors
+from orchestrrl import errors, limits
 from orchestrrl.convert import (
     circuit_to_pb,
     phase_from_pb,
@@ -22,6 +23,7 @@ from orchestrrl.convert import (
     stages_to_pb,
 )
 from orchestrrl.grpcutil import domain_errors_to_status, parse_address
+from orchestrrl.logs import get_logger
 from orchestrrl.model import Circuit
 from orchestrrl.tls import Authorizer
 from orchestrrl.v1 import common_pb2, node_agent_pb2
@@ -29,6 +31,8 @@ from orchestrrl.v1 import fabric_controller_pb2 as pb
 from orchestrrl.v1 import fabric_controller_pb2_grpc as pb_grpc
 
 Ctx: TypeAlias = grpc.aio.ServicerContext
+
+log = get_logger("fabric_controller.servicer")
 
 _HEALTH = {
     Health.UP: pb.NODE_HEALTH_UP,
@@ -112,7 +116,8 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
         context: Ctx,
     ) -> pb.ReportTelemetryResponse:
         # Each sample is parsed only as far as its node and time; the newest of each node
-        # in full (the registry keeps no other).
+        # in full (the registry keeps no other). A sample that does not decode is left out
+        # (counted, and one bounded warning per batch); the batch's others are taken.
         head = node_agent_pb2.TelemetrySampleHead.FromString
         full = node_agent_pb2.TelemetrySample.FromString
         accepted = 0
@@ -120,14 +125,39 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
             raw = batch.samples
             if not raw:
                 continue
+            bad = errors.Problems(limit=1)
             last: dict[str, int] = {}
             for k, data in enumerate(raw):
-                last[head(data).node] = k
-            for node in last:
+                try:
+                    last[head(data).node] = k
+                except DecodeError as exc:
+                    bad.add(f"samples[{k}]: {exc}")
+            for node in last:  # (caps hold the batch, not the nodes inside its samples)
+                limits.check_text("samples[].node", node, limits.MAX_NAME_CHARS, "a node name")
                 self.auth.node(context, node)
-            self.c.telemetry_batch([full(raw[k]) for k in last.values()], len(raw))
-            accepted += len(raw)
+            newest = []
+            for node, k in last.items():
+                try:
+                    newest.append(full(raw[k]))
+                except DecodeError as exc:
+                    bad.add(f"samples[{k}] of node {errors.shown(node)}: {exc}")
+            if bad:
+                self._undecodable_samples(bad, len(raw), last)
+            self.c.telemetry_batch(newest, len(raw) - bad.count)
+            accepted += len(raw) - bad.count
         return pb.ReportTelemetryResponse(accepted=accepted)
+
+    def _undecodable_samples(
+        self, bad: errors.Problems, samples: int, nodes: dict[str, int]
+    ) -> None:
+        self.c.metrics.telemetry_rejected.labels(reason="undecodable").inc(bad.count)
+        log.warning(
+            "telemetry_samples_undecodable",
+            rejected=bad.count,
+            samples=samples,
+            nodes=errors.listed(sorted(nodes), ", "),  # the batch's readable nodes
+            first=errors.bounded(bad.shown[0], 300),
+        )
 
     def _circuit_fields(self, reply: Any, **fields: frozenset[Circuit]) -> None:
         """Fill repeated Circuit fields of ``reply`` (sorted, with their pods)."""
@@ -165,6 +195,10 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
             message=message,
             gated=gated,
             explanation=explanation,
+            degraded=record.degraded,
+            missing=[
+                pb.MissingCircuits(pod_a=a, pod_b=b, circuits=n) for a, b, n in record.missing
+            ],
         )
         if changed:
             self._circuit_fields(

@@ -1,6 +1,10 @@
 """Persistent controller state in SQLite (WAL, one transaction per state change).
 
-Blocking sqlite3 calls run in a worker thread; callers use the async methods.
+Blocking sqlite3 calls run in a worker thread; callers use the async methods. The async
+methods are the store's contract (a replicated store implements the same ones): epochs
+(``current``, ``epoch``, ``commit``), the reconfiguration journal (``begin``,
+``advance``, ``abandon``, ``pending``), and the outcomes of idempotent requests
+(``record_outcome``, ``outcome``; an epoch's outcome is written by its ``commit``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from pathlib import Path
 from orchestrrl import errors
 from orchestrrl.model import Circuit, Phase
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS epochs (
@@ -27,7 +31,8 @@ CREATE TABLE IF NOT EXISTS epochs (
     removed      TEXT NOT NULL,
     stages       TEXT NOT NULL,   -- JSON {stage: seconds}
     committed_at REAL NOT NULL,
-    request_id   TEXT
+    request_id   TEXT,
+    missing      TEXT NOT NULL DEFAULT '[]'  -- v4: JSON [[pod_a, pod_b, circuits], ...]
 );
 CREATE UNIQUE INDEX IF NOT EXISTS epochs_request_id ON epochs(request_id)
     WHERE request_id IS NOT NULL;
@@ -42,9 +47,31 @@ CREATE TABLE IF NOT EXISTS pending (
     removed    TEXT NOT NULL,
     stage      TEXT NOT NULL,
     request_id TEXT,
-    started_at REAL NOT NULL
+    started_at REAL NOT NULL,
+    missing    TEXT NOT NULL DEFAULT '[]'
+);
+-- v4: the outcome of every phase request that carried a request id and succeeded,
+-- committed or not (nothing to change, gated, drift repaired): a retry returns it.
+CREATE TABLE IF NOT EXISTS outcomes (
+    request_id  TEXT PRIMARY KEY,
+    phase       TEXT NOT NULL,
+    epoch       INTEGER NOT NULL,  -- the epoch the answer named
+    changed     INTEGER NOT NULL,
+    gated       INTEGER NOT NULL,
+    message     TEXT NOT NULL,
+    explanation TEXT NOT NULL,
+    recorded_at REAL NOT NULL
 );
 """
+# Columns v4 added to tables of older files (ALTER TABLE, see Store._upgrade).
+_V4_COLUMNS = {
+    "epochs": "missing TEXT NOT NULL DEFAULT '[]'",
+    "pending": "missing TEXT NOT NULL DEFAULT '[]'",
+}
+
+# Circuits a phase lacks because OCS ports are down: (pod_a, pod_b, circuits), pod_a <
+# pod_b, sorted; empty when the phase got every circuit its plan asks for.
+Missing = tuple[tuple[str, str, int], ...]
 
 
 @dataclass(frozen=True)
@@ -59,6 +86,11 @@ class EpochRecord:
     stages: dict[str, float]
     committed_at: float
     request_id: str | None = None
+    missing: Missing = ()  # circuits the phase lacks because OCS ports were down
+
+    @property
+    def degraded(self) -> bool:
+        return bool(self.missing)
 
 
 GENESIS = EpochRecord(0, None, frozenset(), frozenset(), frozenset(), {}, 0.0)
@@ -76,6 +108,30 @@ class PendingRecord:
     stage: str
     request_id: str | None
     started_at: float
+    missing: Missing = ()
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    """What a phase request with a ``request_id`` answered: a retry with the same id
+    gets this answer again (and the epoch it named), never a new change."""
+
+    request_id: str
+    phase: Phase
+    epoch: int
+    changed: bool
+    gated: bool
+    message: str
+    explanation: str
+    recorded_at: float
+
+
+def _missing_json(missing: Missing) -> str:
+    return json.dumps([list(m) for m in missing], separators=(",", ":"))
+
+
+def _missing_load(text: str) -> Missing:
+    return tuple((str(a), str(b), int(n)) for a, b, n in json.loads(text))
 
 
 def _circuits_json(cs: frozenset[Circuit]) -> str:
@@ -116,9 +172,34 @@ class Store:
             # converges the switches to the epoch before them.
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
-            self._check_version()
+            self._check_version()  # refuses a newer file before anything is written
+            self._upgrade()
         except sqlite3.Error as exc:
             raise errors.FailedPrecondition(f"state file {self.path!r}: {exc}") from None
+
+    def _upgrade(self) -> None:
+        """Bring tables of a file written before v4 up to v4 in one transaction: the
+        added columns, and the outcomes of the request ids its epochs committed."""
+        added = []
+        for table, column in _V4_COLUMNS.items():
+            names = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            if column.split()[0] not in names:
+                added.append(f"ALTER TABLE {table} ADD COLUMN {column}")
+        if not added:
+            return
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            for sql in added:
+                self._db.execute(sql)
+            self._db.execute(
+                "INSERT OR IGNORE INTO outcomes SELECT request_id, phase, epoch, 1, 0, "
+                "'epoch ' || epoch || ': phase ' || phase, '', committed_at "
+                "FROM epochs WHERE request_id IS NOT NULL"
+            )
+            self._db.execute("COMMIT")
+        except sqlite3.Error:
+            self._db.execute("ROLLBACK")
+            raise
 
     def _check_version(self) -> None:
         row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
@@ -126,9 +207,10 @@ class Store:
             self._db.execute(
                 "INSERT INTO meta(key, value) VALUES('schema_version', ?)", (str(SCHEMA_VERSION),)
             )
-        elif int(row[0]) in (1, 2):
+        elif int(row[0]) in (1, 2, 3):
             # v2 added the pending table (created above); v3 encodes circuits compactly
-            # and still reads the rows written before (see _circuits_load)
+            # and still reads the rows written before (see _circuits_load); v4 added the
+            # outcomes table and the missing columns (see _upgrade)
             self._db.execute(
                 "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),)
             )
@@ -155,8 +237,8 @@ class Store:
     def _row(self, where: str, args: tuple[object, ...]) -> EpochRecord | None:
         with self._lock:
             row = self._db.execute(
-                "SELECT epoch, phase, circuits, added, removed, stages, committed_at, request_id "
-                f"FROM epochs {where}",
+                "SELECT epoch, phase, circuits, added, removed, stages, committed_at, request_id, "
+                f"missing FROM epochs {where}",
                 args,
             ).fetchone()
         if row is None:
@@ -170,6 +252,7 @@ class Store:
             stages=json.loads(row[5]),
             committed_at=row[6],
             request_id=row[7],
+            missing=_missing_load(row[8]),
         )
 
     def current_sync(self) -> EpochRecord:
@@ -178,11 +261,63 @@ class Store:
     def by_request_sync(self, request_id: str) -> EpochRecord | None:
         return self._row("WHERE request_id = ?", (request_id,))
 
+    def epoch_sync(self, epoch: int) -> EpochRecord:
+        if epoch == 0:
+            return GENESIS
+        record = self._row("WHERE epoch = ?", (epoch,))
+        if record is None:
+            raise errors.NotFound(f"epoch {epoch} is not in the state file {self.path!r}")
+        return record
+
+    def outcome_sync(self, request_id: str) -> RequestOutcome | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT request_id, phase, epoch, changed, gated, message, explanation, "
+                "recorded_at FROM outcomes WHERE request_id = ?",
+                (request_id,),
+            ).fetchone()
+        if row is None:
+            return None
+        return RequestOutcome(
+            request_id=row[0],
+            phase=Phase(row[1]),
+            epoch=row[2],
+            changed=bool(row[3]),
+            gated=bool(row[4]),
+            message=row[5],
+            explanation=row[6],
+            recorded_at=row[7],
+        )
+
+    def _insert_outcome(self, o: RequestOutcome) -> None:
+        """Within a transaction; the first outcome of an id stays (a retry never
+        replaces it)."""
+        self._db.execute(
+            "INSERT OR IGNORE INTO outcomes VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (o.request_id, o.phase.value, o.epoch, int(o.changed), int(o.gated), o.message,
+             o.explanation, o.recorded_at),
+        )  # fmt: skip
+
+    def record_outcome_sync(self, outcome: RequestOutcome) -> RequestOutcome:
+        """Record ``outcome`` unless its id has one already; returns the one recorded."""
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._insert_outcome(outcome)
+                self._db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise errors.FailedPrecondition(f"state file {self.path!r}: {exc}") from None
+        recorded = self.outcome_sync(outcome.request_id)
+        assert recorded is not None
+        return recorded
+
     def pending_sync(self) -> PendingRecord | None:
         with self._lock:
             row = self._db.execute(
-                "SELECT epoch, phase, circuits, added, removed, stage, request_id, started_at "
-                "FROM pending WHERE id = 1"
+                "SELECT epoch, phase, circuits, added, removed, stage, request_id, started_at, "
+                "missing FROM pending WHERE id = 1"
             ).fetchone()
         if row is None:
             return None
@@ -195,6 +330,7 @@ class Store:
             stage=row[5],
             request_id=row[6],
             started_at=row[7],
+            missing=_missing_load(row[8]),
         )
 
     def _write(self, sql: str, args: tuple[object, ...]) -> None:
@@ -210,7 +346,7 @@ class Store:
 
     def begin_sync(self, p: PendingRecord) -> None:
         self._write(
-            "INSERT OR REPLACE INTO pending VALUES (1, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT OR REPLACE INTO pending VALUES (1, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 p.epoch,
                 p.phase.value,
@@ -220,6 +356,7 @@ class Store:
                 p.stage,
                 p.request_id,
                 p.started_at,
+                _missing_json(p.missing),
             ),
         )
 
@@ -229,8 +366,11 @@ class Store:
     def abandon_sync(self) -> None:
         self._write("DELETE FROM pending WHERE id = 1", ())
 
-    def commit_sync(self, record: EpochRecord) -> EpochRecord:
-        """Insert the epoch and clear the pending row in one transaction."""
+    def commit_sync(
+        self, record: EpochRecord, outcome: RequestOutcome | None = None
+    ) -> EpochRecord:
+        """Insert the epoch, record the ``outcome`` of the request that made it (if it
+        had an id) and clear the pending row, in one transaction."""
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -242,7 +382,7 @@ class Store:
                     )
                 assert record.phase is not None
                 self._db.execute(
-                    "INSERT INTO epochs VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO epochs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         record.epoch,
                         record.phase.value,
@@ -252,8 +392,11 @@ class Store:
                         json.dumps(record.stages),
                         record.committed_at,
                         record.request_id,
+                        _missing_json(record.missing),
                     ),
                 )
+                if outcome is not None:
+                    self._insert_outcome(outcome)
                 self._db.execute("DELETE FROM pending WHERE id = 1")
                 self._db.execute("COMMIT")
             except sqlite3.Error as exc:
@@ -270,8 +413,24 @@ class Store:
     async def by_request(self, request_id: str) -> EpochRecord | None:
         return await asyncio.to_thread(self.by_request_sync, request_id)
 
-    async def commit(self, record: EpochRecord) -> EpochRecord:
-        return await asyncio.to_thread(self.commit_sync, record)
+    async def epoch(self, epoch: int) -> EpochRecord:
+        """A committed epoch by number (0: the genesis); NotFound if it is not stored."""
+        return await asyncio.to_thread(self.epoch_sync, epoch)
+
+    async def commit(
+        self, record: EpochRecord, outcome: RequestOutcome | None = None
+    ) -> EpochRecord:
+        return await asyncio.to_thread(self.commit_sync, record, outcome)
+
+    async def outcome(self, request_id: str) -> RequestOutcome | None:
+        """The recorded outcome of a request id, or None if none succeeded with it."""
+        return await asyncio.to_thread(self.outcome_sync, request_id)
+
+    async def record_outcome(self, outcome: RequestOutcome) -> RequestOutcome:
+        """Durably record the outcome of a request that committed no epoch (nothing to
+        change, gated, drift repaired); the first outcome of an id wins and is returned.
+        A failed request is never recorded: its retry is a fresh attempt."""
+        return await asyncio.to_thread(self.record_outcome_sync, outcome)
 
     async def pending(self) -> PendingRecord | None:
         return await asyncio.to_thread(self.pending_sync)

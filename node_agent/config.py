@@ -410,7 +410,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="serve Prometheus /metrics there (default: off)",
     )
-    p.add_argument("--ready-file", help="write the bound HOST:PORT here once serving")
+    p.add_argument(
+        "--ready-file",
+        help="write the bound HOST:PORT here once serving (and with --metrics-listen the "
+        "bound /metrics HOST:PORT to FILE.metrics)",
+    )
     p.add_argument("--log-level", help=f"{', '.join(LOG_LEVELS)} (default info)")
     p.add_argument("--log-format", help="auto (JSON unless a terminal), json or console")
     p.add_argument("--seed", help="seed of the simulated GPUs and engine (default: from --node)")

@@ -37,8 +37,8 @@ from orchestrrl import errors
 from orchestrrl.grpcutil import (
     parse_address,
     sd_notify,
+    serve_metrics,
     shutdown_signal,
-    start_metrics_server,
     start_server,
     watchdog,
     write_ready_file,
@@ -302,11 +302,13 @@ async def _serve_with(
         node_agent_pb2_grpc.add_NodeAgentServicer_to_server(servicer, server)
 
     if config.tls is None:
-        log.warning("serving WITHOUT TLS (--plaintext): for local development only")
+        log.warning("serving_without_tls", note="--plaintext: for local development only")
     stop_metrics: Callable[[], None] | None = None
+    metrics_address = ""
     try:
         if config.metrics_listen:
-            stop_metrics = start_metrics_server(config.metrics_listen, metrics.registry)
+            serving = serve_metrics(config.metrics_listen, metrics.registry)
+            stop_metrics, metrics_address = serving.stop, serving.address
         server = await start_server(config.listen, register, [SERVICE_NAME], tls=config.tls)
     except BaseException:  # nothing is serving: release what was opened, then report
         if stop_metrics is not None:
@@ -318,7 +320,7 @@ async def _serve_with(
         # signal handlers go in before readiness is announced, so no SIGTERM is missed
         wait_stop = stop if stop is not None else shutdown_signal().wait
         wait_hangup = shell.hangup if shell.hangup is not None else hangup_signal()
-        write_ready_file(config.ready_file, server.address)
+        write_ready_file(config.ready_file, server.address, metrics=metrics_address)
         agent_address = advertised_address(server.address, config.advertise_host)
         log.info(
             "serving",
@@ -332,7 +334,7 @@ async def _serve_with(
             reshard_backend=config.reshard_backend,
             tp_layout=list(engine.tp_layout),
             nics=[n.name for n in collector.status().nics],
-            metrics=config.metrics_listen,
+            metrics=metrics_address or None,
         )
         uplink = Uplink(
             collector,

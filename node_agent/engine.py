@@ -8,6 +8,7 @@ so every adapter rejects the same layouts with the same message.
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -192,6 +193,14 @@ def validate_layout(layout: Sequence[int], gpus: int, field: str = "tp_layout") 
             field, value, f"TP degrees must sum to the node's GPU count {gpus} (sum {sum(value)})"
         )
     return tuple(value)
+
+
+def check_import_ids(requests: Sequence[MigratingRequest]) -> None:
+    """An import names each request once: raise :class:`orchestrrl.errors.InvalidArgument`
+    naming the repeated ids otherwise (before anything is admitted)."""
+    dup = sorted(i for i, n in Counter(m.request_id for m in requests).items() if n > 1)
+    if dup:
+        raise errors.field_error("requests", dup, "each request id once per import")
 
 
 def default_layout(gpus: int) -> tuple[int, ...]:

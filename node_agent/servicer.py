@@ -10,7 +10,7 @@ import grpc
 
 from node_agent import convert, migration, roce, routes
 from node_agent.commands import CommandLog
-from node_agent.engine import Destination, RolloutEngine
+from node_agent.engine import Destination, RolloutEngine, check_import_ids
 from node_agent.gateway.engine import GatewayEngine
 from node_agent.gateway.requests import RequestFailed
 from node_agent.metrics import AgentMetrics
@@ -20,7 +20,7 @@ from node_agent.telemetry import Collector, check_interval
 from orchestrrl import errors
 from orchestrrl.grpcutil import domain_errors_to_status, parse_address
 from orchestrrl.logs import get_logger
-from orchestrrl.tls import Authorizer
+from orchestrrl.tls import Authorizer, check_addressee
 from orchestrrl.v1 import common_pb2, node_agent_pb2, node_agent_pb2_grpc
 
 log = get_logger("node_agent.servicer")
@@ -60,6 +60,11 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         self._exports = migration.Exports(engine)
         self._gateway = gateway
 
+    def _admit(self, context: Context, allowed: frozenset[str]) -> None:
+        """Only ``allowed`` identities (with TLS), and only calls meant for this node."""
+        self._auth.peer(context, allowed)
+        check_addressee(context, self._collector.node)
+
     async def close(self) -> None:
         """Restore requests still held by unresolved exports (at shutdown)."""
         await self._exports.close()
@@ -72,12 +77,14 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     async def GetStatus(
         self, request: node_agent_pb2.GetStatusRequest, context: Context
     ) -> node_agent_pb2.NodeStatus:
+        check_addressee(context, self._collector.node)
         return convert.status_to_pb(self._collector.status())
 
     @domain_errors_to_status
     async def StreamTelemetry(
         self, request: node_agent_pb2.StreamTelemetryRequest, context: Context
     ) -> AsyncIterator[node_agent_pb2.TelemetrySample]:
+        check_addressee(context, self._collector.node)
         interval = request.interval_s or self._default_interval_s
         check_interval(interval, "interval_s")
         async for sample in self._collector.every(interval):
@@ -87,7 +94,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     async def Reshard(
         self, request: node_agent_pb2.ReshardRequest, context: Context
     ) -> node_agent_pb2.ReshardResponse:
-        self._auth.peer(context, self._controllers)
+        self._admit(context, self._controllers)
 
         async def reshard() -> node_agent_pb2.ReshardResponse:
             started = time.monotonic()
@@ -111,7 +118,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     async def Drain(
         self, request: node_agent_pb2.DrainRequest, context: Context
     ) -> node_agent_pb2.EngineStateResponse:
-        self._auth.peer(context, self._controllers)
+        self._admit(context, self._controllers)
 
         async def drain() -> node_agent_pb2.EngineStateResponse:
             await self._engine.drain()
@@ -124,7 +131,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     async def Resume(
         self, request: node_agent_pb2.ResumeRequest, context: Context
     ) -> node_agent_pb2.EngineStateResponse:
-        self._auth.peer(context, self._controllers)
+        self._admit(context, self._controllers)
 
         async def resume() -> node_agent_pb2.EngineStateResponse:
             await self._engine.resume()
@@ -137,7 +144,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     async def ExportRequests(
         self, request: node_agent_pb2.ExportRequestsRequest, context: Context
     ) -> node_agent_pb2.ExportRequestsResponse:
-        self._auth.peer(context, self._controllers)
+        self._admit(context, self._controllers)
 
         async def export() -> node_agent_pb2.ExportRequestsResponse:
             exported, missing = await self._exports.export(
@@ -157,11 +164,12 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     async def ImportRequests(
         self, request: node_agent_pb2.ImportRequestsRequest, context: Context
     ) -> node_agent_pb2.ImportRequestsResponse:
-        self._auth.peer(context, self._controllers)
+        self._admit(context, self._controllers)
         recompute = migration.recompute_from_pb(request.method)
         states = [migration.state_from_pb(r) for r in request.requests]
         if not states:
             raise errors.field_error("requests", [], "at least one request to import")
+        check_import_ids(states)  # every engine: all admitted or none, each id once
 
         async def admit() -> node_agent_pb2.ImportRequestsResponse:
             result = await self._engine.import_requests(states, request.instance, recompute)
@@ -192,7 +200,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     async def ResolveExport(
         self, request: node_agent_pb2.ResolveExportRequest, context: Context
     ) -> node_agent_pb2.ResolveExportResponse:
-        self._auth.peer(context, self._controllers)
+        self._admit(context, self._controllers)
         if not request.export_command_id:
             raise errors.field_error(
                 "export_command_id", "", "the command_id of the ExportRequests to resolve"
@@ -226,6 +234,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     async def FollowRequest(
         self, request: node_agent_pb2.FollowRequestRequest, context: Context
     ) -> AsyncIterator[node_agent_pb2.FollowRequestChunk]:
+        check_addressee(context, self._collector.node)
         gateway = self._gateway
         if gateway is None:
             raise errors.FailedPrecondition(
@@ -252,7 +261,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     async def ApplyRoutes(
         self, request: node_agent_pb2.ApplyRoutesRequest, context: Context
     ) -> node_agent_pb2.ApplyRoutesResponse:
-        self._auth.peer(context, self._controllers)
+        self._admit(context, self._controllers)
         host_routes = self._routes
 
         async def apply() -> node_agent_pb2.ApplyRoutesResponse:
@@ -279,7 +288,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     async def ConfigureRoce(
         self, request: node_agent_pb2.ConfigureRoceRequest, context: Context
     ) -> node_agent_pb2.ConfigureRoceResponse:
-        self._auth.peer(context, self._controllers)
+        self._admit(context, self._controllers)
         configurator = self._roce
 
         async def configure() -> node_agent_pb2.ConfigureRoceResponse:

@@ -65,6 +65,15 @@ class PhaseState:
 
 
 @dataclass(frozen=True)
+class MissingCircuits:
+    """Circuits a pod pair lacks because OCS ports are down."""
+
+    pod_a: str
+    pod_b: str
+    circuits: int
+
+
+@dataclass(frozen=True)
 class PhaseChange:
     epoch: int
     phase: str | None
@@ -76,6 +85,10 @@ class PhaseChange:
     message: str
     gated: bool = False
     explanation: str = ""  # which planner chose the circuits, and why
+    # fewer circuits than the phase would have with every OCS port up (``missing``: which
+    # pod pairs lack how many); the controller re-plans when the ports come back up
+    degraded: bool = False
+    missing: list[MissingCircuits] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -272,6 +285,8 @@ class AsyncClient:
             message=r.message,
             gated=r.gated,
             explanation=r.explanation,
+            degraded=r.degraded,
+            missing=[MissingCircuits(m.pod_a, m.pod_b, m.circuits) for m in r.missing],
         )
 
     @contextlib.asynccontextmanager
@@ -300,7 +315,7 @@ class AsyncClient:
                 except errors.OrlError as exc:
                     if not failed:
                         raise
-                    log.error("could not restore the phase", phase=before, error=str(exc))
+                    log.error("phase_restore_failed", phase=before, error=str(exc))
 
     async def get_phase(self) -> PhaseState:
         r = await grpcutil.call(

@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from orchestrrl import errors
+from orchestrrl import errors, limits
 from orchestrrl.logs import get_logger
 from orchestrrl.tls import TlsConfig
 
@@ -80,7 +80,7 @@ def domain_errors_to_status(func: Callable[..., Any]) -> Callable[..., Any]:
             (c for klass, c in STATUS_OF.items() if isinstance(exc, klass)),
             grpc.StatusCode.INTERNAL,
         )
-        await context.abort(code, str(exc))
+        await context.abort(code, errors.bounded(str(exc)))
 
     if _is_async_gen(func):
 
@@ -160,6 +160,7 @@ async def start_server(
     service_names: Iterable[str],
     tls: TlsConfig | None = None,
     clients: int = 0,
+    max_receive_bytes: int = limits.MAX_RECEIVE_BYTES,
 ) -> RunningServer:
     """Start a grpc.aio server with the standard health service and reflection;
     mutual TLS when ``tls`` is given, plaintext otherwise.
@@ -170,13 +171,19 @@ async def start_server(
     random early detection up to a hard limit of 3000); the asyncio server picks them up
     one at a time, so a storm of a few thousand agents' streams loses some. The limits
     are raised to twice ``clients`` (soft) and four times (hard) when that is above the
-    defaults."""
+    defaults.
+
+    ``max_receive_bytes``: the largest request message accepted (a larger one fails with
+    RESOURCE_EXHAUSTED before it is read). Every handler that ``register`` adds is guarded
+    (``guard_handler``): a request that does not decode gets INVALID_ARGUMENT."""
     host, _ = parse_address(listen, "listen")
-    server = grpc.aio.server(options=server_options(clients))
-    register(server)
+    options = [*server_options(clients), ("grpc.max_receive_message_length", max_receive_bytes)]
+    server = grpc.aio.server(options=options)
+    guarded = _GuardedServer(server)
+    register(guarded)
     names = tuple(service_names)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, guarded)
     reflection.enable_server_reflection(
         (
             *names,
@@ -198,24 +205,177 @@ async def start_server(
     return RunningServer(server, health_servicer, f"{host}:{port}", names)
 
 
+class _Undecodable:
+    """What a guarded request deserializer returns for bytes that do not decode."""
+
+    __slots__ = ("detail",)
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+
+
+def _message_name(deserializer: Callable[[bytes], Any]) -> str:
+    """The protobuf message a generated deserializer (``Message.FromString``) parses."""
+    descriptor = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+    name = getattr(descriptor, "full_name", "")
+    return name if isinstance(name, str) and name else "the method's request message"
+
+
+def guard_handler(method: str, handler: Any) -> Any:
+    """``handler`` (an RpcMethodHandler of async behaviours) whose request deserializer
+    never raises: bytes that do not decode as the request message answer INVALID_ARGUMENT
+    "request could not be decoded as <Message>" and log one bounded warning. (Left alone,
+    grpc.aio lets the DecodeError escape: a traceback in the log and UNKNOWN to the caller.)
+    Every decoded request (each message of a request stream) is then held to its caps
+    (``limits.check_request``): INVALID_ARGUMENT before the servicer sees it.
+    Sync behaviours and handlers without a deserializer are returned unchanged."""
+    deserialize = handler.request_deserializer
+    if deserialize is None:
+        return handler
+    name = _message_name(deserialize)
+    detail = f"request could not be decoded as {name}"
+
+    def safe_deserialize(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:  # DecodeError, and whatever a parser may raise on garbage
+            log.warning(
+                "request_undecodable",
+                method=method,
+                bytes=len(data),
+                error=errors.bounded(f"{type(exc).__name__}: {exc}", 200),
+            )
+            return _Undecodable(detail)
+
+    async def refuse(context: Any, request: Any) -> None:
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
+        try:
+            limits.check_request(request)
+        except errors.InvalidArgument as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, errors.bounded(str(exc)))
+
+    async def checked(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        async for request in requests:
+            await refuse(context, request)
+            yield request
+
+    behaviors: dict[str, Any] = {}
+    if (f := handler.unary_unary) is not None and inspect.iscoroutinefunction(f):
+
+        async def unary_unary(request: Any, context: Any, f: Any = f) -> Any:
+            await refuse(context, request)
+            return await f(request, context)
+
+        behaviors["unary_unary"] = unary_unary
+    if (f := handler.unary_stream) is not None and inspect.isasyncgenfunction(f):
+
+        async def unary_stream(request: Any, context: Any, f: Any = f) -> AsyncIterator[Any]:
+            await refuse(context, request)
+            async for item in f(request, context):
+                yield item
+
+        behaviors["unary_stream"] = unary_stream
+    if (f := handler.stream_unary) is not None and inspect.iscoroutinefunction(f):
+
+        async def stream_unary(requests: Any, context: Any, f: Any = f) -> Any:
+            return await f(checked(requests, context), context)
+
+        behaviors["stream_unary"] = stream_unary
+    if (f := handler.stream_stream) is not None and inspect.isasyncgenfunction(f):
+
+        async def stream_stream(requests: Any, context: Any, f: Any = f) -> AsyncIterator[Any]:
+            async for item in f(checked(requests, context), context):
+                yield item
+
+        behaviors["stream_stream"] = stream_stream
+    if not behaviors:
+        return handler
+    return handler._replace(request_deserializer=safe_deserialize, **behaviors)
+
+
+class _GuardedGenericHandler(grpc.GenericRpcHandler):  # type: ignore[misc]
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._guarded: dict[str, tuple[Any, Any]] = {}
+
+    def service(self, handler_call_details: Any) -> Any:
+        handler = self._inner.service(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        seen = self._guarded.get(method)
+        if seen is None or seen[0] is not handler:
+            seen = self._guarded[method] = (handler, guard_handler(method, handler))
+        return seen[1]
+
+
+class _GuardedServer:
+    """The server as ``start_server``'s ``register`` sees it: every method handler added
+    through it (the generated ``add_*Servicer_to_server`` functions) is guarded."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers: Iterable[Any]) -> None:
+        self._server.add_generic_rpc_handlers(tuple(_GuardedGenericHandler(h) for h in handlers))
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self._server.add_registered_method_handlers(
+            service, {m: guard_handler(f"/{service}/{m}", h) for m, h in handlers.items()}
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
+
+
 def insecure_channel(address: str) -> grpc.aio.Channel:
     return channel(address, None)
 
 
-def channel(address: str, tls: TlsConfig | None) -> grpc.aio.Channel:
-    """A client channel: mutual TLS when ``tls`` is given, plaintext otherwise."""
+def channel(
+    address: str,
+    tls: TlsConfig | None,
+    *,
+    server_name: str | None = None,
+    own_connection: bool = False,
+) -> grpc.aio.Channel:
+    """A client channel: mutual TLS when ``tls`` is given, plaintext otherwise.
+
+    ``server_name`` (with TLS): the identity the server's certificate must carry (a DNS
+    subject alternative name, or the common name of a certificate without SANs) instead of
+    the host of ``address``: the handshake fails unless the server at the address is who
+    the caller means (e.g. the node an agent address was registered for).
+
+    ``own_connection``: do not share connections with other channels to the address
+    (gRPC pools them process-wide, reconnect backoff included: a fresh channel meant to
+    connect at once would otherwise wait out the old one's backoff)."""
     parse_address(address, "address")
+    options = list(CHANNEL_OPTIONS)
+    if own_connection:
+        options.append(("grpc.use_local_subchannel_pool", 1))
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+        return grpc.aio.insecure_channel(address, options=options)
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
 
 
-def write_ready_file(path: Path | None, address: str) -> None:
-    """Announce readiness: write the bound address atomically, and tell systemd."""
+def metrics_file(ready_file: Path) -> Path:
+    """Where a daemon started with a ready file writes its bound /metrics address."""
+    return ready_file.with_name(ready_file.name + ".metrics")
+
+
+def write_ready_file(path: Path | None, address: str, *, metrics: str = "") -> None:
+    """Announce readiness: write the bound address atomically, and tell systemd.
+    ``metrics``: the bound HOST:PORT of Prometheus /metrics, written first to
+    :func:`metrics_file` (so it is there when the ready file appears)."""
     if path is not None:
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(address + "\n")
-        tmp.replace(path)
+        written = [(metrics_file(path), metrics)] if metrics else []
+        for target, text in [*written, (path, address)]:
+            tmp = target.with_suffix(target.suffix + ".tmp")
+            tmp.write_text(text + "\n")
+            tmp.replace(target)
     sd_notify(f"READY=1\nSTATUS=serving on {address}")
 
 
@@ -244,9 +404,15 @@ async def watchdog() -> None:
         await asyncio.sleep(interval)
 
 
-def start_metrics_server(listen: str, registry: Any) -> Callable[[], None]:
-    """Serve Prometheus /metrics on ``listen`` (HOST:PORT) from a daemon thread;
-    returns a function that stops it."""
+@dataclass(frozen=True)
+class MetricsServer:
+    address: str  # HOST:PORT it listens on (with the port chosen when 0 was asked)
+    stop: Callable[[], None]
+
+
+def serve_metrics(listen: str, registry: Any) -> MetricsServer:
+    """Serve Prometheus /metrics on ``listen`` (HOST:PORT, port 0: any free port) from a
+    daemon thread."""
     from prometheus_client import start_http_server
 
     host, port = parse_address(listen, "--metrics-listen")
@@ -260,7 +426,13 @@ def start_metrics_server(listen: str, registry: Any) -> Callable[[], None]:
         server.server_close()
         thread.join(timeout=5)
 
-    return stop
+    return MetricsServer(f"{host}:{server.server_port}", stop)
+
+
+def start_metrics_server(listen: str, registry: Any) -> Callable[[], None]:
+    """Serve Prometheus /metrics on ``listen`` (HOST:PORT) from a daemon thread;
+    returns a function that stops it."""
+    return serve_metrics(listen, registry).stop
 
 
 def shutdown_signal() -> asyncio.Event:

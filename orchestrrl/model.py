@@ -164,20 +164,22 @@ class Wiring:
         try:
             return self._pods[name]
         except KeyError:
-            raise errors.NotFound(f"pod {name!r} is not in the wiring") from None
+            raise errors.NotFound(f"pod {errors.shown(name)} is not in the wiring") from None
 
     def node(self, name: str) -> Node:
         try:
             return self._nodes[name]
         except KeyError:
-            known = ", ".join(sorted(self._nodes)) or "none"
-            raise errors.NotFound(f"node {name!r} is not in the wiring (known: {known})") from None
+            known = errors.listed(sorted(self._nodes), ", ") or "none"
+            raise errors.NotFound(
+                f"node {errors.shown(name)} is not in the wiring (known: {known})"
+            ) from None
 
     def ocs(self, name: str) -> Ocs:
         try:
             return self._ocses[name]
         except KeyError:
-            raise errors.NotFound(f"OCS {name!r} is not in the wiring") from None
+            raise errors.NotFound(f"OCS {errors.shown(name)} is not in the wiring") from None
 
     def pods_with_role(self, role: Role) -> tuple[str, ...]:
         return tuple(p.name for p in self.pods if p.role is role)

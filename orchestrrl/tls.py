@@ -91,6 +91,36 @@ def from_args(args: argparse.Namespace, required: bool = True) -> TlsConfig | No
     return cfg
 
 
+# The node a command is meant for, sent by the controller (and by an agent following a
+# request on another agent) with every call to an agent. The agent refuses a command meant
+# for another node: without TLS this is what binds an agent address to a node (with TLS
+# the handshake does, see ``server_name``).
+NODE_METADATA = "x-orl-node"
+
+
+def addressed_to(node: str) -> tuple[tuple[str, str], ...]:
+    """The call metadata naming the node a call to an agent is meant for."""
+    return ((NODE_METADATA, node),)
+
+
+def check_addressee(context: Any, node: str) -> None:
+    """Refuse a call meant for another node (FailedPrecondition naming both): a controller
+    that registered this agent's address under another node's name. A call without the
+    metadata (orlctl, tools) is accepted."""
+    for key, value in context.invocation_metadata() or ():
+        if key == NODE_METADATA and value != node:
+            raise errors.FailedPrecondition(
+                f"this agent is node {node!r}, the call is meant for node "
+                f"{_bounded(value)!r}: the caller has the wrong address for that node "
+                "(it registered this agent's address); nothing was done"
+            )
+
+
+def _bounded(value: Any, limit: int = 128) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def peer_identities(context: Any) -> frozenset[str] | None:
     """Identities of an mTLS peer (common name and DNS SANs); None without TLS."""
     auth = context.auth_context()

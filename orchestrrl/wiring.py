@@ -1,8 +1,11 @@
 """Load and validate the cluster wiring file (TOML).
 
 Validation collects every problem, each naming the field, the value and what is
-allowed, so ``orlctl config check`` can print them all at once. A valid file
-becomes a frozen :class:`orchestrrl.model.Wiring`.
+allowed, so ``orlctl config check`` can print them all at once. One mistake is one
+problem: a reference to an entry that is defined but has problems of its own (an OCS
+whose ``ports`` is a string) is not reported again at every use, and a pod without a
+ToR is named once rather than at every NIC of its nodes. A valid file becomes a frozen
+:class:`orchestrrl.model.Wiring`.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class _Checker:
     problems: list[str]
 
     def add(self, where: str, value: object, allowed: str) -> None:
-        self.problems.append(f"{where} = {value!r}: {allowed}")
+        self.problems.append(f"{where} = {errors.shown(value)}: {allowed}")
 
     def table(self, where: str, value: object, kind: str) -> Mapping[str, Any] | None:
         if not isinstance(value, Mapping):
@@ -83,7 +86,7 @@ class _Checker:
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            self.add(where, value, f"an integer from {lo} to {hi}")
+            self.add(where, value, f"an integer from {lo} to {hi}{_quoted(value)}")
             return None
         return value
 
@@ -91,7 +94,8 @@ class _Checker:
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int | float):
-            self.add(where, value, f"a number greater than {lo_exclusive} and at most {hi}")
+            allowed = f"a number greater than {lo_exclusive} and at most {hi}{_quoted(value)}"
+            self.add(where, value, allowed)
             return None
         if not lo_exclusive < float(value) <= hi:
             self.add(where, value, f"a number greater than {lo_exclusive} and at most {hi}")
@@ -111,14 +115,25 @@ class _Checker:
             return None
         return value
 
-    def ref(self, where: str, value: object, known: Iterable[str], kinds: str) -> str | None:
+    def ref(
+        self,
+        where: str,
+        value: object,
+        known: Iterable[str],
+        kinds: str,
+        declared: Iterable[str] = (),
+    ) -> str | None:
         """A name that must refer to something defined elsewhere in the file
-        (``kinds``: singular and plural, e.g. "pod/pods")."""
+        (``kinds``: singular and plural, e.g. "pod/pods"). A name in ``declared`` (an
+        entry that is defined but has problems, reported at the entry) gives None
+        without a problem of its own."""
         one, many = kinds.split("/")
         name = self.name(where, value)
         names = list(known)
         if name and name not in names:
-            self.add(where, value, f"no such {one}; defined {many}: {', '.join(names) or 'none'}")
+            if name not in declared:
+                defined = errors.listed(names, ", ") or "none"
+                self.add(where, value, f"no such {one}; defined {many}: {defined}")
             return None
         return name
 
@@ -180,6 +195,11 @@ class _Checker:
                 self.problems.append(f"{where}: name {name!r} is defined {count} times")
 
 
+def _quoted(value: object) -> str:
+    """The hint for a number written as a string ('32' for 32)."""
+    return ", not a string: write it without quotes" if isinstance(value, str) else ""
+
+
 def load(path: str | Path) -> Wiring:
     """Read and validate a wiring file; raise :class:`WiringError` listing every problem."""
     p = Path(path)
@@ -212,12 +232,14 @@ def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:
     # OCSes
     ocses: list[Ocs] = []
     ocs_ports: dict[str, int] = {}
+    declared_ocses: set[str] = set()  # valid names, whatever the rest of their entry
     for i, raw in enumerate(c.array("ocs", doc.get("ocs"))):
         t = c.table(f"ocs[{i}]", raw, "ocs")
         if t is None:
             continue
         where = f"ocs[{i}]"
         name = c.name(f"{where}.name", t.get("name"))
+        declared_ocses.add(name or "")
         where = f"ocs {name!r}" if name else where
         address = c.address(f"{where}.address", t.get("address"))
         ports = c.integer(f"{where}.ports", t.get("ports"), 2, MAX_OCS_PORTS)
@@ -255,22 +277,35 @@ def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:
     tors: list[Tor] = []
     used_ocs_ports: dict[tuple[str, int], str] = {}
     used_ips: dict[str, str] = {}
+    declared_tors: set[str] = set()  # valid names, whatever the rest of their entry
+    pods_with_tor: set[str] = set()  # named by a ToR entry, valid or not
     for i, raw in enumerate(c.array("tor", doc.get("tor"))):
         t = c.table(f"tor[{i}]", raw, "tor")
         if t is None:
             continue
         name = c.name(f"tor[{i}].name", t.get("name"))
+        declared_tors.add(name or "")
+        if isinstance(t.get("pod"), str):
+            pods_with_tor.add(t["pod"])
         where = f"tor {name!r}" if name else f"tor[{i}]"
         pod = pod_ref(f"{where}.pod", t.get("pod"))
         netns = c.name(f"{where}.netns", t.get("netns")) or ""
         uplinks: list[Uplink] = []
-        for j, uraw in enumerate(c.array(f"{where}.uplinks", t.get("uplinks"))):
+        raw_uplinks = c.array(f"{where}.uplinks", t.get("uplinks"))
+        if not raw_uplinks and t.get("uplinks") in (None, []):
+            c.problems.append(
+                f"{where}.uplinks: none; a ToR needs at least one uplink cabled to an OCS "
+                'port, e.g. uplinks = [{ port = "up0", ocs = "ocs0", ocs_port = 1 }]'
+            )
+        for j, uraw in enumerate(raw_uplinks):
             uwhere = f"{where}.uplinks[{j}]"
             u = c.table(uwhere, uraw, "uplink")
             if u is None:
                 continue
             port = c.name(f"{uwhere}.port", u.get("port"))
-            ocs = c.ref(f"{uwhere}.ocs", u.get("ocs"), ocs_ports, "OCS/OCSes")
+            ocs = c.ref(
+                f"{uwhere}.ocs", u.get("ocs"), ocs_ports, "OCS/OCSes", declared=declared_ocses
+            )
             limit = ocs_ports.get(ocs or "", MAX_OCS_PORTS)
             ocs_port = u.get("ocs_port")
             if ocs is not None and ocs_port is not None:
@@ -302,6 +337,12 @@ def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:
         for port, count in Counter(u.port for u in tor_entry.uplinks).items():
             if count > 1:
                 c.add(f"tor {tor_entry.name!r}.uplinks", port, "ToR port used by two uplinks")
+    torless = [p for p in pod_names if p not in pods_with_tor]
+    for pod_name in torless:  # its nodes' NICs are not checked against ToRs (no cascade)
+        c.problems.append(
+            f"pod {pod_name!r}: has no ToR; every pod needs one: add a [[tor]] with "
+            f'pod = "{pod_name}" and its uplinks, and cable the NICs of its nodes to it'
+        )
 
     # Nodes and their NICs
     nodes: list[Node] = []
@@ -336,7 +377,11 @@ def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:
             if n is None:
                 continue
             nic_name = c.name(f"{nwhere}.name", n.get("name"))
-            tor = c.ref(f"{nwhere}.tor", n.get("tor"), tor_pod, "ToR/ToRs")
+            tor = (
+                None  # the pod's missing ToR is reported once, above
+                if pod in torless
+                else c.ref(f"{nwhere}.tor", n.get("tor"), tor_pod, "ToR/ToRs", declared_tors)
+            )
             if tor and pod and tor_pod[tor] != pod:
                 c.add(
                     f"{nwhere}.tor",

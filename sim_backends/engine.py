@@ -46,6 +46,7 @@ from node_agent.engine import (
     RequestProgress,
     ReshardResult,
     StageTiming,
+    check_import_ids,
     validate_layout,
 )
 from orchestrrl import errors
@@ -277,6 +278,7 @@ class SimulatedEngine:
             raise errors.field_error(
                 "instance", instance, f"an index into the layout {list(self.tp_layout)}"
             )
+        check_import_ids(requests)
         present = {r.id for i in self._instances for r in i.running} | {r.id for r in self._queue}
         dup = sorted(m.request_id for m in requests if m.request_id in present)
         if dup:

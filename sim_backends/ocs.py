@@ -128,6 +128,7 @@ class SimulatedOcs:
         A repeated ``request_id`` returns the first answer with ``replayed=True``.
         """
         batch: _Batch = (tuple(disconnect), tuple(connect))
+        self.check_batch_size(len(batch[0]), len(batch[1]))
         if request_id and (seen := self._answers.get(request_id)) is not None:
             first_batch, first = seen
             if first_batch != batch:
@@ -154,26 +155,40 @@ class SimulatedOcs:
                 self._answers.popitem(last=False)
         return result
 
+    def check_batch_size(self, disconnect: int, connect: int) -> None:
+        """A batch lists each port at most once among its disconnects and once among its
+        connects, so neither list can hold more than ``port_count // 2`` valid pairs; a
+        longer one is refused at once, before any item is looked at."""
+        most = self.port_count // 2
+        for field, count in (("disconnect", disconnect), ("connect", connect)):
+            if count > most:
+                raise errors.field_error(
+                    field,
+                    f"{count} pairs",
+                    f"at most {most} pairs: this switch has {self.port_count} ports "
+                    "and a batch lists each port once",
+                )
+
     def _planned(self, disconnect: tuple[Pair, ...], connect: tuple[Pair, ...]) -> dict[int, int]:
         """The peer map after the batch, built on a copy; raises if any item is invalid."""
         fast = self._planned_valid(disconnect, connect)
         if fast is not None:
             return fast
         peers = dict(self._peers)
-        problems: list[str] = []
+        problems = errors.Problems()  # the first few named, the rest counted
         listed: dict[Pair, str] = {}
         for i, (a, b) in enumerate(disconnect):
             field = f"disconnect[{i}]"
             if bad := self._pair_problems(field, a, b):
-                problems += bad
+                problems.extend(bad)
                 continue
             pair = (min(a, b), max(a, b))
             if pair in listed:
-                problems.append(_problem(field, pair, f"already listed as {listed[pair]}"))
+                problems.add(_problem(field, pair, f"already listed as {listed[pair]}"))
             elif self._peers.get(a) != b:
                 where = f"{self._where(a)}, {self._where(b)}"
                 why = f"ports {a} and {b} are not cross-connected ({where})"
-                problems.append(_problem(field, pair, why))
+                problems.add(_problem(field, pair, why))
             else:
                 listed[pair] = field
                 del peers[a], peers[b]
@@ -181,19 +196,19 @@ class SimulatedOcs:
         for i, (a, b) in enumerate(connect):
             field = f"connect[{i}]"
             if bad := self._pair_problems(field, a, b):
-                problems += bad
+                problems.extend(bad)
                 continue
             bad = [
                 _problem(f"{field}.{end}", port, why)
                 for end, port in (("a", a), ("b", b))
                 if (why := self._busy(port, peers, claimed))
             ]
-            problems += bad
+            problems.extend(bad)
             if not bad:
                 claimed[a] = claimed[b] = field
                 peers[a], peers[b] = b, a
         if problems:
-            raise errors.InvalidArgument("; ".join(problems))
+            raise problems.error()
         return peers
 
     def _planned_valid(

@@ -21,7 +21,7 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from orchestrrl import errors
+from orchestrrl import errors, limits
 from orchestrrl.grpcutil import (
     RunningServer,
     domain_errors_to_status,
@@ -124,6 +124,11 @@ class OpticalSwitchServicer(pb_grpc.OpticalSwitchServicer):
         return r
 
     async def _apply(self, request: pb.ApplyCrossConnectsRequest) -> ApplyResult:
+        # refuse an oversized batch before building it (each pair: a message or two ports)
+        self._ocs.check_batch_size(
+            len(request.disconnect) + len(request.disconnect_pairs) // 2,
+            len(request.connect) + len(request.connect_pairs) // 2,
+        )
         disconnect = _pairs(request.disconnect, request.disconnect_pairs, "disconnect_pairs")
         connect = _pairs(request.connect, request.connect_pairs, "connect_pairs")
         if self._dataplane is not None:
@@ -156,10 +161,15 @@ def _put_table(
 
 
 class FaultInjectionServicer(pb_grpc.OcsFaultInjectionServicer):
-    """Lets tests and demos break a simulated switch from outside its process."""
+    """Lets tests and demos break a simulated switch from outside its process. Served
+    only when asked for (``orl-sim-ocs --fault-injection``); with mutual TLS only the
+    operators' certificates may call it (``auth``: an Authorizer with the operators)."""
 
-    def __init__(self, ocs: SimulatedOcs, dataplane: NetnsOcs | None = None) -> None:
+    def __init__(
+        self, ocs: SimulatedOcs, auth: Authorizer, dataplane: NetnsOcs | None = None
+    ) -> None:
         self._ocs = ocs
+        self._auth = auth
         self._dataplane = dataplane  # with one, a port's health is its veth's link state
         self._log = get_logger("sim_backends.ocs", ocs=ocs.name)
 
@@ -167,19 +177,21 @@ class FaultInjectionServicer(pb_grpc.OcsFaultInjectionServicer):
     async def SetPortHealth(
         self, request: pb.SetPortHealthRequest, context: Context
     ) -> pb.SetPortHealthResponse:
+        self._auth.operator(context)
         if self._dataplane is not None:
             await self._dataplane.set_port_health(request.port, request.up)
         else:
             self._ocs.set_port_health(request.port, request.up)
-        self._log.warning("ocs.port_health", port=request.port, up=request.up)
+        self._log.warning("ocs_port_health", port=request.port, up=request.up)
         return pb.SetPortHealthResponse()
 
     @domain_errors_to_status
     async def FailNextApply(
         self, request: pb.FailNextApplyRequest, context: Context
     ) -> pb.FailNextApplyResponse:
+        self._auth.operator(context)
         self._ocs.fail_next_apply(request.message or "simulated switching failure")
-        self._log.warning("ocs.fail_next_apply", message=request.message)
+        self._log.warning("ocs_fail_next_apply", message=request.message)
         return pb.FailNextApplyResponse()
 
 
@@ -192,21 +204,41 @@ async def serve(
     tls: TlsConfig | None = None,
     controllers: frozenset[str] = frozenset({"orl-fabric-controller"}),
     dataplane: NetnsOcs | None = None,
+    fault_injection: bool = False,
+    operators: frozenset[str] = frozenset(),
 ) -> tuple[RunningServer, SimulatedOcs]:
     """Start a simulated OCS on ``listen`` (port 0: any free port; see ``.address``).
     With ``tls``, only the ``controllers`` identities may change cross-connects. With
-    an (opened) ``dataplane``, its switch is served and every batch is programmed in it."""
+    an (opened) ``dataplane``, its switch is served and every batch is programmed in it.
+    ``fault_injection`` also serves OcsFaultInjection (off by default: a caller could
+    mark ports down and fail batches), to the ``operators`` identities only with ``tls``
+    (to anyone in plaintext)."""
     ocs = (
         dataplane.ocs if dataplane is not None else SimulatedOcs(name, port_count, switching_time_s)
     )
     servicer = OpticalSwitchServicer(ocs, Authorizer(tls), controllers, dataplane)
-    faults = FaultInjectionServicer(ocs, dataplane)
+    faults = FaultInjectionServicer(ocs, Authorizer(tls, operators), dataplane)
+    services = [SERVICE_NAME]
+    if fault_injection:
+        services.append(FAULTS_SERVICE_NAME)
+        get_logger("sim_backends.ocs", ocs=ocs.name).warning(
+            "ocs.fault_injection_on",
+            allowed=", ".join(sorted(operators)) if tls is not None else "any caller (plaintext)",
+            hint="callers allowed can mark ports down and fail batches; for tests and demos",
+        )
 
     def register(server: grpc.aio.Server) -> None:
         pb_grpc.add_OpticalSwitchServicer_to_server(servicer, server)
-        pb_grpc.add_OcsFaultInjectionServicer_to_server(faults, server)
+        if fault_injection:
+            pb_grpc.add_OcsFaultInjectionServicer_to_server(faults, server)
 
-    running = await start_server(listen, register, [SERVICE_NAME, FAULTS_SERVICE_NAME], tls=tls)
+    running = await start_server(
+        listen,
+        register,
+        services,
+        tls=tls,
+        max_receive_bytes=limits.OCS_MAX_RECEIVE_BYTES,
+    )
     return running, ocs
 
 
@@ -239,6 +271,21 @@ def _parser() -> argparse.ArgumentParser:
         "(default: orl-fabric-controller)",
     )
     p.add_argument(
+        "--fault-injection",
+        action="store_true",
+        help="also serve the OcsFaultInjection service (mark ports down, fail the next "
+        "batch) for tests and demos; with mutual TLS only --operator identities may call "
+        "it (default: off, not served)",
+    )
+    p.add_argument(
+        "--operator",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --fault-injection and mutual TLS, a certificate identity (CN or DNS SAN) "
+        "allowed to inject faults; repeatable",
+    )
+    p.add_argument(
         "--netns",
         metavar="NS",
         help="testbed mode: also program every circuit as tc redirects between the port "
@@ -263,11 +310,22 @@ def _check(args: argparse.Namespace) -> None:
     if not (math.isfinite(args.switching_time_ms) and args.switching_time_ms >= 0):
         raise errors.field_error("--switching-time-ms", args.switching_time_ms, "must be >= 0")
     parse_address(args.listen, "--listen")
+    if args.operator and not args.fault_injection:
+        raise errors.field_error(
+            "--operator", args.operator[0], "only with --fault-injection (it names who may call it)"
+        )
     if args.netns is not None:
         check_netns(args.netns, "--netns")
     if args.ready_file is not None and not args.ready_file.parent.is_dir():
         raise errors.field_error("--ready-file", str(args.ready_file), "its directory must exist")
     args.tls = tls_from_args(args)
+    if args.fault_injection and args.tls is not None and not args.operator:
+        raise errors.field_error(
+            "--operator",
+            [],
+            "with --fault-injection and mutual TLS, at least one identity allowed to inject "
+            "faults (--operator NAME)",
+        )
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -286,16 +344,18 @@ async def _run(args: argparse.Namespace) -> int:
             tls=args.tls,
             controllers=frozenset(args.controller_identity or ["orl-fabric-controller"]),
             dataplane=dataplane,
+            fault_injection=args.fault_injection,
+            operators=frozenset(args.operator),
         )
     except errors.OrlError as exc:
-        log.error("ocs.start_failed", error=str(exc))
+        log.error("ocs_start_failed", error=str(exc))
         if dataplane is not None:
             await dataplane.close()
         return 1
     try:
         stop = shutdown_signal()
         log.info(
-            "ocs.started",
+            "ocs_started",
             ports=ocs.port_count,
             switching_time_s=ocs.switching_time_s,
             address=running.address,
@@ -304,11 +364,11 @@ async def _run(args: argparse.Namespace) -> int:
         write_ready_file(args.ready_file, running.address)
         await stop.wait()
     finally:
-        log.info("ocs.stopping", address=running.address)
+        log.info("ocs_stopping", address=running.address)
         await running.stop()
         if dataplane is not None:
             await dataplane.close()  # the circuits stay programmed, like the optics
-    log.info("ocs.stopped")
+    log.info("ocs_stopped")
     return 0
 
 

@@ -262,7 +262,7 @@ class NetnsOcs:
                     await self.circuits.program(sorted(result.removed), sorted(result.added))
                 except errors.OrlError as exc:
                     self._force(before)
-                    self._log.error("ocs.program_failed", error=str(exc))
+                    self._log.error("ocs_program_failed", error=str(exc))
                     raise errors.FailedPrecondition(
                         f"OCS {self.ocs.name}: programming the circuits in namespace "
                         f"{self.circuits.netns!r} failed, the batch was undone: {exc}"

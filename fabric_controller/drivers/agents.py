@@ -3,23 +3,32 @@
 One channel per registered agent address (re-opened when an agent re-registers at a new
 address), mutual TLS the same way as the controller's OCS channels: the controller's
 certificate is its identity, and agents accept commands only from that identity.
+
+An agent address is bound to the node it was registered for, so that a node that
+registered another node's agent address cannot have that agent run its commands: with
+TLS the handshake requires the agent's certificate to name the node (its DNS subject
+alternative name, checked instead of the address's host); with and without TLS every
+command carries the node it is meant for (``x-orl-node`` metadata) and an agent refuses
+a command meant for another node.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 import grpc
 
-from orchestrrl import grpcutil
-from orchestrrl.tls import TlsConfig
+from orchestrrl import errors, grpcutil
+from orchestrrl.tls import TlsConfig, addressed_to
 from orchestrrl.v1 import node_agent_pb2 as pb
 from orchestrrl.v1 import node_agent_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from orchestrrl.v1.node_agent_pb2_grpc import NodeAgentAsyncStub
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -66,15 +75,28 @@ class GrpcAgentClient:
         self.address = address
         self.timeout_s = timeout_s
         self._stub = cast("NodeAgentAsyncStub", pb_grpc.NodeAgentStub(channel))
+        self._to = addressed_to(node)
 
     def _what(self, rpc: str) -> str:
         return f"agent {self.node!r} at {self.address}: {rpc}"
 
+    async def _call(self, rpc: str, call: Awaitable[T]) -> T:
+        try:
+            return await grpcutil.call(self._what(rpc), call)
+        except errors.Unavailable as exc:
+            if "Hostname Verification" not in str(exc):
+                raise
+            raise errors.Unavailable(
+                f"{exc} (the agent's certificate there does not name node {self.node!r}: "
+                f"the address is another node's, or the node must register its own)"
+            ) from None
+
     async def reshard(self, command_id: str, layout: Sequence[int]) -> pb.ReshardResponse:
         req = pb.ReshardRequest(command_id=command_id, tp_layout=list(layout))
         # a reshard moves weights: allow it the pause the planner predicts, and more
-        return await grpcutil.call(
-            self._what("Reshard"), self._stub.Reshard(req, timeout=max(self.timeout_s, 120.0))
+        return await self._call(
+            "Reshard",
+            self._stub.Reshard(req, timeout=max(self.timeout_s, 120.0), metadata=self._to),
         )
 
     async def export_requests(
@@ -83,8 +105,9 @@ class GrpcAgentClient:
         req = pb.ExportRequestsRequest(
             command_id=command_id, request_ids=list(request_ids), hold_s=hold_s
         )
-        return await grpcutil.call(
-            self._what("ExportRequests"), self._stub.ExportRequests(req, timeout=self.timeout_s)
+        return await self._call(
+            "ExportRequests",
+            self._stub.ExportRequests(req, timeout=self.timeout_s, metadata=self._to),
         )
 
     async def import_requests(
@@ -102,8 +125,9 @@ class GrpcAgentClient:
             method=pb.MIGRATION_METHOD_RECOMPUTE if recompute else pb.MIGRATION_METHOD_KV,
             requests=list(requests),
         )
-        return await grpcutil.call(
-            self._what("ImportRequests"), self._stub.ImportRequests(req, timeout=self.timeout_s)
+        return await self._call(
+            "ImportRequests",
+            self._stub.ImportRequests(req, timeout=self.timeout_s, metadata=self._to),
         )
 
     async def resolve_export(
@@ -122,14 +146,16 @@ class GrpcAgentClient:
             destination_node=node,
             destination_address=address,
         )
-        r = await grpcutil.call(
-            self._what("ResolveExport"), self._stub.ResolveExport(req, timeout=self.timeout_s)
+        r = await self._call(
+            "ResolveExport",
+            self._stub.ResolveExport(req, timeout=self.timeout_s, metadata=self._to),
         )
         return Resolved(tuple(r.restored), tuple(r.released), r.message)
 
 
 class AgentClients:
-    """A channel per agent address, opened on first use."""
+    """A channel per agent address, opened on first use; with TLS it accepts only an
+    agent whose certificate names the node."""
 
     def __init__(self, tls: TlsConfig | None, timeout_s: float = 10.0) -> None:
         self._tls = tls
@@ -141,7 +167,7 @@ class AgentClients:
         entry = self._open.get(node)
         if entry is not None and entry[0] == address:
             return entry[2]
-        channel = grpcutil.channel(address, self._tls)
+        channel = grpcutil.channel(address, self._tls, server_name=node)
         client = GrpcAgentClient(node, channel, address, self._timeout_s)
         self._open[node] = (address, channel, client)
         if entry is not None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain
-from typing import Protocol
+from typing import NoReturn, Protocol, TypeVar
+
+import grpc
 
 from orchestrrl import errors, grpcutil
 from orchestrrl.tls import TlsConfig
@@ -13,6 +15,7 @@ from orchestrrl.v1 import optical_switch_pb2 as pb
 from orchestrrl.v1 import optical_switch_pb2_grpc as pb_grpc
 
 PortPair = tuple[int, int]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,13 @@ class OcsDriver(Protocol):
 
 
 class GrpcOcsDriver:
-    """Drives any switch that serves the OpticalSwitch gRPC contract (e.g. orl-sim-ocs)."""
+    """Drives any switch that serves the OpticalSwitch gRPC contract (e.g. orl-sim-ocs).
+
+    A call that fails with UNAVAILABLE is tried once more on a fresh channel before the
+    driver gives up: after an outage, gRPC keeps a channel in reconnect backoff (up to
+    two minutes) and fails calls at once with "Connection refused" although the switch
+    listens again; a new channel connects at once. A batch is sent again only with its
+    request id (the switch answers a repeat with the first answer, changing nothing)."""
 
     def __init__(
         self, name: str, address: str, timeout_s: float = 10.0, tls: TlsConfig | None = None
@@ -56,22 +65,52 @@ class GrpcOcsDriver:
         self.name = name
         self.address = address
         self.timeout_s = timeout_s
+        self._tls = tls
         self._channel = grpcutil.channel(address, tls)
         self._stub = pb_grpc.OpticalSwitchStub(self._channel)
+        # the channel replaced last (closed at the next replacement: calls still on it
+        # then are long over) and how many times a fresh channel was opened
+        self._retired: grpc.aio.Channel | None = None
+        self.reconnects = 0
 
     def _what(self, rpc: str) -> str:
         return f"OCS {self.name!r} at {self.address}: {rpc}"
 
+    async def _reopen(self) -> None:
+        if self._retired is not None:
+            await self._retired.close()
+        self._retired = self._channel
+        self._channel = grpcutil.channel(self.address, self._tls, own_connection=True)
+        self._stub = pb_grpc.OpticalSwitchStub(self._channel)
+        self.reconnects += 1
+
+    async def _call(
+        self,
+        rpc: str,
+        send: Callable[[pb_grpc.OpticalSwitchStub], Awaitable[T]],
+        retry: bool = True,
+    ) -> T:
+        """``send(stub)``; on UNAVAILABLE (and ``retry``) once more on a fresh channel."""
+        channel = self._channel
+        try:
+            return await send(self._stub)
+        except grpc.aio.AioRpcError as exc:
+            if not retry or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                return await grpcutil.call(self._what(rpc), _raise(exc))
+        if self._channel is channel:  # (a concurrent call may have replaced it already)
+            await self._reopen()
+        return await grpcutil.call(self._what(rpc), send(self._stub))
+
     async def info(self) -> OcsInfo:
-        r = await grpcutil.call(
-            self._what("GetInfo"), self._stub.GetInfo(pb.GetInfoRequest(), timeout=self.timeout_s)
+        r = await self._call(
+            "GetInfo", lambda stub: stub.GetInfo(pb.GetInfoRequest(), timeout=self.timeout_s)
         )
         return OcsInfo(r.name, r.port_count, r.switching_time_s, r.backend)
 
     async def _list(self) -> pb.ListCrossConnectsResponse:
-        r: pb.ListCrossConnectsResponse = await grpcutil.call(
-            self._what("ListCrossConnects"),
-            self._stub.ListCrossConnects(
+        r: pb.ListCrossConnectsResponse = await self._call(
+            "ListCrossConnects",
+            lambda stub: stub.ListCrossConnects(
                 pb.ListCrossConnectsRequest(packed=True), timeout=self.timeout_s
             ),
         )
@@ -95,14 +134,22 @@ class GrpcOcsDriver:
             connect_pairs=list(chain.from_iterable(connect)),  # per circuit, both ways
             packed=True,
         )
-        r = await grpcutil.call(
-            self._what("ApplyCrossConnects"),
-            self._stub.ApplyCrossConnects(req, timeout=self.timeout_s),
+        r = await self._call(
+            "ApplyCrossConnects",
+            lambda stub: stub.ApplyCrossConnects(req, timeout=self.timeout_s),
+            retry=bool(request_id),
         )
         return _table(r)
 
     async def close(self) -> None:
+        if self._retired is not None:
+            await self._retired.close()
+            self._retired = None
         await self._channel.close()
+
+
+async def _raise(exc: BaseException) -> NoReturn:
+    raise exc
 
 
 def _table(r: pb.ListCrossConnectsResponse | pb.ApplyCrossConnectsResponse) -> frozenset[PortPair]:

@@ -235,3 +235,41 @@ async def test_apply_routes_without_a_route_backend_changes_nothing(agent: Agent
     code, details = await status_code(agent.stub.ApplyRoutes(request, timeout=TIMEOUT))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert "ApplyRoutes" in details
+
+
+def migrating(rid: str, instance: int = 0) -> pb.RequestState:
+    return pb.RequestState(
+        request_id=rid,
+        prompt_tokens=512,
+        generated_tokens=100,
+        max_tokens=16384,
+        source_instance=instance,
+        engine_state=b'{"output_tokens": 9000}',
+    )
+
+
+async def test_import_refuses_a_request_id_twice_and_changes_nothing(agent: Agent) -> None:
+    def imported(command_id: str, *ids: str) -> object:
+        return agent.stub.ImportRequests(
+            pb.ImportRequestsRequest(
+                command_id=command_id,
+                instance=0,
+                method=pb.MIGRATION_METHOD_RECOMPUTE,
+                requests=[migrating(i) for i in ids],
+            ),
+            timeout=TIMEOUT,
+        )
+
+    def on_node() -> list[str]:
+        return sorted(r.request_id for r in agent.engine.progress().requests)
+
+    before = on_node()
+    code, details = await status_code(imported("i1", "m-1", "m-2", "m-1"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "requests=['m-1'] is not valid: each request id once per import" in details
+    assert on_node() == before  # nothing admitted, not even m-2
+    reply = await imported("i2", "m-1")  # type: ignore[misc]
+    assert list(reply.admitted) == ["m-1"]
+    code, details = await status_code(imported("i3", "m-2", "m-1"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "'m-1'" in details
+    assert on_node() == sorted([*before, "m-1"])

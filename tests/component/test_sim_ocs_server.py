@@ -266,7 +266,7 @@ async def test_daemon_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
         async with asyncio.timeout(10):
             code = await proc.wait()
         assert code == 0, log.read_text()
-        assert '"event": "ocs.started"' in log.read_text()
+        assert '"event": "ocs_started"' in log.read_text()
     finally:
         if proc.returncode is None:
             proc.kill()

@@ -77,7 +77,10 @@ def table(sim: SimulatedOcs) -> set[Circuit]:
     ("stage", "expected_epoch"),
     [
         ("planned", 1),  # nothing acknowledged yet: roll back
-        ("program_ocs", 1),  # the first batch applied, not all: roll back
+        # training -> weight-sync is one batch (every new circuit reuses a port of a removed
+        # one): the switch holds the whole planned epoch though the journal says planned,
+        # so recovery rolls forward instead of switching the optics back
+        ("program_ocs", 2),
         ("ocs_programmed", 2),  # every batch acknowledged: roll forward
         ("verified", 2),
         ("committed", 2),

@@ -64,7 +64,7 @@ async def test_sighup_reload_and_metrics(tmp_path: Path) -> None:
     finally:
         assert await ctl.stop() == 0
     log = (tmp_path / "controller.log").read_text()
-    assert "wiring reload rejected; keeping the last good wiring" in log
+    assert "wiring_reload_rejected" in log
     assert "role = 'rollout'" in log
 
 

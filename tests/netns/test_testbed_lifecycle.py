@@ -115,7 +115,13 @@ def test_without_root_it_says_so_and_creates_nothing(tid: str, tmp_path: Path) -
 
 def test_a_wiring_the_testbed_cannot_model_is_invalid_input(tid: str, tmp_path: Path) -> None:
     odd = tmp_path / "two-tors.toml"
-    odd.write_text(EXAMPLE.read_text() + '\n[[tor]]\nname = "tor-gen0b"\npod = "gen0"\n')
+    # a valid wiring (the second ToR cabled to a second OCS) that the testbed cannot model
+    odd.write_text(
+        EXAMPLE.read_text()
+        + '\n[[ocs]]\nname = "ocs1"\naddress = "127.0.0.1:50062"\nports = 2\n'
+        + '\n[[tor]]\nname = "tor-gen0b"\npod = "gen0"\n'
+        + 'uplinks = [{ port = "up0", ocs = "ocs1", ocs_port = 1 }]\n'
+    )
     run_dir = tmp_path / "run"
     result = cli("up", "--wiring", str(odd), "--id", tid, "--run-dir", str(run_dir))
     assert result.returncode == 2, result.stderr

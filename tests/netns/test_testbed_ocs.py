@@ -237,7 +237,7 @@ async def test_missing_port_devices_are_named(bench: Bench, switch: NetnsOcs) ->
 
 
 async def test_the_grpc_switch_in_netns_mode(bench: Bench, switch: NetnsOcs) -> None:
-    running, _ = await serve("127.0.0.1:0", dataplane=switch)
+    running, _ = await serve("127.0.0.1:0", dataplane=switch, fault_injection=True)
     driver = GrpcOcsDriver("ocs0", running.address)
     try:
         assert (await driver.info()).backend == "netns"

@@ -142,7 +142,9 @@ def test_circuit_is_normalised_and_refuses_self_loops() -> None:
 
 pod_strategy = st.tuples(
     st.sampled_from(["train", "gen"]),
-    st.lists(st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 4)), min_size=1, max_size=2),
+    st.lists(
+        st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 4)), min_size=1, max_size=2
+    ).filter(lambda ups: any(n for _, n in ups)),  # a ToR without uplinks is not valid wiring
 )
 
 

@@ -76,3 +76,11 @@ def test_health_counts_follow_transitions(example_wiring: Wiring) -> None:
     assert r.counts() == {Health.UP: 1, Health.DOWN: 1, Health.UNKNOWN: total - 2}
     again = r.with_wiring(example_wiring)  # a reload keeps what it knew
     assert again.counts() == r.counts()
+
+
+def test_other_live_nodes_at_an_agent_address_are_named(example_wiring: Wiring) -> None:
+    r = registered(example_wiring)
+    assert r.others_at("gen1-n0", "127.0.0.1:1", now=1.0) == ("gen0-n0",)
+    assert r.others_at("gen0-n0", "127.0.0.1:1", now=1.0) == ()  # its own address
+    assert r.others_at("gen1-n0", "127.0.0.1:9", now=1.0) == ()
+    assert r.others_at("gen1-n0", "127.0.0.1:1", now=10.0) == ()  # gen0-n0 is down by then

@@ -75,6 +75,17 @@ async def test_import_is_all_or_nothing_and_says_why() -> None:
     assert where(e) == {"a": 0}
 
 
+async def test_import_admits_each_request_id_once() -> None:
+    e = engine(Clock())
+    with pytest.raises(errors.InvalidArgument, match=r"requests=\['a'\] .*each request id once"):
+        await e.import_requests([request("a"), request("b"), request("a")], 0, recompute=False)
+    assert where(e) == {}  # nothing admitted, not even b
+    await e.import_requests([request("b")], 0, recompute=False)
+    with pytest.raises(errors.InvalidArgument, match=r"requests=\['b'\]"):
+        await e.import_requests([request("c"), request("b")], 1, recompute=False)
+    assert where(e) == {"b": 0}
+
+
 async def test_restore_puts_requests_back_on_their_instance_or_queues_them() -> None:
     e = engine(Clock())
     await e.import_requests([request("a", 2)], 2, recompute=False)

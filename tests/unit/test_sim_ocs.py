@@ -375,3 +375,32 @@ def test_down_ports_are_listed(ocs: SimulatedOcs) -> None:
     ocs.set_port_health(7, up=False)
     ocs.set_port_health(1, up=False)
     assert ocs.down_ports() == {1, 7}
+
+
+# -- bounded errors (issue 14) -----------------------------------------------------------
+
+
+def test_a_batch_longer_than_the_switch_could_take_is_refused_before_validation() -> None:
+    # 1e6 bad pairs once made a 108 MB message and stalled the switch for seconds
+    sw = SimulatedOcs("ocs-big", 4096)
+    with pytest.raises(errors.InvalidArgument) as info:
+        sw.apply([], [(9999, 9999)] * 1_000_000)
+    text = str(info.value)
+    assert text == (
+        "connect='1000000 pairs' is not valid: at most 2048 pairs: this switch has 4096 "
+        "ports and a batch lists each port once"
+    )
+    with pytest.raises(errors.InvalidArgument, match="disconnect='5 pairs'"):
+        SimulatedOcs("ocs-small", PORTS).apply([(1, 2)] * 5, [])
+    assert not sw.cross_connects()
+
+
+def test_many_bad_items_name_the_first_five_and_count_the_rest() -> None:
+    sw = SimulatedOcs("ocs-big", 4096)
+    with pytest.raises(errors.InvalidArgument) as info:
+        sw.apply([], [(5000 + i, 6000 + i) for i in range(2048)])
+    text = str(info.value)
+    assert text.count("is not valid") == 5
+    assert text.startswith("connect[0].a=5000 is not valid: port must be 1..4096; ")
+    assert text.endswith("; and 4091 more")  # both ends of 2048 pairs, 5 named
+    assert len(text) < 1000

@@ -239,3 +239,49 @@ def test_routing_fields() -> None:
 def test_routing_field_problems(old: str, new: str, expected: str) -> None:
     found = problems_of(ROUTED.replace(old, new))
     assert any(expected in p for p in found), found
+
+
+# -- one mistake, one problem (issue 14) -----------------------------------------------
+
+EXAMPLE = wiring.default_wiring_path().read_text()
+TOR_GEN1 = re.compile(r'\[\[tor\]\]\nname = "tor-gen1"\npod = "gen1"\nuplinks = \[.*?\n\]\n', re.S)
+
+
+def test_a_tor_with_zero_uplinks_is_one_problem() -> None:
+    for uplinks in ("uplinks = []\n", ""):
+        text = TOR_GEN1.sub(f'[[tor]]\nname = "tor-gen1"\npod = "gen1"\n{uplinks}', EXAMPLE)
+        problem = one_problem(text)
+        assert problem.startswith("tor 'tor-gen1'.uplinks: none; a ToR needs at least one uplink")
+
+
+def test_a_pod_without_a_tor_is_named_once_not_at_every_nic() -> None:
+    text = TOR_GEN1.sub("", EXAMPLE)
+    assert "tor-gen1" not in text.split("[[node]]")[0]
+    problem = one_problem(text)  # not 16 "no such ToR" problems, one per NIC of its nodes
+    assert problem.startswith("pod 'gen1': has no ToR")
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        ("ports = 32", 'ports = "32"', "ocs 'ocs0'.ports = '32': an integer from 2 to 4096, "),
+        (
+            "switching_time_ms = 10.0",
+            'switching_time_ms = "10"',
+            "ocs 'ocs0'.switching_time_ms = '10': a number greater than 0.0",
+        ),
+        ("gpus = 8", 'gpus = "8"', "node 'train0-n0'.gpus = '8': an integer from 0 to 64, "),
+        ("ocs_port = 1 }", 'ocs_port = "1" }', ".uplinks[0].ocs_port = '1': an integer from 1"),
+    ],
+)
+def test_a_string_where_a_number_belongs_is_one_problem(old: str, new: str, expected: str) -> None:
+    # an OCS with a bad field is still defined: its 32 uplinks are not "no such OCS" too
+    problem = one_problem(EXAMPLE.replace(old, new, 1))
+    assert problem.startswith(expected) or expected in problem, problem
+    assert problem.endswith("not a string: write it without quotes")
+
+
+def test_a_huge_value_is_shown_cut() -> None:
+    text = SMALL.replace('name = "small"', f'name = "{"x" * 1_000_000}"')
+    problem = one_problem(text)
+    assert len(problem) < 600 and "(1000000 characters)" in problem
