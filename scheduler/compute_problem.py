@@ -140,7 +140,9 @@ def tp_costs(
     out: dict[int, TpCost] = {}
     for t in sorted(set(tps)):
         cap = perf.kv_capacity_tokens(t)
-        slots = max(1, min(max_num_seqs, int(cap / max(1.0, mean_final_context))))
+        # the planner's cap and the model's per-TP engine cap (Efficiency.max_num_seqs)
+        seqs = min(max_num_seqs, perf.max_num_seqs(t))
+        slots = max(1, min(seqs, int(cap / max(1.0, mean_final_context))))
         grid = sorted({1, 2, *(2**k for k in range(1, 20) if 2**k < slots), slots})
         ys = [perf.decode_iteration_time(t, b, mean_context) for b in grid]
         n = len(grid)

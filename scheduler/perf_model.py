@@ -254,7 +254,39 @@ QWEN25_72B = ModelShape(
     "Qwen2.5-72B", 80, 8192, 64, 8, 29568, 152064, source=_QWEN_SOURCE.format(name="Qwen2.5-72B")
 )
 
-MODELS: dict[str, ModelShape] = {m.name: m for m in (QWEN25_14B, QWEN25_32B, QWEN25_72B)}
+# Llama 3 (the models of the public H100 measurements the calibration tests hold this
+# model to): no QKV bias, untied embeddings, vocab 128256, GQA with 8 KV heads.
+_LLAMA_SOURCE = (
+    "Hugging Face config.json of meta-llama/{name} (num_hidden_layers, hidden_size, "
+    "num_attention_heads, num_key_value_heads, intermediate_size, vocab_size, "
+    "tie_word_embeddings=false, attention_bias=false); Meta's model card: 8.03B / 70.6B"
+)
+LLAMA3_8B = ModelShape(
+    "Llama-3-8B",
+    32,
+    4096,
+    32,
+    8,
+    14336,
+    128256,
+    qkv_bias=False,
+    source=_LLAMA_SOURCE.format(name="Meta-Llama-3-8B-Instruct"),
+)
+LLAMA3_70B = ModelShape(
+    "Llama-3-70B",
+    80,
+    8192,
+    64,
+    8,
+    28672,
+    128256,
+    qkv_bias=False,
+    source=_LLAMA_SOURCE.format(name="Meta-Llama-3-70B-Instruct"),
+)
+
+MODELS: dict[str, ModelShape] = {
+    m.name: m for m in (QWEN25_14B, QWEN25_32B, QWEN25_72B, LLAMA3_8B, LLAMA3_70B)
+}
 
 
 # --------------------------------------------------------------------------------------
@@ -280,11 +312,16 @@ class Efficiency:
     network_efficiency: float = 0.8
     network_latency_s: float = 30e-6
     iteration_overhead_s: float = 0.25e-3
+    tp_iteration_overhead_s: float = 0.6e-3
     host_per_sequence_s: float = 12.7e-6
     gpu_memory_utilization: float = 0.9
     activation_reserve_bytes: float = 2.38 * GIB
     training_mfu: float = 0.52
     reshard_fixed_s: float = 2.0
+    # the engine's cap on concurrently running sequences per instance: the default and
+    # per-TP overrides ((tp, cap), ...); see PerfModel.max_num_seqs
+    max_num_seqs: int = 256
+    max_num_seqs_by_tp: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         for name in (
@@ -303,6 +340,7 @@ class Efficiency:
             "allreduce_per_peer_s",
             "network_latency_s",
             "iteration_overhead_s",
+            "tp_iteration_overhead_s",
             "host_per_sequence_s",
             "activation_reserve_bytes",
             "reshard_fixed_s",
@@ -310,6 +348,14 @@ class Efficiency:
             value = getattr(self, name)
             if value < 0:
                 raise errors.field_error(f"efficiency.{name}", value, "a number >= 0")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise errors.field_error("efficiency.max_num_seqs", self.max_num_seqs, ">= 1")
+        for pair in self.max_num_seqs_by_tp:
+            tp, cap = pair
+            if not (isinstance(tp, int) and isinstance(cap, int) and tp >= 1 and cap >= 1):
+                raise errors.field_error(
+                    "efficiency.max_num_seqs_by_tp", pair, "(tp, cap) with tp >= 1 and cap >= 1"
+                )
 
 
 SOURCES: dict[str, str] = {
@@ -350,6 +396,23 @@ SOURCES: dict[str, str] = {
         "one H100 was GPU work; after them Lambda measured GPU power at ~95% "
         "(LambdaLabsML/vllm-benchmark); vLLM V1 blog: ~5 ms GPU time per step for Llama-8B. "
         "~5% of a 5 ms step = 0.25 ms of exposed host time per iteration"
+    ),
+    "tp_iteration_overhead_s": (
+        "host time per decode step that only a TP group pays (the driver serialises the "
+        "step's inputs and broadcasts them to the other TP workers, which then launch; "
+        "vllm-project/vllm#4440, #5399: shared-memory broadcast alone gave Llama-2-7B TP8 "
+        "on H100 +3.5% throughput). No direct public measurement found: inferred from "
+        "Lambda's vLLM v0.6.0 Llama-3-8B H100 runs (LambdaLabsML/vllm-benchmark, "
+        "results/prompt_10, median TPOT 7.56/5.26/3.88/3.26 ms at TP1/2/4/8): after the "
+        "GPU terms TP1 is matched within 6% while TP2/4/8 leave 0.80/0.84/0.64 ms per step; "
+        "0.6 ms is the smallest of those, rounded down. Llama-3-70B (TP2/4/8) is the "
+        "independent check (tests/unit/test_perf_model_calibration.py)"
+    ),
+    "max_num_seqs/max_num_seqs_by_tp": (
+        "vLLM's default EngineArgs.max_num_seqs = 256 (also Lambda's benchmark setting, "
+        "LambdaLabsML/vllm-benchmark benchmark_v0.md); per-TP overrides in "
+        "max_num_seqs_by_tp. Bulk throughput per GPU depends on it: the simulator's result "
+        "swings with it (issue 15)"
     ),
     "host_per_sequence_s": (
         "vLLM 0.27.1 all-decode scheduler cost 12.7 us per running request at the cap "
@@ -475,6 +538,21 @@ class PerfModel:
             return 0
         return int(free / self.kv_bytes_per_token_per_gpu(tp))
 
+    def max_num_seqs(self, tp: int) -> int:
+        """The engine's cap on running sequences of one TP ``tp`` instance (the per-TP
+        override, else the default; see ``Efficiency.max_num_seqs``)."""
+        self._check_tp(tp)
+        for t, cap in self.efficiency.max_num_seqs_by_tp:
+            if t == tp:
+                return cap
+        return self.efficiency.max_num_seqs
+
+    def batch_limit(self, tp: int, final_context_tokens: float) -> int:
+        """Sequences a TP ``tp`` instance runs at once: ``max_num_seqs(tp)`` or as many
+        as its KV cache holds at ``final_context_tokens`` each, whichever is fewer."""
+        kv = int(self.kv_capacity_tokens(tp) / max(1.0, final_context_tokens))
+        return max(0, min(self.max_num_seqs(tp), kv))
+
     def fits(self, tp: int) -> bool:
         return tp <= self.model.heads and self.kv_capacity_tokens(tp) > 0
 
@@ -505,7 +583,8 @@ class PerfModel:
         allreduce = 2 * m.layers * self.allreduce_time(tp, batch * m.hidden * m.dtype_bytes)
         calibration = self._calibration(tp, batch)
         host = e.host_per_sequence_s * batch
-        return compute, memory, kernels, allreduce, host, e.iteration_overhead_s, calibration
+        overhead = e.iteration_overhead_s + (e.tp_iteration_overhead_s if tp > 1 else 0.0)
+        return compute, memory, kernels, allreduce, host, overhead, calibration
 
     def decode_iteration_time(self, tp: int, batch: int, context_tokens: float) -> float:
         """``decode_breakdown(...).total_s``, without building the breakdown."""

@@ -52,8 +52,23 @@ def _run(args: argparse.Namespace) -> int:
             f"planner: {sum(g.plans for g in result.gens)} plans, {reshards} reshards, "
             f"{moves} moves"
         )
+    ceil: dict[str, Any] | None = None
+    if not scenario.generation.static_tp and scenario.generation.policy != "static":
+        # policies compared: every static TP, adaptive, oracle and the fluid bound
+        from sim_backends.clustersim.report import CEILING_HEADER, ceiling_rows
+        from sim_backends.clustersim.reproduce import suite_row
+
+        ceil = suite_row(scenario)
+        print("generation per steady step against its ceilings:")
+        for head, value in zip(
+            CEILING_HEADER[1:], ceiling_rows({scenario.name: ceil})[0][1:], strict=True
+        ):
+            shown = f"{value:.2f}" if isinstance(value, float) else str(value)
+            print(f"  {head:<14} {shown}")
     if args.json:
         summary: dict[str, Any] = {"scenario": scenario.name, **_summary(result)}
+        if ceil is not None:
+            summary["ceilings"] = ceil
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
         print(f"wrote {args.json}")

@@ -29,7 +29,9 @@ never token by token:
 
 Policies: ``static`` (fixed layout, requests split evenly up front), ``proactive``
 (``plan_compute`` with reactive moves disabled: ``move_margin_s`` = infinity),
-``reactive`` (``balance``: layout fixed, moves off stragglers), ``adaptive`` (both).
+``reactive`` (``balance``: layout fixed, moves off stragglers), ``adaptive`` (both),
+``oracle`` (:func:`~sim_backends.clustersim.oracle.oracle_plan`: knows every length;
+a clairvoyant baseline charged the same reshard pauses and move costs).
 
 Only the planner decides; the simulator does what the plan says and keeps time.
 """
@@ -56,6 +58,7 @@ from scheduler.compute_state import (
 )
 from scheduler.forecast import build_forecast
 from scheduler.perf_model import DecodeBreakdown, PerfModel
+from sim_backends.clustersim.oracle import OracleConfig, oracle_plan
 from sim_backends.clustersim.workload import RolloutRequest
 
 PREFILL_CHUNK = 8192  # vLLM max_num_batched_tokens for chunked prefill (V1 default 8192)
@@ -256,6 +259,15 @@ class GenerationSim:
         self.final_layout: dict[str, Pattern] = {}
         self.global_queue: list[_Req] = []
         self.reqs: dict[str, _Req] = {}
+        self.lengths: dict[str, int] = {}  # true lengths: read by the oracle policy only
+        self.oracle = OracleConfig(
+            max_num_seqs=config.max_num_seqs,
+            tps=tuple(
+                t
+                for t in (1, 2, 4, 8, 16)
+                if gpus_per_node % t == 0 and perf.model.heads % t == 0 and perf.fits(t)
+            ),
+        )
         for n in self.nodes:
             for inst in canonical_instances(n, self.node_gpus[n], layout[n]):
                 self._add_instance(inst, 0.0)
@@ -403,6 +415,7 @@ class GenerationSim:
         for rr in requests:
             r = _Req(rr)
             self.reqs[r.id] = r
+            self.lengths[r.id] = r.length
         self.unfinished = len(self.reqs)
         ordered = [self.reqs[rr.id] for rr in requests]
         if self.policy == "static":
@@ -472,7 +485,9 @@ class GenerationSim:
         state = self._state(now)
         running = [r.generated_tokens for r in state.requests]
         forecast = build_forecast(self.history, self.completed, running, max_tokens=self.max_tokens)
-        if self.policy == "reactive":
+        if self.policy == "oracle":
+            plan = oracle_plan(state, self.lengths, self.perf, now, self.oracle)
+        elif self.policy == "reactive":
             plan = balance(state, forecast, self.perf, now, self.config)
         else:
             plan = plan_compute(state, forecast, self.perf, now, self.config)
@@ -541,6 +556,10 @@ class GenerationSim:
                 self._start(dst, r)
             else:
                 dst.queue.append(r)
+        if self.policy == "oracle":  # its queues run in the plan's order (longest first)
+            rank = {rid: i for i, (rid, _) in enumerate(plan.assignment)}
+            for s in self.insts.values():
+                s.queue = deque(sorted(s.queue, key=lambda r: rank.get(r.id, len(rank))))
         for s in self.insts.values():
             if s.busy_until < now and s.seg is None:
                 s.clock = max(s.clock, now)

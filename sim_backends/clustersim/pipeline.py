@@ -315,3 +315,44 @@ def run_scenario(s: Scenario) -> RunResult:
         gens = run_generation(s, perf, gen.policy, gen.initial_tp or tp)
     fabric = make_fabric(s, perf)
     return run_pipeline(s, perf, gens, fabric, policy=gen.policy, static_tp=tp)
+
+
+def step_bounds(s: Scenario, perf: PerfModel) -> tuple[float, ...]:
+    """The fluid lower bound (:mod:`.bound`) on every step's generation time."""
+    from sim_backends.clustersim.bound import fluid_bound
+
+    tps = candidate_tps(s, perf)
+    return tuple(
+        fluid_bound(
+            perf,
+            [(r.prompt_tokens, r.response_tokens) for r in wl.requests],
+            s.split.gen_gpus,
+            tps,
+            s.generation.max_num_seqs,
+        ).seconds
+        for wl in workload(s.workload, s.seed, s.steps)
+    )
+
+
+def ceilings(
+    static_gen_s: Mapping[int, float], adaptive_s: float, oracle_s: float, bound_s: float
+) -> dict[str, object]:
+    """One compute result against its ceilings (mean generation seconds per step each):
+    every static TP, the best, adaptive, oracle and bound, their speedups over the best
+    static layout, and the share of the oracle's gain the adaptive policy captures,
+    ``(best / adaptive - 1) / (best / oracle - 1)`` (None when the oracle gains nothing)."""
+    tp = min(static_gen_s, key=lambda t: (static_gen_s[t], t))
+    best = static_gen_s[tp]
+    gain = best / oracle_s - 1.0
+    return {
+        "static_gen_s": {str(t): v for t, v in sorted(static_gen_s.items())},
+        "best_static_tp": tp,
+        "best_static_s": best,
+        "adaptive_s": adaptive_s,
+        "oracle_s": oracle_s,
+        "bound_s": bound_s,
+        "adaptive_speedup": best / adaptive_s,
+        "oracle_speedup": best / oracle_s,
+        "bound_speedup": best / bound_s,
+        "captured": (best / adaptive_s - 1.0) / gain if gain > 1e-9 else None,
+    }

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from sim_backends.clustersim.generation import GenStepResult, decode_time
@@ -28,16 +29,19 @@ from sim_backends.clustersim.pipeline import (
     RunResult,
     best_static,
     candidate_tps,
+    ceilings,
     make_fabric,
     perf_model,
     run_generation,
     run_pipeline,
+    step_bounds,
 )
 from sim_backends.clustersim.scenario import (
     FABRIC_KINDS,
     Scenario,
     SplitConfig,
     WorkloadConfig,
+    load_scenario,
     parse_scenario,
 )
 from sim_backends.clustersim.workload import step_workload
@@ -51,6 +55,8 @@ PAPER = {
 }
 POLICIES = ("proactive", "reactive", "adaptive")
 SWITCHING_S = (10e-6, 1e-3, 10e-3, 25e-3, 50e-3)
+SUITE_DIR = Path(__file__).resolve().parents[2] / "examples" / "sim" / "suite"
+QUICK_SUITE = ("default-14b", "dapo-14b")  # the --quick run's subset, shrunk
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,25 @@ class Plan:
     @property
     def network_nodes(self) -> tuple[int, ...]:
         return (16,) if self.quick else (128, 256)
+
+    @property
+    def suite(self) -> tuple[Scenario, ...]:
+        """The scenario suite (examples/sim/suite/*.toml, in name order); ``quick``: two of
+        them at a tenth of the prompts, 2 steps and a 4,096-token cap."""
+        out = []
+        for path in sorted(SUITE_DIR.glob("*.toml")):
+            s = load_scenario(path)
+            if self.quick:
+                if s.name not in QUICK_SUITE:
+                    continue
+                wl = replace(
+                    s.workload,
+                    prompts_per_step=max(4, s.workload.prompts_per_step // 16),
+                    max_response_tokens=4096,
+                )
+                s = replace(s, steps=2, workload=wl)
+            out.append(replace(s, seed=s.seed + self.seed - 1))
+        return tuple(out)
 
     @property
     def splits(self) -> tuple[int, ...]:
@@ -179,6 +204,27 @@ def tasks(plan: Plan, out: dict[str, Any], runs: dict[str, RunResult]) -> Iterat
 
             yield f"compute {model}: {policy}", adaptive
 
+        def oracle(s: Scenario = s, row: dict[str, Any] = row) -> None:
+            perf = perf_model(s)
+            gens = run_generation(s, perf, "oracle", row["static_tp"])
+            statics = {int(t): v for t, v in row["static_step_gen_s"].items()}
+            row["ceilings"] = ceilings(
+                statics,
+                row["adaptive"]["mean_gen_s"],
+                _mean_steady([g.seconds for g in gens]),
+                _mean_steady(list(step_bounds(s, perf))),
+            )
+
+        yield f"compute {model}: oracle and bound", oracle
+
+    out["suite"] = {}
+    for s in plan.suite:
+
+        def suite_one(s: Scenario = s) -> None:
+            out["suite"][s.name] = suite_row(s)
+
+        yield f"suite {s.name}: static TPs, adaptive, oracle, bound", suite_one
+
     out["network"] = {}
     for nodes in plan.network_nodes:
         s = network_scenario(plan, nodes)
@@ -265,6 +311,37 @@ def tasks(plan: Plan, out: dict[str, Any], runs: dict[str, RunResult]) -> Iterat
             }
 
         yield f"sensitivity: split {s.split.gen_gpus} gen / {s.split.train_gpus} train", one_split
+
+
+def suite_row(s: Scenario) -> dict[str, Any]:
+    """One scenario against its ceilings: every static TP, adaptive (from the best static
+    layout), oracle and the fluid bound, in mean generation seconds per steady step."""
+    perf = perf_model(s)
+    statics = {
+        t: _mean_steady([g.seconds for g in run_generation(s, perf, "static", t)])
+        for t in candidate_tps(s, perf)
+    }
+    tp = min(statics, key=lambda t: (statics[t], t))
+    adaptive = run_generation(s, perf, "adaptive", tp)
+    oracle = run_generation(s, perf, "oracle", tp)
+    row = ceilings(
+        statics,
+        _mean_steady([g.seconds for g in adaptive]),
+        _mean_steady([g.seconds for g in oracle]),
+        _mean_steady(list(step_bounds(s, perf))),
+    )
+    row.update(
+        model=s.model.name,
+        gen_gpus=s.split.gen_gpus,
+        requests_per_step=s.workload.requests_per_step,
+        steps=s.steps,
+        seed=s.seed,
+        adaptive_reshards=sum(g.reshards for g in adaptive),
+        adaptive_moves=sum(g.migrations for g in adaptive),
+        oracle_reshards=sum(g.reshards for g in oracle),
+        oracle_moves=sum(g.migrations for g in oracle),
+    )
+    return row
 
 
 DONE_FRACTIONS = (0.5, 0.75, 0.9)
@@ -366,7 +443,7 @@ def headline(out: dict[str, Any]) -> list[tuple[str, str, str]]:
     return rows
 
 
-__all__ = ["PAPER", "Plan", "headline", "tasks"]
+__all__ = ["PAPER", "Plan", "headline", "suite_row", "tasks"]
 
 
 def run_all(

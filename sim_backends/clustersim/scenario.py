@@ -44,7 +44,7 @@ from typing import Any
 from orchestrrl import errors
 from scheduler.perf_model import HARDWARE, MODELS, default_model
 
-POLICIES = ("static", "proactive", "reactive", "adaptive")
+POLICIES = ("static", "proactive", "reactive", "adaptive", "oracle")
 FABRIC_KINDS = ("fat-tree", "fat-tree-oversub", "rail-optimised", "static-optical", "rfabric")
 
 
@@ -115,12 +115,13 @@ class WorkloadConfig:
 class GenerationConfig:
     """Rollout instances and the compute scheduler.
 
-    ``policy``: ``static`` (a fixed TP layout, the step's requests split evenly over the
-    instances up front as verl does), ``proactive`` (the compute planner re-plans the
-    layout and dispatch at every ``replan_interval_s``, no reactive moves of running
-    requests), ``reactive`` (fixed layout; the planner's balancing moves requests off
-    stragglers), ``adaptive`` (both). ``static_tp`` 0 picks the best uniform layout by
-    simulating each (``orl-sim`` reports which). ``max_num_seqs``: vLLM's default 256.
+        ``policy``: ``static`` (a fixed TP layout, the step's requests split evenly over the
+        instances up front as verl does), ``proactive`` (the compute planner re-plans the
+        layout and dispatch at every ``replan_interval_s``, no reactive moves of running
+        requests), ``reactive`` (fixed layout; the planner's balancing moves requests off
+        stragglers), ``adaptive`` (both), ``oracle`` (knows every response length: the
+    clairvoyant baseline of :mod:`.oracle`). ``static_tp`` 0 picks the best uniform layout by
+        simulating each (``orl-sim`` reports which). ``max_num_seqs``: vLLM's default 256.
     """
 
     policy: str = "adaptive"

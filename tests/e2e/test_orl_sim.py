@@ -55,12 +55,21 @@ def test_bad_scenario_is_rejected_before_running(tmp_path: Path) -> None:
 def test_reproduce_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     proc = _orl_sim("reproduce", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    assert "] 8/8" in proc.stderr  # the progress bar reached the end
+    assert "] 11/11" in proc.stderr  # the progress bar reached the end
     assert "compute 64 GPUs Qwen2.5-14B" in proc.stdout and "paper" in proc.stdout
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results) >= {"compute", "network", "sensitivity_switching", "sensitivity_split"}
     report = (tmp_path / "REPORT.md").read_text()
     assert "## Assumptions" in report
+    # every compute result against its ceilings: static TPs, best, adaptive, oracle, bound
+    assert "oracle/best" in report and "bound/best" in report and "captured" in report
+    rows = [results["compute"]["Qwen2.5-14B"]["ceilings"], *results["suite"].values()]
+    assert set(results["suite"]) == {"default-14b", "dapo-14b"}
+    for c in rows:
+        assert c["bound_s"] <= c["oracle_s"] <= c["best_static_s"] * 1.0001
+        assert c["bound_s"] <= c["adaptive_s"]
+        assert c["captured"] is None or isinstance(c["captured"], float)
+        assert set(c["static_gen_s"]) == {"1", "2", "4", "8"}
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert "perf-cost.png" in pngs and any(p.startswith("timeline-") for p in pngs)
     assert all((tmp_path / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)

@@ -1,0 +1,95 @@
+"""The oracle policy's pure rules and the fluid lower bound."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.compute_state import ComputeState, NodeGpus, Request, canonical_instances
+from scheduler.perf_model import default_model
+from sim_backends.clustersim.bound import fluid_bound
+from sim_backends.clustersim.generation import simulate_step, uniform_layout
+from sim_backends.clustersim.oracle import (
+    OracleConfig,
+    Speeds,
+    candidate_layouts,
+    list_schedule,
+    oracle_plan,
+)
+from sim_backends.clustersim.workload import RolloutRequest
+
+pytestmark = pytest.mark.unit
+
+PERF = default_model("Qwen2.5-14B", "H800-SXM")
+
+
+def test_list_schedule_puts_the_longest_on_the_faster_type_and_round_robins() -> None:
+    sp = Speeds(slots={2: 2, 8: 1}, tau={2: 0.03, 8: 0.01}, context=1000.0)
+    insts = [("a", 2, 0.0), ("b", 2, 0.0), ("c", 8, 0.0)]
+    placed, makespan = list_schedule(insts, {}, [("long", 1000), ("x", 100), ("y", 100)], sp)
+    assert placed[0] == ("long", "c")  # 10 s on TP8 beats 30 s on TP2
+    assert {placed[1][1], placed[2][1]} == {"a", "b"}  # equal slots fill round robin
+    assert makespan == pytest.approx(10.0)
+
+
+def test_list_schedule_waits_for_running_requests() -> None:
+    sp = Speeds(slots={2: 1}, tau={2: 0.01}, context=1000.0)
+    placed, makespan = list_schedule([("a", 2, 0.0)], {"a": [5.0]}, [("r", 100)], sp)
+    assert placed == [("r", "a")] and makespan == pytest.approx(6.0)
+
+
+def test_candidate_layouts_are_uniform_and_big_plus_small_mixes() -> None:
+    layouts = candidate_layouts(["n0", "n1"], 8, (2, 8))
+    assert {"n0": (2, 2, 2, 2), "n1": (2, 2, 2, 2)} in layouts
+    assert {"n0": (8,), "n1": (8,)} in layouts
+    assert {"n0": (8,), "n1": (2, 2, 2, 2)} in layouts
+    assert len(layouts) == 3
+
+
+def _state(n_req: int, pattern: tuple[int, ...] = (8,)) -> ComputeState:
+    gpus = tuple(range(8))
+    insts = canonical_instances("n0", gpus, pattern)
+    reqs = tuple(Request(f"r{i}", 100) for i in range(n_req))
+    return ComputeState((NodeGpus("n0", gpus),), insts, reqs)
+
+
+def test_oracle_dispatches_every_request_longest_first() -> None:
+    state = _state(6)
+    lengths = {f"r{i}": 100 * (i + 1) for i in range(6)}
+    plan = oracle_plan(state, lengths, PERF, 0.0, OracleConfig(tps=(2, 4, 8)))
+    order = [rid for rid, _ in plan.assignment]
+    assert order[:6] == ["r5", "r4", "r3", "r2", "r1", "r0"]
+    assert set(plan.dispatched) == set(lengths)
+    ids = {i.id for i in plan.instances}
+    assert all(iid in ids for _, iid in plan.assignment)
+
+
+def test_oracle_grows_an_idle_small_node_once_the_queue_is_empty() -> None:
+    gpus = tuple(range(8))
+    insts = canonical_instances("n0", gpus, (2, 2, 2, 2)) + canonical_instances("n1", gpus, (8,))
+    running = Request("r0", 100, 50, insts[-1].id, True)
+    state = ComputeState((NodeGpus("n0", gpus), NodeGpus("n1", gpus)), insts, (running,))
+    plan = oracle_plan(state, {"r0": 5000}, PERF, 10.0, OracleConfig(tps=(2, 4, 8)))
+    assert [(r.node, r.after) for r in plan.reshards] == [("n0", (8,))]
+    assert plan.reshards[0].pause_s > 0  # charged like any reshard
+
+
+def _requests(lengths: list[tuple[int, int]]) -> list[RolloutRequest]:
+    return [RolloutRequest(f"q{i}", i, p, n) for i, (p, n) in enumerate(lengths)]
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(16, 2048), st.integers(1, 6000)), min_size=1, max_size=40),
+    st.sampled_from([1, 2]),
+)
+def test_fluid_bound_is_below_every_policy(lengths: list[tuple[int, int]], nodes: int) -> None:
+    reqs = _requests(lengths)
+    names = tuple(f"gen{i:03d}" for i in range(nodes))
+    tps = (1, 2, 4, 8)
+    bound = fluid_bound(PERF, lengths, 8 * nodes, tps, 256)
+    assert bound.seconds == max(bound.work_s, bound.path_s) > 0
+    for policy, tp in [*(("static", t) for t in tps), ("oracle", 8), ("adaptive", 4)]:
+        res = simulate_step(PERF, reqs, uniform_layout(names, 8, tp), policy=policy)
+        assert bound.seconds <= res.seconds * (1 + 1e-9), (policy, tp)
