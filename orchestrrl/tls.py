@@ -111,14 +111,9 @@ def check_addressee(context: Any, node: str) -> None:
         if key == NODE_METADATA and value != node:
             raise errors.FailedPrecondition(
                 f"this agent is node {node!r}, the call is meant for node "
-                f"{_bounded(value)!r}: the caller has the wrong address for that node "
+                f"{errors.shown(value, 128)}: the caller has the wrong address for that node "
                 "(it registered this agent's address); nothing was done"
             )
-
-
-def _bounded(value: Any, limit: int = 128) -> str:
-    text = value if isinstance(value, str) else repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def peer_identities(context: Any) -> frozenset[str] | None:
