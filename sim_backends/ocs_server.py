@@ -21,7 +21,7 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from orchestrrl import errors, limits
+from orchestrrl import add_version_flag, errors, limits
 from orchestrrl.grpcutil import (
     RunningServer,
     domain_errors_to_status,
@@ -246,6 +246,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="orl-sim-ocs", description="A simulated optical circuit switch."
     )
+    add_version_flag(p)
     p.add_argument("--name", default="ocs0", help="switch name (default: %(default)s)")
     p.add_argument(
         "--ports", type=int, default=32, help=f"port count, 1..{MAX_PORTS} (default: %(default)s)"

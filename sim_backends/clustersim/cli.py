@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from orchestrrl import errors
+from orchestrrl import add_version_flag, errors
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="orl-sim", description="Simulate disaggregated RL on a (re)configurable fabric."
     )
+    add_version_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="simulate one scenario file")
     run.add_argument("scenario", help="scenario TOML (see examples/sim/)")

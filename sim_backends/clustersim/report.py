@@ -1,4 +1,4 @@
-"""The reproduction's outputs: a Markdown report, PNG plots (matplotlib, Agg) and JSON."""
+"""The reproduction's outputs: a Markdown report, PNG plots (:mod:`.plots`) and JSON."""
 
 from __future__ import annotations
 
@@ -7,123 +7,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-from matplotlib.patches import Patch
-
-from sim_backends.clustersim.generation import GenStepResult
+from orchestrrl import errors
 from sim_backends.clustersim.pipeline import SIM_PLANNER, RunResult
 from sim_backends.clustersim.reproduce import PAPER, POLICIES
-
-TP_COLOURS = {1: "#9ecae1", 2: "#4292c6", 4: "#fd8d3c", 8: "#d94801", 16: "#7f2704"}
 
 
 def write_json(out: Mapping[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
-
-
-# -- plots ------------------------------------------------------------------------------
-
-
-def plot_timeline(gen: GenStepResult, title: str, path: Path) -> None:
-    """One row per GPU of the generation pool: which TP instance it served, over time."""
-    nodes = sorted({s.node for s in gen.segments})
-    row_of = {n: i for i, n in enumerate(nodes)}
-    gpn = max((max(s.gpus) + 1 for s in gen.segments), default=8)
-    fig, ax = plt.subplots(figsize=(10, max(3.0, 0.12 * gpn * len(nodes))))
-    for s in gen.segments:
-        for g in s.gpus:
-            y = row_of[s.node] * gpn + g
-            if s.kind == "pause":
-                ax.broken_barh([(s.start, s.end - s.start)], (y, 0.9), color="#555555")
-                continue
-            busy = max(0.0, min(s.busy_end, s.end) - s.start)
-            colour = TP_COLOURS.get(s.tp, "#444444")
-            ax.broken_barh([(s.start, busy)], (y, 0.9), color=colour)
-            if s.end > s.start + busy:
-                ax.broken_barh(
-                    [(s.start + busy, s.end - s.start - busy)], (y, 0.9), color=colour, alpha=0.2
-                )
-    ax.set_yticks([row_of[n] * gpn + gpn / 2 for n in nodes], nodes)
-    ax.set_xlabel("time in step (s)")
-    ax.set_title(title)
-    handles = [Patch(color=c, label=f"TP{t}") for t, c in TP_COLOURS.items() if t <= gpn]
-    handles.append(Patch(color="#555555", label="reshard pause"))
-    ax.legend(handles=handles, loc="upper right", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_tail(curves: Mapping[str, Sequence[float]], title: str, path: Path) -> None:
-    """Fraction of the step's responses done over time."""
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, times in curves.items():
-        n = len(times)
-        if not n:
-            continue
-        ax.step(list(times), [(i + 1) / n for i in range(n)], where="post", label=label)
-    ax.set_xlabel("time in step (s)")
-    ax.set_ylabel("responses completed")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_link_utilisation(table: Mapping[str, Any], title: str, path: Path) -> None:
-    """Mean utilisation per link class in each network phase, per fabric."""
-    fabrics = list(table)
-    bars: list[tuple[str, list[float]]] = []
-    for phase in ("training", "weight-sync"):
-        classes = sorted({c for f in fabrics for c in table[f]["link_utilisation"].get(phase, {})})
-        for c in classes:
-            bars.append(
-                (
-                    f"{phase}: {c}",
-                    [table[f]["link_utilisation"].get(phase, {}).get(c, 0.0) for f in fabrics],
-                )
-            )
-    fig, ax = plt.subplots(figsize=(10, 4))
-    width = 0.8 / max(1, len(bars))
-    for i, (label, values) in enumerate(bars):
-        ax.bar([x + i * width for x in range(len(fabrics))], values, width, label=label)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(fabrics))], fabrics)
-    ax.set_ylabel("mean link utilisation")
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_perf_cost(network: Mapping[str, Mapping[str, Any]], path: Path) -> None:
-    """Step time, cost and perf/cost of every fabric, normalised to the Fat-Tree."""
-    sizes = list(network)
-    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4), squeeze=False)
-    for ax, size in zip(axes[0], sizes, strict=True):
-        table = network[size]
-        fabrics = list(table)
-        metrics = ("step_norm", "cost_norm", "perf_per_cost_norm")
-        for i, m in enumerate(metrics):
-            ax.bar(
-                [x + i * 0.27 for x in range(len(fabrics))],
-                [table[f][m] for f in fabrics],
-                0.27,
-                label=m.replace("_norm", "").replace("_", " "),
-            )
-        ax.axhline(1.0, color="black", lw=0.8)
-        ax.set_xticks([x + 0.27 for x in range(len(fabrics))], fabrics, rotation=20, fontsize=8)
-        ax.set_title(f"{size} GPUs (normalised to fat-tree)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # -- the report -------------------------------------------------------------------------
@@ -188,6 +79,12 @@ def ceiling_table(results: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def write_report(out: Mapping[str, Any], runs: Mapping[str, RunResult], outdir: Path) -> Path:
+    try:
+        from sim_backends.clustersim import plots as draw
+    except ImportError as exc:  # matplotlib: the [sim] extra
+        raise errors.FailedPrecondition(
+            f"the report's plots need matplotlib ({exc}): pip install 'orchestrrl[sim]'"
+        ) from None
     outdir.mkdir(parents=True, exist_ok=True)
     plots: list[tuple[str, str]] = []
     compute = out.get("compute", {})
@@ -198,12 +95,14 @@ def write_report(out: Mapping[str, Any], runs: Mapping[str, RunResult], outdir: 
             continue
         k = min(1, len(ad.gens) - 1)
         name = f"timeline-{model}.png"
-        plot_timeline(
+        draw.plot_timeline(
             ad.gens[k], f"{model}: adaptive, step {k} (TP per GPU over time)", outdir / name
         )
         plots.append((name, f"Step {k} of {model} under the adaptive scheduler"))
         sname = f"timeline-{model}-static.png"
-        plot_timeline(st.gens[k], f"{model}: static TP{st.static_tp}, step {k}", outdir / sname)
+        draw.plot_timeline(
+            st.gens[k], f"{model}: static TP{st.static_tp}, step {k}", outdir / sname
+        )
         plots.append((sname, "The same step with the best static layout"))
         curves = {f"static TP{st.static_tp}": st.gens[k].completions}
         for p in POLICIES:
@@ -211,15 +110,17 @@ def write_report(out: Mapping[str, Any], runs: Mapping[str, RunResult], outdir: 
             if r is not None:
                 curves[p] = r.gens[k].completions
         tname = f"tail-{model}.png"
-        plot_tail(curves, f"{model}: responses completed over step {k}", outdir / tname)
+        draw.plot_tail(curves, f"{model}: responses completed over step {k}", outdir / tname)
         plots.append((tname, "Tail completion curve"))
     network = out.get("network", {})
     for size, table in network.items():
         name = f"links-{size}.png"
-        plot_link_utilisation(table, f"{size} GPUs: mean link utilisation per phase", outdir / name)
+        draw.plot_link_utilisation(
+            table, f"{size} GPUs: mean link utilisation per phase", outdir / name
+        )
         plots.append((name, f"Per-phase link utilisation at {size} GPUs"))
     if network:
-        plot_perf_cost(network, outdir / "perf-cost.png")
+        draw.plot_perf_cost(network, outdir / "perf-cost.png")
         plots.append(("perf-cost.png", "Step time, network cost and perf/cost"))
 
     md: list[str] = ["# orl-sim reproduction of OrchestrRL's results", ""]
@@ -485,7 +386,9 @@ def discussion(out: Mapping[str, Any]) -> list[str]:
                 + " / ".join(str(r.get("layout_changes", 0)) for _, r in planned)
                 + f" of {steady} steady step(s): it changes a layout only when the predicted "
                 "step plus the reshard pause beats keeping it by more than "
-                f"{SIM_PLANNER.switch_margin_rel:.0%}."
+                f"{SIM_PLANNER.switch_margin_rel:.0%} while requests run (by "
+                f"{SIM_PLANNER.switch_margin_s:g} s when a step's batch has just arrived and "
+                "no request holds KV yet: the layout then is the previous step's tail's)."
             )
         pro, rea = row.get("proactive"), row.get("reactive")
         if pro is not None and rea is not None and pro.get("layout_changes", 1) == 0:

@@ -24,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from orchestrrl import errors
+from orchestrrl import add_version_flag, errors
 from orchestrrl import wiring as wiring_mod
 from scheduler.network import DEFAULT_UPLINK_GBPS
 from sim_backends.testbed import demo as demo_mod
@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
         description="A cluster of network namespaces with a real data plane: nodes, ToRs "
         "and OCSes of a wiring file, shaped links, the controller and one agent per node.",
     )
+    add_version_flag(p)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--id",
