@@ -46,7 +46,8 @@ class PlannerConfig:
     # the lowest quantile of a request's remaining tokens taken as its critical path; the
     # level actually used grows with the requests left in the step (critical_level)
     tail_quantile: float = 0.5
-    # switch layouts only when the gain beats the cost by max(margin_s, margin_rel * keep)
+    # switch layouts only when the gain beats the cost by max(margin_s, margin_rel * keep);
+    # the relative part only while some request holds KV (see layout.choose_layout)
     switch_margin_s: float = 0.5
     switch_margin_rel: float = 0.05
     # move a request only when the bottleneck's finish improves by more than its cost + this

@@ -721,7 +721,15 @@ def choose_layout(
     choices = [x[4] for x in scored]
     current = next(c for c in choices if c.is_current)
     best = choices[0]
-    margin = max(prob.config.switch_margin_s, prob.config.switch_margin_rel * current.score, EPS)
+    margin = max(prob.config.switch_margin_s, EPS)
+    if prob.kv_array.any():
+        # The relative margin is a bias toward the layout the planner chose for the work
+        # in flight: it keeps a forecast's noise from flapping the layout under running
+        # requests. When no request holds KV (a step's batch has just arrived, nothing
+        # runs) the current layout is what the previous step's tail left, not a choice
+        # for this work, and the switch costs only its pause, already in the score: the
+        # absolute margin alone (re-plan stability) decides.
+        margin = max(margin, prob.config.switch_margin_rel * current.score)
     if best.is_current or not current.score - best.score > margin:
         return dict(prob.current_pattern), choices, 0.0
     pair_cost = prob.node_cost

@@ -12,10 +12,11 @@ never token by token:
   iteration time is linear in the context (a memory-bound or compute-bound decode), an
   approximation only in a segment where the two bounds cross;
 - admission (continuous batching, vLLM-style): queued requests join while the batch is
-  below ``max_num_seqs`` and their KV fits; joining requests are prefilled together
-  (in chunks of ``PREFILL_CHUNK`` tokens, each costed by ``perf.prefill_time`` as one
-  sequence, which overstates the attention FLOPs of many short prompts by at most ~15%),
-  and decode waits for the prefill (no chunked-prefill mixing);
+  below ``min(config.max_num_seqs, perf.max_num_seqs(tp))`` and their KV fits; joining
+  requests are prefilled together (in chunks of ``PREFILL_CHUNK`` tokens, each costed by
+  ``perf.prefill_time`` as one sequence, which overstates the attention FLOPs of many
+  short prompts by at most ~15%), and decode waits for the prefill (no chunked-prefill
+  mixing);
 - when the running sequences outgrow the KV cache the newest is preempted back to the
   front of the queue and recomputes its KV when it is admitted again (vLLM's recompute
   preemption); a request that alone does not fit is admitted anyway (the engine would
@@ -243,6 +244,7 @@ class GenerationSim:
         self.node_gpus = {n: tuple(range(gpus_per_node)) for n in self.nodes}
         self.insts: dict[str, _Inst] = {}
         self.cap_of: dict[int, int] = {}
+        self.seq_cap_of: dict[int, int] = {}
         self.events: list[tuple[float, int, str, int]] = []
         self.seq = 0
         self.segments: list[Segment] = []
@@ -278,6 +280,14 @@ class GenerationSim:
         cap = self.cap_of.get(tp)
         if cap is None:
             cap = self.cap_of[tp] = self.perf.kv_capacity_tokens(tp)
+        return cap
+
+    def _seq_cap(self, tp: int) -> int:
+        """Running sequences a TP ``tp`` instance admits: the planner's cap and the
+        engine's per-TP cap (``PerfModel.max_num_seqs``), whichever is lower."""
+        cap = self.seq_cap_of.get(tp)
+        if cap is None:
+            cap = self.seq_cap_of[tp] = min(self.max_num_seqs, self.perf.max_num_seqs(tp))
         return cap
 
     def _add_instance(self, inst: Instance, now: float) -> _Inst:
@@ -328,7 +338,7 @@ class GenerationSim:
 
     def _admit(self, s: _Inst) -> None:
         tokens = 0
-        while s.queue and len(s.running) < self.max_num_seqs:
+        while s.queue and len(s.running) < self._seq_cap(s.tp):
             r = s.queue[0]
             need = r.prompt + r.generated
             if s.running and s.ctx_sum + need > s.cap:

@@ -93,6 +93,20 @@ def test_kv_overflow_preempts_and_every_request_still_finishes() -> None:
     assert res.seconds > simulate_step(PERF, reqs, ONE_NODE).seconds
 
 
+def test_the_engines_per_tp_cap_on_running_sequences_is_honoured() -> None:
+    """An instance runs at most ``min(config.max_num_seqs, perf.max_num_seqs(tp))``: with
+    the model's TP8 cap at 2, four equal requests run as two pairs, one after the other."""
+    capped = replace(PERF, efficiency=replace(PERF.efficiency, max_num_seqs_by_tp=((8, 2),)))
+    assert capped.max_num_seqs(8) == 2
+    reqs = [_req(i, 200, 1000) for i in range(4)]
+    res = simulate_step(capped, reqs, ONE_NODE)
+    pair = _token_by_token(capped, 8, [200, 200], [1000, 1000])
+    assert res.seconds == pytest.approx(2 * pair, rel=1e-9)
+    # the planner's cap is the other bound: with it at 1 the requests run one by one
+    one = simulate_step(capped, reqs, ONE_NODE, config=PlannerConfig(max_num_seqs=1))
+    assert one.seconds == pytest.approx(4 * _token_by_token(capped, 8, [200], [1000]), rel=1e-9)
+
+
 WL = WorkloadConfig(prompts_per_step=24, samples_per_prompt=8, max_response_tokens=6000)
 
 

@@ -129,6 +129,30 @@ def test_switch_only_when_the_gain_beats_the_cost_by_the_margin() -> None:
     assert "layouts considered" in text and "TP8" in text
 
 
+def test_a_fresh_batch_is_not_held_to_the_layout_the_last_step_ended_in() -> None:
+    """The relative switch margin protects work in flight. When a step's batch has just
+    arrived (no request holds KV) the layout left by the previous step's tail is weighed
+    against the others with the absolute margin only: the reshard pause is already in
+    each score. The same gain under running requests stays below the relative margin."""
+    nodes, insts = cluster(6, (8,))
+    n = 6144
+    fresh = ComputeState(nodes, tuple(insts), tuple(Request(f"r{i:04d}", 256) for i in range(n)))
+    plan = plan_compute(fresh, forecast_for(fresh), PM, 0.0)
+    assert plan.reshards, plan.explain()
+    assert {i.tp for i in plan.instances} != {8}
+    running = ComputeState(
+        nodes,
+        tuple(insts),
+        tuple(
+            Request(f"r{i:04d}", 256, 0, insts[i % len(insts)].id, i < 256 * len(insts))
+            for i in range(n)
+        ),
+    )
+    kept = plan_compute(running, forecast_for(running), PM, 0.0)
+    assert not kept.reshards, kept.explain()
+    assert "not more than the margin" in kept.reason
+
+
 def test_reactive_balancing_moves_requests_off_a_straggler() -> None:
     nodes, insts = cluster(2, (4, 4))
     hot = insts[0]
