@@ -30,7 +30,6 @@ from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from node_agent.reshard.plan import (
     ModelSpec,
@@ -96,7 +95,7 @@ class _Worker:
         self.in_flight: int | None = None  # seq of the command whose transfers are posted
         self.aborted_upto = -1  # commands up to this seq are aborted
         self.abort_event = threading.Event()
-        self.store: TCPStore | None = None
+        self.store: dist.TCPStore | None = None
         self.group: dist.ProcessGroup | None = None
         self.generation = 0
         self.leftover: list[dist.Work] = []  # unfinished work of an aborted group
@@ -113,7 +112,7 @@ class _Worker:
                 _keep_freed_memory()
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            self.store = TCPStore(
+            self.store = dist.TCPStore(
                 self.args.store_host,
                 self.args.store_port,
                 is_master=False,
@@ -184,7 +183,7 @@ class _Worker:
         assert self.store is not None
         dist.init_process_group(
             self.args.backend,
-            store=PrefixStore(f"generation-{self.generation}", self.store),
+            store=dist.PrefixStore(f"generation-{self.generation}", self.store),
             rank=self.rank,
             world_size=self.args.world_size,
             timeout=self.timeout,

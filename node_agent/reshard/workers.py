@@ -34,7 +34,6 @@ from typing import Literal, cast
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import TCPStore
 
 from node_agent.reshard import worker as worker_module
 from node_agent.reshard.plan import (
@@ -139,7 +138,7 @@ class WorkerPool:
         self._layout = check_fits(self.model, layout, gpus, memory_bytes)
         self._requested_backend = backend
         self.backend = ""
-        self._store: TCPStore | None = None
+        self._store: dist.TCPStore | None = None
         self._procs: list[BaseProcess] = []
         self._commands: list[Connection] = []
         self._replies: list[Connection] = []
@@ -192,7 +191,7 @@ class WorkerPool:
     def _launch(self) -> None:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload([worker_module.__name__])
-        self._store = TCPStore(STORE_HOST, 0, is_master=True, wait_for_workers=False)
+        self._store = dist.TCPStore(STORE_HOST, 0, is_master=True, wait_for_workers=False)
         for rank in range(self.gpus):
             cmd_read, cmd_write = ctx.Pipe(duplex=False)
             reply_read, reply_write = ctx.Pipe(duplex=False)

@@ -1,6 +1,6 @@
 """Fabrics of the cluster simulator: topologies as link graphs, and RFabric.
 
-CONTRACT (engineer N publishes, engineer G codes against it):
+The interface the rest of the simulator uses:
 
 - :class:`ClusterSpec` - servers, GPUs, NICs and the pod (ToR group) size.
 - :class:`FabricKind`, :class:`FabricOptions`.
