@@ -3,7 +3,7 @@
 
 Runs ``orl-node-agent --plaintext --gpu-backend sim --gpus 8`` as a subprocess with 8
 NICs sampling at R Hz (default 10) against a fake controller in this process
-(``node_agent.fake_controller``, heartbeats every second), waits until it streams, then
+(``sim_backends.fake_controller``, heartbeats every second), waits until it streams, then
 for D seconds measures the agent's CPU time (utime+stime from /proc/PID/stat, as % of
 one core) and its RSS (VmRSS from /proc/PID/status, peak of 10 Hz readings). The
 baseline, measured over the same window, is an idle ``python -c "import time;
@@ -56,7 +56,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from node_agent.fake_controller import start_fake_controller
+from sim_backends.fake_controller import start_fake_controller
 
 REPO = Path(__file__).resolve().parents[1]
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -21,7 +21,7 @@ from node_agent.engines.base import Device
 from node_agent.engines.http_engine import EngineSettings
 from node_agent.gateway.engine import GatewayConfig, GatewayEngine
 from node_agent.gateway.http import GatewayServer, GatewaySettings
-from node_agent.gpus import GpuBackend, NvmlUnavailable, SimulatedGpus, select_backend
+from node_agent.gpus import GpuBackend, NvmlUnavailable, select_backend
 from node_agent.metrics import AgentMetrics
 from node_agent.nics import NetlinkNics
 from node_agent.peers import GrpcPeers
@@ -279,8 +279,9 @@ async def _serve_with(
         gateway=rollout.http.address if rollout.http is not None else "",
         instance_health=rollout.gateway.instance_health if rollout.gateway else None,
     )
-    if isinstance(gpus, SimulatedGpus):  # the engine's figures of the sample being taken
-        gpus.follow(lambda: busy_fraction(collector.engine_stats))
+    follow = getattr(gpus, "follow", None)  # simulated GPUs: load follows the engine's
+    if follow is not None:  # figures of the sample being taken
+        follow(lambda: busy_fraction(collector.engine_stats))
     await collector.open()
     commands = CommandLog(
         observe=lambda kind, outcome: metrics.commands.labels(kind, outcome).inc()
@@ -393,7 +394,7 @@ def cpu_accounting(engine: object, gpus: GpuBackend) -> dict[str, float]:
     return {
         "process_cpu_s": time.process_time(),
         "engine_simulation_cpu_s": float(getattr(engine, "simulation_cpu_s", 0.0)),
-        "gpu_simulation_cpu_s": gpus.simulation_cpu_s if isinstance(gpus, SimulatedGpus) else 0.0,
+        "gpu_simulation_cpu_s": float(getattr(gpus, "simulation_cpu_s", 0.0)),
     }
 
 

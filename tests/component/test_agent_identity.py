@@ -25,7 +25,6 @@ from fabric_controller.store import Store
 from node_agent.commands import CommandLog
 from node_agent.engine import Destination
 from node_agent.gateway.requests import RequestFailed
-from node_agent.gpus import SimulatedGpus
 from node_agent.nics import SysfsNics
 from node_agent.peers import GrpcPeers
 from node_agent.servicer import SERVICE_NAME, NodeAgentService
@@ -39,6 +38,7 @@ from orchestrrl.v1 import fabric_controller_pb2_grpc as fc_grpc
 from orchestrrl.v1 import node_agent_pb2 as pb
 from orchestrrl.v1 import node_agent_pb2_grpc as pb_grpc
 from sim_backends.engine import SimulatedEngine
+from sim_backends.gpus import SimulatedGpus
 from sim_backends.ocs_server import serve as serve_ocs
 
 pytestmark = pytest.mark.component

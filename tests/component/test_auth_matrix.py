@@ -39,7 +39,6 @@ from node_agent.commands import CommandLog
 from node_agent.engine import Destination
 from node_agent.engines.base import Sampling
 from node_agent.gateway.engine import GatewayConfig, GatewayEngine
-from node_agent.gpus import SimulatedGpus
 from node_agent.nics import SysfsNics
 from node_agent.peers import GrpcPeers
 from node_agent.servicer import SERVICE_NAME as AGENT_SERVICE
@@ -55,6 +54,7 @@ from orchestrrl.v1 import fabric_controller_pb2_grpc as fc_grpc
 from orchestrrl.v1 import node_agent_pb2 as na_pb
 from orchestrrl.v1 import node_agent_pb2_grpc as na_grpc
 from orchestrrl.v1 import optical_switch_pb2 as os_pb
+from sim_backends.gpus import SimulatedGpus
 from sim_backends.ocs import SimulatedOcs
 from sim_backends.ocs_server import serve as serve_ocs
 from sim_backends.token_engine import ScriptedEngine

@@ -16,7 +16,6 @@ import pytest
 import structlog
 
 from node_agent.commands import CommandLog
-from node_agent.gpus import SimulatedGpus
 from node_agent.nics import SysfsNics
 from node_agent.servicer import SERVICE_NAME as AGENT_SERVICE
 from node_agent.servicer import NodeAgentService
@@ -30,6 +29,7 @@ from orchestrrl.v1 import node_agent_pb2 as na
 from orchestrrl.v1 import node_agent_pb2_grpc as na_grpc
 from orchestrrl.v1 import optical_switch_pb2 as ocs
 from sim_backends.engine import SimulatedEngine
+from sim_backends.gpus import SimulatedGpus
 from sim_backends.harness import Fabric, start_fabric
 from sim_backends.ocs import SimulatedOcs
 from sim_backends.ocs_server import serve

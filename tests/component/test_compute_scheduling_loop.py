@@ -20,7 +20,6 @@ from fabric_controller.drivers.agents import AgentClients
 from fabric_controller.scheduler_loop import ComputeScheduler
 from fabric_controller.servicer import FabricControllerServicer
 from node_agent.commands import CommandLog
-from node_agent.gpus import SimulatedGpus
 from node_agent.nics import SysfsNics
 from node_agent.servicer import SERVICE_NAME, NodeAgentService
 from node_agent.telemetry import Collector
@@ -34,6 +33,7 @@ from orchestrrl.v1 import node_agent_pb2_grpc as pb_grpc
 from scheduler.compute_state import MoveMethod
 from scheduler.replan import ReplanSchedule
 from sim_backends.engine import SimEngineConfig, SimulatedEngine
+from sim_backends.gpus import SimulatedGpus
 from sim_backends.harness import SERVICE, Fabric, start_fabric
 
 if TYPE_CHECKING:

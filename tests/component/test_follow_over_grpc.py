@@ -21,7 +21,6 @@ from node_agent.engine import Destination
 from node_agent.engines.base import Sampling
 from node_agent.gateway.engine import GatewayConfig, GatewayEngine
 from node_agent.gateway.requests import Request
-from node_agent.gpus import SimulatedGpus
 from node_agent.nics import SysfsNics
 from node_agent.peers import GrpcPeers
 from node_agent.servicer import SERVICE_NAME, NodeAgentService
@@ -31,6 +30,7 @@ from orchestrrl.devcerts import CertFiles, make_dev_pki
 from orchestrrl.tls import Authorizer, TlsConfig
 from orchestrrl.v1 import node_agent_pb2 as pb
 from orchestrrl.v1 import node_agent_pb2_grpc as pb_grpc
+from sim_backends.gpus import SimulatedGpus
 from sim_backends.token_engine import ScriptedEngine, greedy
 from tests.helpers import eventually
 

@@ -35,7 +35,6 @@ from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from node_agent.commands import CommandLog
-from node_agent.gpus import SimulatedGpus
 from node_agent.nics import SysfsNics
 from node_agent.servicer import SERVICE_NAME as AGENT_SERVICE
 from node_agent.servicer import NodeAgentService
@@ -46,6 +45,7 @@ from orchestrrl.model import Circuit, Wiring
 from orchestrrl.v1 import fabric_controller_pb2, node_agent_pb2, optical_switch_pb2
 from orchestrrl.v1 import node_agent_pb2_grpc as na_grpc
 from sim_backends.engine import SimulatedEngine
+from sim_backends.gpus import SimulatedGpus
 from sim_backends.harness import Fabric, start_fabric
 from sim_backends.ocs import SimulatedOcs
 from sim_backends.ocs_server import serve as serve_ocs

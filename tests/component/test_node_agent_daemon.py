@@ -16,10 +16,10 @@ from structlog.testing import capture_logs
 
 from node_agent.config import SIM_ENGINE, AgentConfig
 from node_agent.daemon import run_agent
-from node_agent.fake_controller import RunningFakeController, start_fake_controller
 from node_agent.uplink import UplinkSettings
 from orchestrrl import grpcutil
 from orchestrrl.v1 import node_agent_pb2, node_agent_pb2_grpc
+from sim_backends.fake_controller import RunningFakeController, start_fake_controller
 
 if TYPE_CHECKING:
     from orchestrrl.v1.node_agent_pb2_grpc import NodeAgentAsyncStub

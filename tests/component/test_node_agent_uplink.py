@@ -9,7 +9,6 @@ import pytest
 from structlog.testing import capture_logs
 
 from node_agent.engine import EngineState, EngineStats
-from node_agent.fake_controller import start_fake_controller
 from node_agent.metrics import AgentMetrics
 from node_agent.nics import NicRates
 from node_agent.telemetry import NodeStatus, Telemetry
@@ -22,6 +21,7 @@ from node_agent.uplink import (
     samples_per_flush,
 )
 from orchestrrl import errors
+from sim_backends.fake_controller import start_fake_controller
 
 pytestmark = pytest.mark.component
 

@@ -16,7 +16,6 @@ from node_agent.commands import CommandLog
 from node_agent.config import SIM_ENGINE, AgentConfig
 from node_agent.daemon import run_agent
 from node_agent.engine import EngineState
-from node_agent.gpus import SimulatedGpus
 from node_agent.nics import SysfsNics
 from node_agent.reshard.engine import STAGES, TorchReshardEngine
 from node_agent.reshard.plan import synthetic_model
@@ -30,6 +29,7 @@ from orchestrrl import errors, grpcutil
 from orchestrrl.v1 import node_agent_pb2 as pb
 from orchestrrl.v1 import node_agent_pb2_grpc as pb_grpc
 from sim_backends.engine import SimulatedEngine
+from sim_backends.gpus import SimulatedGpus
 
 if TYPE_CHECKING:
     from orchestrrl.v1.node_agent_pb2_grpc import NodeAgentAsyncStub

@@ -114,12 +114,12 @@ def test_tls_flags_are_all_or_nothing(tmp_path: Path) -> None:
 
 async def test_agent_accepts_commands_only_from_the_controller(tmp_path: Path) -> None:
     from node_agent.commands import CommandLog
-    from node_agent.gpus import SimulatedGpus
     from node_agent.nics import SysfsNics
     from node_agent.servicer import SERVICE_NAME, NodeAgentService
     from node_agent.telemetry import Collector
     from orchestrrl.v1 import node_agent_pb2, node_agent_pb2_grpc
     from sim_backends.engine import SimulatedEngine
+    from sim_backends.gpus import SimulatedGpus
 
     pki = make_dev_pki(tmp_path / "pki", ["orl-fabric-controller", "gen0-n0", "alice"])
     engine = SimulatedEngine(8, (2, 2, 2, 2), seed=1)

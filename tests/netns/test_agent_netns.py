@@ -13,7 +13,6 @@ import grpc
 import pytest
 
 from node_agent.commands import CommandLog
-from node_agent.gpus import SimulatedGpus
 from node_agent.nics import SysfsNics
 from node_agent.roce import RoceConfigurator
 from node_agent.routes import HostRoutes
@@ -24,6 +23,7 @@ from orchestrrl.v1 import node_agent_pb2 as pb
 from orchestrrl.v1 import node_agent_pb2_grpc as pb_grpc
 from sim_backends import netns
 from sim_backends.engine import SimulatedEngine
+from sim_backends.gpus import SimulatedGpus
 from tests.netns.helpers import GATEWAYS_V4, Switch, kernel_routes, owned_routes
 
 if TYPE_CHECKING:

@@ -13,11 +13,12 @@ from structlog.testing import capture_logs
 
 from node_agent.daemon import _report_cpu_on_sigusr1, cpu_accounting
 from node_agent.engine import busy_fraction
-from node_agent.gpus import GpuSample, SimulatedGpus
+from node_agent.gpus import GpuSample
 from node_agent.metrics import AgentMetrics
 from node_agent.nics import SysfsNics
 from node_agent.telemetry import Collector
 from sim_backends.engine import SimEngineConfig, SimulatedEngine
+from sim_backends.gpus import SimulatedGpus
 from tests.helpers import FakeClock
 
 pytestmark = pytest.mark.unit

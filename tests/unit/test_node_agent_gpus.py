@@ -9,7 +9,8 @@ import pynvml
 import pytest
 from structlog.testing import capture_logs
 
-from node_agent.gpus import GIB, NvmlGpus, NvmlUnavailable, SimulatedGpus, select_backend
+from node_agent.gpus import GIB, NvmlGpus, NvmlUnavailable, select_backend
+from sim_backends.gpus import SimulatedGpus
 from tests.helpers import FakeClock
 
 pytestmark = pytest.mark.unit
