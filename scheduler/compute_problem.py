@@ -22,6 +22,7 @@ each sequence-iteration costs ``c_t``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -307,18 +308,9 @@ class Problem:
         )
 
 
-_NODE_COST_CACHE: dict[tuple[PerfModel, Pattern, Pattern], float] = {}  # a memo of pure values
-
-
+@functools.lru_cache(maxsize=4096)  # a pure value, asked for again at every re-plan
 def node_pause(perf: PerfModel, old: Pattern, new: Pattern) -> float:
-    key = (perf, old, new)
-    hit = _NODE_COST_CACHE.get(key)
-    if hit is None:
-        hit = perf.reshard_time(expand(old), expand(new))
-        if len(_NODE_COST_CACHE) > 4096:
-            _NODE_COST_CACHE.clear()
-        _NODE_COST_CACHE[key] = hit
-    return hit
+    return perf.reshard_time(expand(old), expand(new))
 
 
 def _links(perf: PerfModel) -> tuple[float, int, float, float, float, float]:

@@ -36,6 +36,7 @@ Units: seconds, bytes, FLOP, bytes per second. Token counts are plain ints.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -820,15 +821,10 @@ class PerfModel:
             raise errors.field_error("tp", tp, "a positive integer")
 
 
-_RATIO_CACHE: dict[PerfModel, dict[int, tuple[list[int], list[float]]]] = {}  # memo
-
-
+@functools.lru_cache(maxsize=64)  # a pure value of the (hashable, frozen) model
 def _ratio_table(model: PerfModel) -> dict[int, tuple[list[int], list[float]]]:
-    """Per TP: sorted batches and measured/modelled ratios; key 0 holds the median."""
-    key = model
-    cached = _RATIO_CACHE.get(key)
-    if cached is not None:
-        return cached
+    """Per TP: sorted batches and measured/modelled ratios; key 0 holds the median (the
+    cached table is shared: callers only read it)."""
     raw = replace(model, profile=())
     by_tp: dict[int, dict[int, list[float]]] = {}
     every: list[float] = []
@@ -844,9 +840,6 @@ def _ratio_table(model: PerfModel) -> dict[int, tuple[list[int], list[float]]]:
     n = len(every)
     median = every[n // 2] if n % 2 else 0.5 * (every[n // 2 - 1] + every[n // 2])
     table[0] = ([0], [median])
-    if len(_RATIO_CACHE) > 64:
-        _RATIO_CACHE.clear()
-    _RATIO_CACHE[key] = table
     return table
 
 
