@@ -62,6 +62,7 @@ from orchestrrl import errors
 from orchestrrl.logs import get_logger
 from orchestrrl.model import Circuit, Phase, Wiring
 from orchestrrl.v1 import node_agent_pb2
+from orchestrrl.wiring import diff as wiring_diff
 from scheduler.circuits import CircuitPlan
 from scheduler.gate import DEFAULT_SETTLING_MARGIN_S, slack_gate
 from scheduler.network import PhaseCircuits, PhaseDemand, plan_phase_circuits
@@ -212,13 +213,20 @@ class Controller:
             raise errors.FailedPrecondition("controller not started")
         return self._current
 
-    def reload(self, wiring: Wiring) -> None:
-        """Adopt a new (already validated) wiring; known nodes keep their state."""
+    def reload(self, wiring: Wiring) -> list[str]:
+        """Adopt a new (already validated) wiring; known nodes keep their state. Returns
+        what changed (``orchestrrl.wiring.diff``), also logged and published."""
         self._check_drivers(wiring)
+        changes = wiring_diff(self.wiring, wiring)
         self.wiring = wiring
         self._plans.clear()
         self.registry = self.registry.with_wiring(wiring)
-        self.events.publish(Event("wiring_reloaded", message=f"{len(wiring.nodes)} nodes"))
+        summary = errors.listed(changes) if changes else "no change"
+        log.info("wiring_changes", changes=len(changes), summary=summary)
+        self.events.publish(
+            Event("wiring_reloaded", message=f"{len(wiring.nodes)} nodes; {summary}")
+        )
+        return changes
 
     @contextlib.asynccontextmanager
     async def _locked(self, what: str) -> AsyncIterator[None]:

@@ -307,8 +307,11 @@ async def serve(args: argparse.Namespace) -> int:
 def _reload(controller: Controller, path: Path) -> None:
     """SIGHUP: validate the wiring file again; adopt it only when valid."""
     try:
-        controller.reload(wiring_mod.load(path))
-        log.info("wiring_reloaded", wiring=str(path), nodes=len(controller.wiring.nodes))
+        changes = controller.reload(wiring_mod.load(path))
+        log.info(
+            "wiring_reloaded", wiring=str(path), nodes=len(controller.wiring.nodes),
+            changes=changes[:20], changed=len(changes),
+        )  # fmt: skip
     except errors.OrlError as exc:
         log.error("wiring_reload_rejected", error=str(exc), note="keeping the last good wiring")
 

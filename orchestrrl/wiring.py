@@ -511,6 +511,37 @@ def to_dict(w: Wiring) -> dict[str, Any]:
     }
 
 
+def diff(old: Wiring, new: Wiring) -> list[str]:
+    """What changed from ``old`` to ``new``, one line per element (pods, nodes, ToRs,
+    OCSes by name, then the cluster's own fields): ``node 'gen1-n3' added``,
+    ``tor 'tor-gen0' changed``. Empty when the two are the same."""
+    out = [
+        f"{field} {old_value!r} -> {new_value!r}"
+        for field, old_value, new_value in (
+            ("cluster", old.cluster, new.cluster),
+            ("controller", old.controller, new.controller),
+        )
+        if old_value != new_value
+    ]
+    kinds: tuple[tuple[str, Iterable[Any], Iterable[Any]], ...] = (
+        ("pod", old.pods, new.pods),
+        ("node", old.nodes, new.nodes),
+        ("tor", old.tors, new.tors),
+        ("ocs", old.ocses, new.ocses),
+    )
+    for kind, before, after in kinds:
+        was = {x.name: x for x in before}
+        now = {x.name: x for x in after}
+        for name in sorted(was.keys() | now.keys()):
+            if name not in now:
+                out.append(f"{kind} {name!r} removed")
+            elif name not in was:
+                out.append(f"{kind} {name!r} added")
+            elif was[name] != now[name]:
+                out.append(f"{kind} {name!r} changed")
+    return out
+
+
 def default_wiring_path() -> Path:
     """The wiring embedded in the package (the same as examples/local-8node.toml)."""
     return Path(__file__).parent / "data" / "local-8node.toml"

@@ -66,6 +66,7 @@ async def test_sighup_reload_and_metrics(tmp_path: Path) -> None:
     log = (tmp_path / "controller.log").read_text()
     assert "wiring_reload_rejected" in log
     assert "role = 'rollout'" in log
+    assert "node 'gen1-n1' removed" in log  # the reload says what changed
 
 
 async def test_mutual_tls_daemon_and_orlctl(tmp_path: Path) -> None:

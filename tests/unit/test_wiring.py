@@ -285,3 +285,19 @@ def test_a_huge_value_is_shown_cut() -> None:
     text = SMALL.replace('name = "small"', f'name = "{"x" * 1_000_000}"')
     problem = one_problem(text)
     assert len(problem) < 600 and "(1000000 characters)" in problem
+
+
+def test_diff_names_what_a_reload_changes() -> None:
+    old = wiring.parse(EXAMPLE)
+    assert wiring.diff(old, old) == []
+    cut = EXAMPLE.rindex("[[node]]")
+    fewer = wiring.parse(EXAMPLE[:cut])
+    removed, pod = old.nodes[-1].name, old.nodes[-1].pod  # its pod lists one node less
+    assert wiring.diff(old, fewer) == [f"pod {pod!r} changed", f"node {removed!r} removed"]
+    assert wiring.diff(fewer, old) == [f"pod {pod!r} changed", f"node {removed!r} added"]
+    moved = wiring.parse(
+        EXAMPLE.replace('controller = "127.0.0.1:50051"', 'controller = "127.0.0.1:50052"')
+    )
+    assert wiring.diff(old, moved) == ["controller '127.0.0.1:50051' -> '127.0.0.1:50052'"]
+    slower = wiring.parse(EXAMPLE.replace("switching_time_ms = 10.0", "switching_time_ms = 20.0"))
+    assert wiring.diff(old, slower) == ["ocs 'ocs0' changed"]
