@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from orchestrrl.devcerts import CertFiles
+from orchestrrl.tls import TlsConfig
+
 
 class FakeClock:
     """A clock that moves only when a test sets ``now``."""
@@ -23,3 +26,8 @@ async def eventually(
     async with asyncio.timeout(within_s):
         while not cond():  # noqa: ASYNC110 - polls state that other tasks change
             await asyncio.sleep(poll_s)
+
+
+def tls(files: CertFiles) -> TlsConfig:
+    """The mutual-TLS settings of a certificate from ``make_dev_pki``."""
+    return TlsConfig(files.cert, files.key, files.ca)

@@ -40,6 +40,7 @@ from orchestrrl.v1 import node_agent_pb2_grpc as pb_grpc
 from sim_backends.engine import SimulatedEngine
 from sim_backends.gpus import SimulatedGpus
 from sim_backends.ocs_server import serve as serve_ocs
+from tests.helpers import tls as tls_of
 
 pytestmark = pytest.mark.component
 
@@ -48,7 +49,7 @@ A, B = "gen0-n0", "gen0-n1"  # B's certificate registers B at A's agent address
 
 
 def tls(files: CertFiles | None) -> TlsConfig | None:
-    return None if files is None else TlsConfig(files.cert, files.key, files.ca)
+    return None if files is None else tls_of(files)
 
 
 @dataclass

@@ -45,7 +45,7 @@ from node_agent.servicer import SERVICE_NAME as AGENT_SERVICE
 from node_agent.servicer import NodeAgentService
 from node_agent.telemetry import Collector
 from orchestrrl import grpcutil
-from orchestrrl.devcerts import CertFiles, make_dev_pki
+from orchestrrl.devcerts import make_dev_pki
 from orchestrrl.model import Wiring
 from orchestrrl.tls import Authorizer, TlsConfig
 from orchestrrl.v1 import common_pb2
@@ -58,7 +58,7 @@ from sim_backends.gpus import SimulatedGpus
 from sim_backends.ocs import SimulatedOcs
 from sim_backends.ocs_server import serve as serve_ocs
 from sim_backends.token_engine import ScriptedEngine
-from tests.helpers import eventually
+from tests.helpers import eventually, tls
 
 pytestmark = pytest.mark.component
 
@@ -123,10 +123,6 @@ ALLOWED_FAILS: dict[tuple[str, str], grpc.StatusCode] = {
 
 HANDSHAKE_FAILED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
 AUTH_CODES = (*HANDSHAKE_FAILED, grpc.StatusCode.PERMISSION_DENIED)
-
-
-def tls(files: CertFiles) -> TlsConfig:
-    return TlsConfig(files.cert, files.key, files.ca)
 
 
 def test_the_policy_covers_every_method() -> None:

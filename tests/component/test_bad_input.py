@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import re
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
-import structlog
 
 from node_agent.commands import CommandLog
 from node_agent.nics import SysfsNics
@@ -21,8 +19,6 @@ from node_agent.servicer import SERVICE_NAME as AGENT_SERVICE
 from node_agent.servicer import NodeAgentService
 from node_agent.telemetry import Collector
 from orchestrrl import grpcutil, limits
-from orchestrrl.logs import setup_logging
-from orchestrrl.model import Wiring
 from orchestrrl.v1 import fabric_controller_pb2 as fc
 from orchestrrl.v1 import fabric_controller_pb2_grpc as fc_grpc
 from orchestrrl.v1 import node_agent_pb2 as na
@@ -30,7 +26,7 @@ from orchestrrl.v1 import node_agent_pb2_grpc as na_grpc
 from orchestrrl.v1 import optical_switch_pb2 as ocs
 from sim_backends.engine import SimulatedEngine
 from sim_backends.gpus import SimulatedGpus
-from sim_backends.harness import Fabric, start_fabric
+from sim_backends.harness import Fabric
 from sim_backends.ocs import SimulatedOcs
 from sim_backends.ocs_server import serve
 
@@ -41,24 +37,6 @@ ANSWER_LIMIT = 64 * 1024
 
 
 @pytest.fixture
-def json_log() -> Iterator[io.StringIO]:
-    """The process's logging set up as a daemon does (JSON), restored afterwards."""
-    config = structlog.get_config()
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    out = io.StringIO()
-    setup_logging("info", "json", out)
-    try:
-        yield out
-    finally:
-        structlog.configure(**config)
-        for h in root.handlers:
-            if h not in handlers:
-                root.removeHandler(h)
-        root.setLevel(level)
-
-
-@pytest.fixture
 async def switch() -> AsyncIterator[tuple[SimulatedOcs, grpc.aio.Channel]]:
     running, sim = await serve("127.0.0.1:0", name="ocs-bad", port_count=32)
     try:
@@ -66,15 +44,6 @@ async def switch() -> AsyncIterator[tuple[SimulatedOcs, grpc.aio.Channel]]:
             yield sim, channel
     finally:
         await running.stop(grace=0)
-
-
-@pytest.fixture
-async def fabric(example_wiring: Wiring, tmp_path: Path) -> AsyncIterator[Fabric]:
-    f = await start_fabric(example_wiring, tmp_path / "state.db", switching_time_s=0.0)
-    try:
-        yield f
-    finally:
-        await f.stop()
 
 
 def raw(channel: grpc.aio.Channel, method: str) -> grpc.aio.UnaryUnaryMultiCallable:

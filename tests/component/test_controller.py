@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -23,21 +22,6 @@ from scheduler.network import PhaseDemand
 from sim_backends.harness import Fabric, start_fabric
 
 pytestmark = pytest.mark.component
-
-
-@pytest.fixture
-async def fabric(example_wiring: Wiring, tmp_path: Path) -> AsyncIterator[Fabric]:
-    f = await start_fabric(example_wiring, tmp_path / "state.db", switching_time_s=0.001)
-    try:
-        yield f
-    finally:
-        await f.stop()
-
-
-@pytest.fixture
-async def client(fabric: Fabric) -> AsyncIterator[AsyncClient]:
-    async with AsyncClient(fabric.address, timeout_s=10) as c:
-        yield c
 
 
 def table(fabric: Fabric) -> set[Circuit]:

@@ -7,42 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from fabric_controller import cli
 from orchestrrl import errors
-from orchestrrl.client import AsyncClient, PhaseChange
+from orchestrrl.client import AsyncClient
 from orchestrrl.model import Circuit, Phase, Wiring
 from sim_backends.harness import Fabric, start_fabric
 from sim_backends.ocs import ApplyResult, SimulatedOcs
+from tests.component.test_controller import circuits, table
 
 pytestmark = pytest.mark.component
-
-
-@pytest.fixture
-async def fabric(example_wiring: Wiring, tmp_path: Path) -> AsyncIterator[Fabric]:
-    f = await start_fabric(example_wiring, tmp_path / "state.db", switching_time_s=0.001)
-    try:
-        yield f
-    finally:
-        await f.stop()
-
-
-@pytest.fixture
-async def client(fabric: Fabric) -> AsyncIterator[AsyncClient]:
-    async with AsyncClient(fabric.address, timeout_s=10) as c:
-        yield c
-
-
-def table(fabric: Fabric) -> set[Circuit]:
-    return {Circuit(name, a, b) for name, o in fabric.ocs.items() for a, b in o.cross_connects()}
-
-
-def circuits(r: PhaseChange) -> set[Circuit]:
-    return {Circuit(c.ocs, c.a, c.b) for c in r.circuits}
 
 
 def orlctl(fabric: Fabric, *args: str) -> Callable[[], int]:

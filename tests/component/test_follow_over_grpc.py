@@ -27,21 +27,17 @@ from node_agent.servicer import SERVICE_NAME, NodeAgentService
 from node_agent.telemetry import Collector
 from orchestrrl import grpcutil
 from orchestrrl.devcerts import CertFiles, make_dev_pki
-from orchestrrl.tls import Authorizer, TlsConfig
+from orchestrrl.tls import Authorizer
 from orchestrrl.v1 import node_agent_pb2 as pb
 from orchestrrl.v1 import node_agent_pb2_grpc as pb_grpc
 from sim_backends.gpus import SimulatedGpus
 from sim_backends.token_engine import ScriptedEngine, greedy
-from tests.helpers import eventually
+from tests.helpers import eventually, tls
 
 pytestmark = pytest.mark.component
 
 GREEDY = Sampling(temperature=0.0)
 CONTROLLER = "orl-fabric-controller"
-
-
-def tls(files: CertFiles) -> TlsConfig:
-    return TlsConfig(files.cert, files.key, files.ca)
 
 
 def gateway(name: str, peers: GrpcPeers) -> GatewayEngine:

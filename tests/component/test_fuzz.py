@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import logging
 import math
 import random
 import time
@@ -28,7 +27,6 @@ from typing import Any
 
 import grpc
 import pytest
-import structlog
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, ServiceDescriptor
 from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
@@ -40,13 +38,12 @@ from node_agent.servicer import SERVICE_NAME as AGENT_SERVICE
 from node_agent.servicer import NodeAgentService
 from node_agent.telemetry import Collector
 from orchestrrl import grpcutil
-from orchestrrl.logs import setup_logging
-from orchestrrl.model import Circuit, Wiring
+from orchestrrl.model import Circuit
 from orchestrrl.v1 import fabric_controller_pb2, node_agent_pb2, optical_switch_pb2
 from orchestrrl.v1 import node_agent_pb2_grpc as na_grpc
 from sim_backends.engine import SimulatedEngine
 from sim_backends.gpus import SimulatedGpus
-from sim_backends.harness import Fabric, start_fabric
+from sim_backends.harness import Fabric
 from sim_backends.ocs import SimulatedOcs
 from sim_backends.ocs_server import serve as serve_ocs
 
@@ -175,31 +172,6 @@ class Target:
     channel: grpc.aio.Channel
     committed: Callable[[], object]  # state a refused request must leave unchanged
     skip_size_check: frozenset[str] = field(default_factory=frozenset)
-
-
-@pytest.fixture
-def json_log() -> Iterator[io.StringIO]:
-    config = structlog.get_config()
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    out = io.StringIO()
-    setup_logging("info", "json", out)
-    try:
-        yield out
-    finally:
-        structlog.configure(**config)
-        for h in [h for h in root.handlers if h not in handlers]:
-            root.removeHandler(h)
-        root.setLevel(level)
-
-
-@pytest.fixture
-async def fabric(example_wiring: Wiring, tmp_path: Path) -> AsyncIterator[Fabric]:
-    f = await start_fabric(example_wiring, tmp_path / "state.db", switching_time_s=0.0)
-    try:
-        yield f
-    finally:
-        await f.stop()
 
 
 @pytest.fixture

@@ -17,14 +17,11 @@ from orchestrrl.v1 import optical_switch_pb2 as pb
 from orchestrrl.v1 import optical_switch_pb2_grpc as pb_grpc
 from sim_backends.ocs import SimulatedOcs
 from sim_backends.ocs_server import FAULTS_SERVICE_NAME, main, serve
+from tests.helpers import tls
 
 pytestmark = pytest.mark.component
 
 TIMEOUT = 5.0
-
-
-def tls(files: CertFiles) -> TlsConfig:
-    return TlsConfig(files.cert, files.key, files.ca)
 
 
 @pytest.fixture

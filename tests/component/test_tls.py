@@ -18,16 +18,13 @@ from orchestrrl import errors, grpcutil
 from orchestrrl.client import AsyncClient
 from orchestrrl.devcerts import CertFiles, make_dev_pki
 from orchestrrl.model import Wiring
-from orchestrrl.tls import Authorizer, TlsConfig, from_args
+from orchestrrl.tls import Authorizer, from_args
 from orchestrrl.v1 import fabric_controller_pb2 as pb
 from orchestrrl.v1 import fabric_controller_pb2_grpc as pb_grpc
 from sim_backends.ocs_server import serve as serve_ocs
+from tests.helpers import tls
 
 pytestmark = pytest.mark.component
-
-
-def tls(files: CertFiles) -> TlsConfig:
-    return TlsConfig(files.cert, files.key, files.ca)
 
 
 @dataclass
