@@ -1,136 +1,59 @@
-"""The fabric controller's imperative shell: it observes switches, asks the pure
-planners what to change, programs the OCSes, verifies, and commits epochs.
+"""The fabric controller: one object composed of four parts, each readable and
+testable alone.
 
-Every decision lives in ``scheduler`` and ``fabric_controller.reconcile``; this
-module sequences I/O, journals each stage in the store before moving on (so a
-restart after ``kill -9`` knows where it stopped), measures stages, and reports.
+- :mod:`fabric_controller.agents`: the agent facade (registrations, heartbeats,
+  telemetry ingestion, the node listing) over the in-memory node registry;
+- :mod:`fabric_controller.liveness`: node health changes (events, metrics, the
+  liveness loop) and the pods whose every node is down;
+- :mod:`fabric_controller.switches`: switch I/O (observe, program and verify the OCSes,
+  program and verify the ToRs' routes);
+- :mod:`fabric_controller.epochs`: the epoch manager (phase changes journaled in the
+  store, committed or rolled back, recovery after a crash, request-id replay, drift
+  checks), over any ``fabric_controller.store.EpochStore``.
 
-Latency (a phase change on a 2048-node fabric is budgeted at 100 ms, see
-bench/phase_switch.py): one ListCrossConnects per OCS observes it (table and failed
-ports), batches of one step go to all OCSes at once, verification reads the table each
-switch returned for its last batch (the switch's own read-back, taken atomically with
-the batch) instead of listing it again, and phase plans are memoized on their inputs.
-
-Recovery rule after a crash: a reconfiguration whose OCS batches were all
-acknowledged (stage ``ocs_programmed`` or later) is rolled forward and committed; so
-is one journaled earlier whose circuits the switches already hold exactly (the crash
-fell between the last batch and the journal) when verification passes; anything
-else is rolled back to the last committed epoch. Either way the switches are re-read
-and repaired to exactly the chosen epoch.
-
-Request ids: every successful answer to a phase request with a ``request_id`` is
-recorded in the store (a committed epoch in the same transaction as the epoch; "nothing
-to change", a gated change and a drift repair on their own), and a retry with the same
-id and phase gets it again, never a new change; the same id with another phase is
-refused. A failed attempt changes nothing and records nothing: its retry is fresh.
-
-Degraded phases: when OCS ports are down, a phase may get fewer circuits than it would
-with every port up; its epoch records the pod pairs short of circuits (``missing``),
-its answer and event say so, and the drift check re-plans it when ports come back.
+``Controller`` builds them from one wiring, a store and the switch drivers, shares one
+event hub and one set of metrics among them, hands a wiring reload (SIGHUP) to each,
+and exposes the calls the servicer, the daemon and the compute scheduler make.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import secrets
 import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
 
-import structlog
-
+from fabric_controller.agents import IMPLAUSIBLE_WARN_INTERVAL_S, Agents
 from fabric_controller.drivers.electrical import ElectricalDriver
-from fabric_controller.drivers.ocs import OcsDriver, PortPair
+from fabric_controller.drivers.ocs import OcsDriver
+from fabric_controller.epochs import ROLL_FORWARD_STAGES, EpochManager, PhaseResult
 from fabric_controller.events import Event, EventHub
+from fabric_controller.liveness import Liveness
 from fabric_controller.metrics import ControllerMetrics
-from fabric_controller.reconcile import (
-    Batch,
-    check_tables,
-    converge,
-    describe_shortfall,
-    ours,
-    shortfall,
-    steps,
-)
-from fabric_controller.registry import Health, NodeRecord, Registry, health
-from fabric_controller.store import EpochRecord, Missing, PendingRecord, RequestOutcome, Store
-from fabric_controller.telemetry_bounds import Implausible
-from fabric_controller.tor_routes import routed_tors, tor_routes
+from fabric_controller.registry import Health, NodeRecord, Registry
+from fabric_controller.store import EpochRecord, EpochStore
+from fabric_controller.switches import Switches
 from orchestrrl import errors
 from orchestrrl.logs import get_logger
-from orchestrrl.model import Circuit, Phase, Wiring
+from orchestrrl.model import Phase, Wiring
 from orchestrrl.v1 import node_agent_pb2
 from orchestrrl.wiring import diff as wiring_diff
-from scheduler.circuits import CircuitPlan
-from scheduler.gate import DEFAULT_SETTLING_MARGIN_S, slack_gate
-from scheduler.network import PhaseCircuits, PhaseDemand, plan_phase_circuits
+from scheduler.gate import DEFAULT_SETTLING_MARGIN_S
+from scheduler.network import PhaseCircuits, PhaseDemand
+
+__all__ = [
+    "IMPLAUSIBLE_WARN_INTERVAL_S",
+    "ROLL_FORWARD_STAGES",
+    "Controller",
+    "PhaseResult",
+]
 
 log = get_logger("fabric_controller")
-
-# A node sending implausible telemetry is warned about at most this often (each sample
-# is counted: orl_telemetry_rejected_total{reason="implausible"}).
-IMPLAUSIBLE_WARN_INTERVAL_S = 60.0
-
-# Stages journaled in the store; a crash hook may fire after each.
-ROLL_FORWARD_STAGES = ("ocs_programmed",)
-
-
-@dataclass(frozen=True)
-class PhaseResult:
-    record: EpochRecord
-    changed: bool
-    message: str
-    gated: bool = False
-    explanation: str = ""  # how the circuits were chosen (planner or template, and why)
-
-    @property
-    def missing(self) -> Missing:
-        """Circuits the epoch lacks because OCS ports are down (empty: none)."""
-        return self.record.missing
-
-    @property
-    def degraded(self) -> bool:
-        return self.record.degraded
-
-
-class _Stages:
-    """Wall time per stage, in the order the stages first ran (a stage entered twice,
-    like the journal, adds up)."""
-
-    def __init__(self, clock: Callable[[], float], metrics: ControllerMetrics) -> None:
-        self._clock = clock
-        self._metrics = metrics
-        self.times: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        start = self._clock()
-        try:
-            yield
-        finally:
-            took = self._clock() - start
-            self.times[name] = self.times.get(name, 0.0) + took
-            self._metrics.stage_seconds.labels(name).observe(took)
-
-
-def _pairs(circuits: frozenset[Circuit]) -> str:
-    return ", ".join(str(c) for c in sorted(circuits)) or "none"
-
-
-def _ports(ports: frozenset[tuple[str, int]]) -> str:
-    """``ocs0:3, ocs0:7`` (at most 8 named, then a count)."""
-    named = sorted(ports)
-    text = ", ".join(f"{o}:{p}" for o, p in named[:8]) or "none"
-    return text + (f" and {len(named) - 8} more" if len(named) > 8 else "")
 
 
 class Controller:
     def __init__(
         self,
         wiring: Wiring,
-        store: Store,
+        store: EpochStore,
         ocs: Mapping[str, OcsDriver],
         *,
         heartbeat_interval_s: float = 1.0,
@@ -145,82 +68,64 @@ class Controller:
         demand: PhaseDemand | None = None,
         plan_cache_size: int = 16,
     ) -> None:
-        if plan_cache_size < 0:
-            raise errors.field_error("plan_cache_size", plan_cache_size, "an integer >= 0")
         self.store = store
-        self.demand = demand or PhaseDemand()
-        self.plan_cache_size = plan_cache_size
-        # phase plans by their inputs (pure, so equal inputs give the equal plan): an RL
-        # loop walks the same phases over the same circuits step after step
-        self._plans: OrderedDict[tuple[object, ...], PhaseCircuits] = OrderedDict()
-        self._interned: dict[str, dict[PortPair, Circuit]] = {}
-        self.ocs = dict(ocs)
-        self.electrical = dict(electrical or {})
         self.heartbeat_interval_s = heartbeat_interval_s
-        self.lock_timeout_s = lock_timeout_s
-        self.settling_margin_s = settling_margin_s
-        self._wall = wall_clock
-        self._mono = monotonic
-        self._fault = fault_hook
         self.metrics = metrics or ControllerMetrics()
         self.events = EventHub(wall_clock)
-        self._reconfig = asyncio.Lock()
-        self._in_progress = ""
-        self._current: EpochRecord | None = None
-        self._needs_recovery = True
-        self.wiring = wiring
-        self.registry = Registry(wiring, heartbeat_deadline_s)
-        # node -> (when its last implausible-telemetry warning was logged, left out since)
-        self._implausible_warned: dict[str, tuple[float, int]] = {}
-        self._check_drivers(wiring)
-
-    def _check_drivers(self, wiring: Wiring) -> None:
-        missing = sorted({o.name for o in wiring.ocses} - set(self.ocs))
-        if missing:
-            raise errors.FailedPrecondition(f"no driver for OCS {', '.join(missing)}")
-        unrouted = sorted(set(routed_tors(wiring)) - set(self.electrical))
-        if unrouted:
-            raise errors.FailedPrecondition(f"no electrical driver for ToR {', '.join(unrouted)}")
+        self._wiring = wiring
+        self.switches = Switches(wiring, ocs, electrical, fault_hook=fault_hook)
+        self.agents = Agents(
+            wiring,
+            self.events,
+            self.metrics,
+            heartbeat_deadline_s=heartbeat_deadline_s,
+            wall_clock=wall_clock,
+            monotonic=monotonic,
+            on_contact=lambda node: self.liveness.check(node),
+        )
+        self.liveness = Liveness(
+            lambda: self.agents.registry,
+            self.events,
+            self.metrics,
+            monotonic=monotonic,
+            interval_s=heartbeat_interval_s / 2,
+        )
+        self.epochs = EpochManager(
+            wiring,
+            store,
+            self.switches,
+            self.events,
+            self.metrics,
+            down_pods=self.liveness.down_pods,
+            wall_clock=wall_clock,
+            monotonic=monotonic,
+            lock_timeout_s=lock_timeout_s,
+            settling_margin_s=settling_margin_s,
+            fault_hook=fault_hook,
+            demand=demand,
+            plan_cache_size=plan_cache_size,
+        )
 
     # -- life cycle --
 
     async def start(self) -> EpochRecord:
-        """Load the committed epoch and converge the switches to it (or to the
-        interrupted epoch, see the module docstring). A switch that cannot be reached
-        leaves the controller serving; recovery is retried before the next change."""
-        self._current = await self.store.current()
-        self.metrics.epoch.set(self._current.epoch)
-        log.info(
-            "state_loaded",
-            epoch=self._current.epoch,
-            phase=self._current.phase.value if self._current.phase else None,
-            circuits=len(self._current.circuits),
-            state=self.store.path,
-        )
-        try:
-            async with self._locked("recovery"):
-                await self._recover()
-        except errors.OrlError as exc:
-            log.error(
-                "recovery_incomplete", error=str(exc), note="retried before the next phase change"
-            )
-            self.events.publish(Event("recovery_failed", message=str(exc)))
-        return self.current
+        """Load the committed epoch and converge the switches to it (or roll an
+        interrupted epoch forward or back: :mod:`fabric_controller.epochs`)."""
+        return await self.epochs.start()
 
     @property
-    def current(self) -> EpochRecord:
-        if self._current is None:
-            raise errors.FailedPrecondition("controller not started")
-        return self._current
+    def wiring(self) -> Wiring:
+        return self._wiring
 
     def reload(self, wiring: Wiring) -> list[str]:
         """Adopt a new (already validated) wiring; known nodes keep their state. Returns
-        what changed (``orchestrrl.wiring.diff``), also logged and published."""
-        self._check_drivers(wiring)
-        changes = wiring_diff(self.wiring, wiring)
-        self.wiring = wiring
-        self._plans.clear()
-        self.registry = self.registry.with_wiring(wiring)
+        what changed (``orchestrrl.wiring.diff``), also logged and published. A wiring
+        naming a switch without a driver is refused (FailedPrecondition), nothing changed."""
+        self.switches.reload(wiring)  # checks the drivers first
+        changes = wiring_diff(self._wiring, wiring)
+        self._wiring = wiring
+        self.epochs.reload(wiring)
+        self.agents.reload(wiring)
         summary = errors.listed(changes) if changes else "no change"
         log.info("wiring_changes", changes=len(changes), summary=summary)
         self.events.publish(
@@ -228,26 +133,11 @@ class Controller:
         )
         return changes
 
-    @contextlib.asynccontextmanager
-    async def _locked(self, what: str) -> AsyncIterator[None]:
-        if self._reconfig.locked():
-            log.info("waiting_for_reconfiguration", in_progress=self._in_progress)
-        try:
-            async with asyncio.timeout(self.lock_timeout_s):
-                await self._reconfig.acquire()
-        except TimeoutError:
-            raise errors.Aborted(
-                f"another reconfiguration ({self._in_progress}) is still in progress after "
-                f"{self.lock_timeout_s:g} s; try again"
-            ) from None
-        self._in_progress = what
-        try:
-            yield
-        finally:
-            self._in_progress = ""
-            self._reconfig.release()
-
     # -- agents --
+
+    @property
+    def registry(self) -> Registry:
+        return self.agents.registry
 
     def register(
         self,
@@ -260,692 +150,65 @@ class Controller:
         kv_import: bool = True,
         max_num_seqs: int = 0,
     ) -> NodeRecord:
-        record = self.registry.register(
-            node, address, gpu_backend, self._mono(), engine, gateway, kv_import, max_num_seqs
+        return self.agents.register(
+            node, address, gpu_backend, gpus, engine, gateway, kv_import, max_num_seqs
         )
-        wired = self.wiring.node(node).gpus
-        note = "" if gpus == wired else f"; reports {gpus} GPUs but the wiring says {wired}"
-        if note:
-            log.warning("gpu_count_differs_from_wiring", node=node, reported=gpus, wired=wired)
-        shared = self.registry.others_at(node, address, self._mono())
-        if shared:  # not refused: the first to register an address must not lock out its owner
-            note += (
-                f"; node(s) {', '.join(shared)} (up) registered the same agent address: an agent "
-                "runs only the commands meant for its own node"
-            )
-            log.warning("agent_address_shared", node=node, others=shared)
-        log.info("node_registered", node=node, agent=address, gpu_backend=gpu_backend)
-        self.events.publish(
-            Event("node_registered", node=node, message=f"agent at {address}{note}")
-        )
-        self._check_liveness(node)
-        return record
 
     def heartbeat(self, node: str, session_id: str) -> None:
-        self.registry.seen(node, session_id, self._mono())
-        self._check_liveness(node)
+        self.agents.heartbeat(node, session_id)
 
     def telemetry(self, sample: node_agent_pb2.TelemetrySample) -> None:
-        self.telemetry_batch([sample], 1)
+        self.agents.telemetry(sample)
 
     def telemetry_batch(
         self, newest: Sequence[node_agent_pb2.TelemetrySample], samples: int
     ) -> None:
-        """One upload of ``samples`` samples; ``newest`` holds the newest sample of each node
-        in it (an agent's upload: one). Each node keeps its newest sample; every sample is
-        counted; the lag observed is the upload's: the age of its newest sample (older
-        samples of a batch waited in the agent by design). An unknown or unregistered
-        node rejects the whole upload, storing nothing. A node's newest sample with
-        implausible figures is not stored (counted, and a warning at most every
-        ``IMPLAUSIBLE_WARN_INTERVAL_S`` per node)."""
-        rejected = self.registry.telemetry_batch(newest, self._mono(), self._wall())
-        if rejected:
-            self._implausible_telemetry(rejected)
-        self.metrics.telemetry_samples.inc(samples)
-        taken = max((s.timestamp for s in newest), default=0.0)
-        if taken > 0:
-            self.metrics.telemetry_lag.observe(max(0.0, self._wall() - taken))
-
-    def _implausible_telemetry(self, rejected: Sequence[tuple[str, Implausible]]) -> None:
-        now = self._mono()
-        for node, why in rejected:
-            self.metrics.telemetry_rejected.labels(reason="implausible").inc()
-            last, suppressed = self._implausible_warned.get(node, (None, 0))
-            if last is not None and now - last < IMPLAUSIBLE_WARN_INTERVAL_S:
-                self._implausible_warned[node] = (last, suppressed + 1)
-                continue
-            self._implausible_warned[node] = (now, 0)
-            log.warning(
-                "telemetry_sample_implausible",
-                node=node,
-                problem=str(why),
-                suppressed=suppressed,  # warnings left out since the last one of the node
-            )
+        """See :meth:`fabric_controller.agents.Agents.telemetry_batch`."""
+        self.agents.telemetry_batch(newest, samples)
 
     def nodes(self) -> list[tuple[NodeRecord, Health, float | None]]:
-        now = self._mono()
-        out = []
-        for r in self.registry.records():
-            age = None if r.last_seen is None else now - r.last_seen
-            out.append((r, health(r, now, self.registry.deadline_s), age))
-        return out
-
-    def _check_liveness(self, only: str | None = None) -> None:
-        """Events for health changes of every node (the liveness loop) or of ``only``
-        the one that just spoke (register, heartbeat: no scan of the whole cluster)."""
-        for node, before, after in self.registry.transitions(self._mono(), only):
-            if after is Health.DOWN:
-                log.warning("node_down", node=node)
-                self.events.publish(
-                    Event("node_down", node=node, message="heartbeat deadline missed")
-                )
-            elif after is Health.UP and before is Health.DOWN:
-                log.info("node_up", node=node)
-                self.events.publish(Event("node_up", node=node, message="heartbeats resumed"))
-        for h, n in self.registry.counts().items():
-            self.metrics.nodes.labels(h.value).set(n)
-
-    def _down_pods(self) -> frozenset[str]:
-        """Pods whose every node is down: planners leave them (and their ports) out."""
-        now, deadline = self._mono(), self.registry.deadline_s
-        records = {r.name: r for r in self.registry.records()}
-        return frozenset(
-            p.name
-            for p in self.wiring.pods
-            if p.nodes and all(health(records[n], now, deadline) is Health.DOWN for n in p.nodes)
-        )
-
-    def _plan_phase(
-        self, phase: Phase, committed: frozenset[Circuit], failed: frozenset[tuple[str, int]]
-    ) -> PhaseCircuits:
-        """The phase's circuits relative to ``committed`` (memoized: the planner is pure)."""
-        down_pods = self._down_pods()
-        unavailable = failed
-        if down_pods:
-            unavailable |= {
-                (o, port) for pod, o, port in self.wiring.uplink_ports() if pod in down_pods
-            }
-        key = (phase, committed, unavailable, down_pods, self.demand)
-        cached = self._plans.get(key)
-        if cached is not None:
-            self._plans.move_to_end(key)
-            return cached
-        planned = plan_phase_circuits(
-            self.wiring,
-            phase,
-            committed,
-            unavailable,
-            without_pods=down_pods,
-            demand=self.demand,
-        )
-        if self.plan_cache_size:
-            self._plans[key] = planned
-            while len(self._plans) > self.plan_cache_size:
-                self._plans.popitem(last=False)
-        return planned
-
-    def _shortfall(
-        self,
-        phase: Phase,
-        committed: frozenset[Circuit],
-        failed: frozenset[tuple[str, int]],
-        planned: PhaseCircuits,
-    ) -> Missing:
-        """What ``planned`` (around the ``failed`` ports) lacks against the same phase
-        planned with every port up: the circuits the port failures cost it."""
-        if not any(self.wiring.port_owner(o, p) is not None for o, p in failed):
-            return ()
-        full = self._plan_phase(phase, committed, frozenset())
-        return shortfall(self.wiring, full.circuits.desired, planned.circuits.desired)
+        return self.agents.nodes()
 
     async def run_liveness(self) -> None:
         """Mark nodes down when they miss their deadline (runs until cancelled)."""
-        while True:
-            await asyncio.sleep(self.heartbeat_interval_s / 2)
-            self._check_liveness()
+        await self.liveness.run()
 
     # -- switches --
 
-    async def _observe(self) -> tuple[frozenset[Circuit], frozenset[tuple[str, int]]]:
-        async def one(name: str, drv: OcsDriver) -> tuple[list[Circuit], set[tuple[str, int]]]:
-            pairs, down = await drv.snapshot()
-            return self._circuits_of(name, pairs), {(name, p) for p in down}
+    @property
+    def ocs(self) -> dict[str, OcsDriver]:
+        """The OCS drivers by switch name (the switch I/O's own dict)."""
+        return self.switches.ocs
 
-        results = await asyncio.gather(*(one(n, d) for n, d in sorted(self.ocs.items())))
-        circuits = frozenset(c for cs, _ in results for c in cs)
-        down = frozenset(p for _, ds in results for p in ds)
-        return circuits, down
+    @property
+    def electrical(self) -> dict[str, ElectricalDriver]:
+        return self.switches.electrical
 
-    def _circuits_of(self, ocs: str, pairs: frozenset[PortPair]) -> list[Circuit]:
-        """The circuits of a switch's table. Circuits are interned per switch: building
-        (and validating) a Circuit costs microseconds, and a large fabric's tables hold
-        thousands, mostly the same from one observation to the next."""
-        known = self._interned.setdefault(ocs, {})
-        if len(known) > 1 << 16:
-            known.clear()
-        out = []
-        for p in pairs:
-            c = known.get(p)
-            if c is None:
-                c = known[p] = Circuit(ocs, *p)
-            out.append(c)
-        return out
+    # -- epochs --
 
-    async def _program(
-        self, plan_steps: list[list[Batch]], tag: str
-    ) -> dict[str, frozenset[PortPair]]:
-        """Apply make-before-break steps (``reconcile.steps``) of per-OCS batches: the
-        batches of a step go to their switches at once, the next step waits for all.
-        Returns each programmed switch's table as it answered its last batch."""
-        tables: dict[str, frozenset[PortPair]] = {}
-        for i, step in enumerate(plan_steps):
-            results = await asyncio.gather(
-                *(self._apply(b, f"{tag}-{i}-{b.ocs}") for b in step), return_exceptions=True
-            )
-            for batch, result in zip(step, results, strict=True):
-                if isinstance(result, BaseException):
-                    raise result  # the first failure in switch order; rollback sees all
-                tables[batch.ocs] = result
-            self._fault("program_ocs")
-        return tables
+    @property
+    def current(self) -> EpochRecord:
+        return self.epochs.current
 
-    async def _apply(self, batch: Batch, request_id: str) -> frozenset[PortPair]:
-        driver = self.ocs[batch.ocs]
-        try:
-            return await driver.apply(batch.disconnect, batch.connect, request_id=request_id)
-        except errors.Unavailable as exc:
-            # a timeout leaves the outcome unknown: the switch's own table decides
-            table = await self._landed(driver, batch)
-            if table is None:
-                raise _StageError(
-                    "program_ocs",
-                    f"OCS {batch.ocs!r} did not confirm the batch (disconnect "
-                    f"{list(batch.disconnect) or 'none'}, connect "
-                    f"{list(batch.connect) or 'none'}) and its table does not show "
-                    f"it: {exc}",
-                ) from exc
-            log.warning("ocs_answer_lost_batch_applied", ocs=batch.ocs)
-            return table
-        except errors.OrlError as exc:
-            raise _StageError(
-                "program_ocs",
-                f"OCS {batch.ocs!r} refused the batch (disconnect "
-                f"{list(batch.disconnect) or 'none'}, connect "
-                f"{list(batch.connect) or 'none'}): {exc}",
-            ) from exc
-
-    @staticmethod
-    async def _landed(driver: OcsDriver, batch: Batch) -> frozenset[PortPair] | None:
-        """The switch's table if it shows the batch applied, else None."""
-        try:
-            table, _ = await driver.snapshot()
-        except errors.OrlError:
-            return None
-        if set(batch.connect) <= table and not set(batch.disconnect) & table:
-            return table
-        return None
-
-    def _verify(
-        self,
-        plan: CircuitPlan,
-        observed: frozenset[Circuit],
-        tables: Mapping[str, frozenset[PortPair]],
-    ) -> None:
-        """Check the switches against the plan: a programmed switch by the table it
-        returned with its last batch (read by the switch in the same atomic step, so a
-        switch that acknowledged without applying shows it), any other by ``observed``."""
-        problems = check_tables(plan, tables, observed)
-        if problems:
-            raise _StageError(
-                "verify", "switch state differs from the plan: " + "; ".join(problems)
-            )
-
-    async def _program_routes(self, circuits: frozenset[Circuit], stage: str) -> None:
-        """Every programmed ToR gets exactly the routes over ``circuits`` (ours pruned)."""
-        want = tor_routes(self.wiring, circuits)
-
-        async def one(name: str) -> None:
-            try:
-                await self.electrical[name].ensure(want.get(name, frozenset()), prune=True)
-            except errors.OrlError as exc:
-                raise _StageError(stage, f"ToR {name!r}: {exc}") from exc
-
-        results = await asyncio.gather(*(one(n) for n in sorted(want)), return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-
-    async def _verify_routes(self, circuits: frozenset[Circuit]) -> None:
-        want = tor_routes(self.wiring, circuits)
-        problems = []
-        for name in sorted(want):
-            try:
-                d = await self.electrical[name].verify(want[name], prune=True)
-            except errors.OrlError as exc:
-                raise _StageError("verify", f"reading ToR {name!r} back failed: {exc}") from exc
-            if d.add or d.replace or d.remove:
-                problems.append(
-                    f"ToR {name!r} routes differ (missing {len(d.add)}, different "
-                    f"{len(d.replace)}, stale {len(d.remove)})"
-                )
-        if problems:
-            raise _StageError("verify", "; ".join(problems))
-
-    async def _converge(
-        self, target: frozenset[Circuit], tag: str, observed: frozenset[Circuit] | None = None
-    ) -> CircuitPlan:
-        """Program the switches from what they hold (``observed``, read now if not given)
-        to exactly ``target`` on our ports (and the ToRs to the routes over it), verify."""
-        if observed is None:
-            observed, _ = await self._observe()
-        plan = converge(self.wiring, observed, target)
-        if self.electrical:
-            await self._program_routes(ours(self.wiring, observed) & target, "drain_routes")
-        tables = await self._program(steps(plan), tag) if not plan.empty else {}
-        if self.electrical:
-            await self._program_routes(target, "program_routes")
-        self._verify(plan, observed, tables)
-        if self.electrical:
-            await self._verify_routes(target)
-        return plan
-
-    async def _recover(self, observed: frozenset[Circuit] | None = None) -> str:
-        """Converge to the committed epoch, or roll an interrupted one forward or back
-        (``observed``: the switches' circuits if just read). An interrupted epoch whose
-        journal stops before ``ocs_programmed`` is rolled forward too when the switches
-        hold exactly its circuits and verification passes (the optics need not move
-        twice); if that verification fails, it is rolled back."""
-        pending = await self.store.pending()
-        current = self.current
-        forward = pending is not None and pending.stage in ROLL_FORWARD_STAGES
-        held = False  # the switches already hold the interrupted epoch's circuits
-        if pending is not None and not forward:
-            if observed is None:
-                observed, _ = await self._observe()
-            held = forward = converge(self.wiring, observed, pending.circuits).empty
-        target = pending.circuits if forward and pending else current.circuits
-        tag = f"recover-{current.epoch}-{secrets.token_hex(4)}"
-        try:
-            plan = await self._converge(target, tag, observed)
-        except _StageError as exc:
-            if not held:
-                raise
-            log.warning("interrupted_epoch_failed_verification", error=str(exc))
-            forward = held = False
-            plan = await self._converge(current.circuits, tag)
-        self._needs_recovery = False
-        if pending is None:
-            if not plan.empty:
-                self.metrics.drift_repairs.inc()
-                msg = (
-                    f"switches repaired to epoch {current.epoch}: +{len(plan.add)} "
-                    f"-{len(plan.remove)} circuits ({_pairs(plan.add | plan.remove)})"
-                )
-                log.warning("drift_repaired", epoch=current.epoch, message=msg)
-                self.events.publish(Event("drift_repaired", epoch=current.epoch, message=msg))
-                return msg
-            return f"switches match epoch {current.epoch}"
-        if forward:
-            record = EpochRecord(
-                epoch=pending.epoch,
-                phase=pending.phase,
-                circuits=pending.circuits,
-                added=pending.added,
-                removed=pending.removed,
-                stages={"recovered": 0.0},
-                committed_at=self._wall(),
-                request_id=pending.request_id,
-                missing=pending.missing,
-            )
-            why = " (the switches already held its circuits)" if held else ""
-            msg = (
-                f"interrupted epoch {pending.epoch} ({pending.phase.value}) rolled forward from "
-                f"stage {pending.stage}{why} and committed; fabric at epoch {record.epoch}"
-            )
-            outcome = None
-            if pending.request_id:
-                outcome = RequestOutcome(
-                    pending.request_id, pending.phase, record.epoch, True, False, msg, "",
-                    record.committed_at,
-                )  # fmt: skip
-            await self.store.commit(record, outcome)
-            self._current = record
-            self.metrics.epochs.inc()
-            self.metrics.epoch.set(record.epoch)
-            self.events.publish(
-                Event("recovered", epoch=record.epoch, phase=record.phase, message=msg)
-            )
-        else:
-            await self.store.abandon()
-            self.metrics.rollbacks.labels(f"restart:{pending.stage}").inc()
-            msg = (
-                f"interrupted epoch {pending.epoch} ({pending.phase.value}) rolled back from "
-                f"stage {pending.stage}; fabric at epoch {current.epoch}"
-            )
-            self.events.publish(
-                Event("rolled_back", epoch=current.epoch, phase=current.phase, message=msg)
-            )
-        log.warning("recovered", message=msg)
-        return msg
-
-    async def reconcile_once(self) -> str | None:
-        """Repair drift between the switches and the committed epoch, re-plan the phase
-        around ports that went down under its circuits, and re-plan a degraded phase when
-        ports came back up so that it gets its full circuits again (skips when busy)."""
-        if self._reconfig.locked():
-            return None
-        async with self._locked("drift check"):
-            current = self.current
-            observed, down = await self._observe()
-            if current.phase is None or self._needs_recovery:
-                return await self._recover(observed)
-            hit = sorted(
-                c for c in current.circuits if (c.ocs, c.a) in down or (c.ocs, c.b) in down
-            )
-            if hit:
-                log.warning("ports_down_under_circuits", circuits=[str(c) for c in hit])
-                result = await self._reconfigure(current.phase, "", None)
-                msg = (
-                    f"port(s) down under {_pairs(frozenset(hit))}: phase "
-                    f"{current.phase.value} re-planned around them as epoch "
-                    f"{result.record.epoch}"
-                ) + (f"; degraded: {describe_shortfall(result.missing)}" if result.degraded else "")
-                self.events.publish(
-                    Event("rerouted", epoch=result.record.epoch, phase=current.phase, message=msg)
-                )
-                return msg
-            if current.degraded and self._restorable(current, down):
-                result = await self._reconfigure(current.phase, "", None)
-                if result.changed:
-                    new = result.record
-                    msg = (
-                        f"OCS port(s) back up: degraded epoch {current.epoch} "
-                        f"({describe_shortfall(current.missing)}) re-planned as epoch "
-                        f"{new.epoch}: +{len(new.added)} -{len(new.removed)} circuits; "
-                    ) + (
-                        f"still degraded: {describe_shortfall(new.missing)}"
-                        if new.degraded
-                        else f"phase {current.phase.value} has its full circuits again"
-                    )
-                    log.warning("degraded_phase_restored", message=msg)
-                    self.events.publish(
-                        Event("restored", epoch=new.epoch, phase=current.phase, message=msg)
-                    )
-                    return msg
-            return await self._recover(observed)
-
-    def _restorable(self, current: EpochRecord, down: frozenset[tuple[str, int]]) -> bool:
-        """A degraded epoch's phase, planned around the ports down now, would lack fewer
-        circuits than the epoch does (ports came back up)."""
-        assert current.phase is not None
-        planned = self._plan_phase(current.phase, current.circuits, down)
-        now = self._shortfall(current.phase, current.circuits, down, planned)
-        return sum(n for *_, n in now) < sum(n for *_, n in current.missing)
-
-    async def run_reconcile(self, interval_s: float) -> None:
-        """Check for drift every ``interval_s`` (runs until cancelled)."""
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                await self.reconcile_once()
-            except errors.OrlError as exc:
-                self._needs_recovery = True
-                log.warning("drift_check_failed", error=str(exc))
-
-    # -- phases --
+    @property
+    def demand(self) -> PhaseDemand:
+        return self.epochs.demand
 
     async def plan(self, phase: Phase) -> PhaseCircuits:
-        """What a phase change would do to the switches now (nothing is changed): the
-        switch program from what they hold, and how the circuits were chosen."""
-        observed, down = await self._observe()
-        planned = self._plan_phase(phase, self.current.circuits, down)
-        return replace(planned, circuits=converge(self.wiring, observed, planned.circuits.desired))
+        """What a phase change would do to the switches now (nothing is changed)."""
+        return await self.epochs.plan(phase)
 
     async def set_phase(
         self, phase: Phase, request_id: str = "", idle_window_s: float | None = None
     ) -> PhaseResult:
-        """Change to ``phase`` (a new epoch), or say why nothing changed.
+        """Change to ``phase`` (a new epoch), or say why nothing changed; see
+        :meth:`fabric_controller.epochs.EpochManager.set_phase`."""
+        return await self.epochs.set_phase(phase, request_id, idle_window_s)
 
-        With a ``request_id`` the request is idempotent: its first successful outcome
-        (a new epoch, "nothing to change", a gated change, a drift repair) is recorded
-        durably, and a retry with the same id and phase returns that outcome (the epoch
-        it named, ``changed`` false) without changing anything, even after other
-        changes or a restart; the same id with another phase is refused
-        (FailedPrecondition naming the first request's phase and epoch). A failed
-        attempt (an error, or a change rolled back) changes nothing and is not
-        recorded: a retry with its id is a fresh attempt."""
-        if request_id:
-            replay = await self._replay(phase, request_id)
-            if replay is not None:
-                return replay
-        async with self._locked(f"epoch {self.current.epoch + 1} ({phase.value})"):
-            if request_id:  # a caller with this id may have finished while this one waited
-                replay = await self._replay(phase, request_id)
-                if replay is not None:
-                    return replay
-            if self._needs_recovery:
-                try:
-                    await self._recover()
-                except errors.OrlError as exc:
-                    raise errors.FailedPrecondition(
-                        f"cannot change phase: the switches are not at a known epoch yet "
-                        f"(recovery failed: {exc})"
-                    ) from None
-                if request_id:  # recovery may have committed this id's interrupted epoch
-                    replay = await self._replay(phase, request_id)
-                    if replay is not None:
-                        return replay
-            result = await self._reconfigure(phase, request_id, idle_window_s)
-            if request_id and not result.changed:  # a new epoch recorded its outcome itself
-                await self.store.record_outcome(
-                    RequestOutcome(
-                        request_id, phase, result.record.epoch, False, result.gated,
-                        result.message, result.explanation, self._wall(),
-                    )
-                )  # fmt: skip
-            return result
+    async def reconcile_once(self) -> str | None:
+        """One drift check; see :meth:`fabric_controller.epochs.EpochManager.reconcile_once`."""
+        return await self.epochs.reconcile_once()
 
-    async def _replay(self, phase: Phase, request_id: str) -> PhaseResult | None:
-        """The recorded outcome of ``request_id`` (None if it has none yet); refused when
-        it was for another phase."""
-        done = await self.store.outcome(request_id)
-        if done is None:
-            return None
-        if done.phase is not phase:
-            raise errors.FailedPrecondition(
-                f"request_id={errors.shown(request_id)} was already used for phase "
-                f"{done.phase.value} (answered at epoch {done.epoch}); not applied to phase "
-                f"{phase.value}: a retry must ask for the same phase, a new request needs a "
-                "new request_id"
-            )
-        record = await self.store.epoch(done.epoch)
-        return PhaseResult(
-            record,
-            False,
-            f"request {errors.shown(request_id)} already applied: {done.message}",
-            gated=done.gated,
-            explanation=done.explanation,
-        )
-
-    def _switching_time(self, plan_steps: list[list[Batch]]) -> float:
-        """Optics time of the steps: each waits for its slowest switch."""
-        return sum(
-            max(self.wiring.ocs(b.ocs).switching_time_s for b in step) for step in plan_steps
-        )
-
-    async def _reconfigure(
-        self, phase: Phase, request_id: str, idle_window_s: float | None
-    ) -> PhaseResult:
-        current = self.current
-        epoch = current.epoch + 1
-        bound = log.bind(epoch=epoch, phase=phase.value)
-        st = _Stages(self._mono, self.metrics)
-        t0 = self._mono()
-        with st.stage("observe"):
-            observed, down = await self._observe()
-        with st.stage("plan"):
-            # the new epoch relative to the committed one; the switch program from what
-            # the switches really hold (so drift is repaired on the way)
-            planned = self._plan_phase(phase, current.circuits, down)
-            epoch_plan = planned.circuits
-            plan = converge(self.wiring, observed, epoch_plan.desired)
-            plan_steps = steps(plan)
-            missing = self._shortfall(phase, current.circuits, down, planned)
-        explanation = planned.explanation
-        if phase is current.phase and epoch_plan.desired == current.circuits:
-            if plan.empty:
-                bound.info("phase_already_in_place", circuits=len(plan.desired))
-                return PhaseResult(
-                    current,
-                    False,
-                    f"already in phase {phase.value}; nothing to change",
-                    explanation=explanation,
-                )
-            return await self._repair(current, plan, bound)
-        gate = slack_gate(idle_window_s, self._switching_time(plan_steps), self.settling_margin_s)
-        if not gate.reconfigure:
-            self.metrics.gated.inc()
-            bound.info("phase_gated", reason=gate.reason)
-            self.events.publish(
-                Event("phase_gated", epoch=current.epoch, phase=phase, message=gate.reason)
-            )
-            return PhaseResult(current, False, gate.reason, gated=True, explanation=explanation)
-        bound.info(
-            "reconfiguring", add=len(plan.add), remove=len(plan.remove), planner=planned.planner
-        )
-        with st.stage("journal"):
-            await self.store.begin(
-                PendingRecord(
-                    epoch, phase, plan.desired, epoch_plan.add, epoch_plan.remove, "planned",
-                    request_id or None, self._wall(), missing,
-                )
-            )  # fmt: skip
-        self._fault("planned")
-        try:
-            if self.electrical:  # traffic leaves the circuits about to move first
-                with st.stage("drain_routes"):
-                    await self._program_routes(
-                        ours(self.wiring, observed) & plan.desired, "drain_routes"
-                    )
-            with st.stage("program_ocs"):
-                tables = await self._program(plan_steps, f"epoch-{epoch}-{secrets.token_hex(4)}")
-            with st.stage("journal"):
-                await self.store.advance("ocs_programmed")
-            self._fault("ocs_programmed")
-            if self.electrical:
-                with st.stage("program_routes"):
-                    await self._program_routes(plan.desired, "program_routes")
-            with st.stage("verify"):
-                self._verify(plan, observed, tables)
-                if self.electrical:
-                    await self._verify_routes(plan.desired)
-            self._fault("verified")
-        except _StageError as exc:
-            await self._roll_back(epoch, phase, exc)
-        record = EpochRecord(
-            epoch=epoch,
-            phase=phase,
-            circuits=plan.desired,
-            added=epoch_plan.add,
-            removed=epoch_plan.remove,
-            stages=dict(st.times),
-            committed_at=self._wall(),
-            request_id=request_id or None,
-            missing=missing,
-        )
-        message = f"epoch {epoch}: phase {phase.value}"
-        degraded = ""
-        if missing:
-            lost = frozenset(p for p in down if self.wiring.port_owner(*p) is not None)
-            degraded = f"degraded: {describe_shortfall(missing)} because OCS port(s) " + (
-                f"{_ports(lost)} are down"
-            )
-            message += f"; {degraded}"
-            bound.warning("phase_degraded", missing=missing, down=_ports(lost))
-        outcome = None
-        if request_id:
-            outcome = RequestOutcome(
-                request_id, phase, epoch, True, False, message, explanation, record.committed_at
-            )
-        with st.stage("commit"):
-            await self.store.commit(record, outcome)
-        self._fault("committed")
-        # the commit's own duration is known only after it; the caller sees it too
-        record = replace(record, stages=dict(st.times))
-        self._current = record
-        self.metrics.epochs.inc()
-        self.metrics.epoch.set(epoch)
-        self.metrics.reconfiguration_seconds.observe(self._mono() - t0)
-        self.metrics.circuit_changes.labels("add").inc(len(plan.add))
-        self.metrics.circuit_changes.labels("remove").inc(len(plan.remove))
-        bound.info(
-            "epoch_committed", added=len(plan.add), removed=len(plan.remove), stages=st.times
-        )
-        self.events.publish(
-            Event(
-                "epoch_committed",
-                epoch=epoch,
-                phase=phase,
-                message=f"+{len(plan.add)} -{len(plan.remove)} circuits "
-                f"({planned.planner} planner); {gate.reason}"
-                + (f"; {degraded}" if degraded else ""),
-                stages=dict(st.times),
-            )
-        )
-        return PhaseResult(record, True, message, explanation=explanation)
-
-    async def _repair(
-        self, current: EpochRecord, plan: CircuitPlan, bound: structlog.typing.FilteringBoundLogger
-    ) -> PhaseResult:
-        """The phase is in place but the switches drifted: restore the epoch, no new one."""
-        try:
-            await self._converge(plan.desired, f"repair-{current.epoch}-{secrets.token_hex(4)}")
-        except _StageError as exc:
-            self._needs_recovery = True
-            raise errors.FailedPrecondition(
-                f"epoch {current.epoch}: repairing drift failed at stage {exc.stage}: {exc.detail}"
-            ) from None
-        self.metrics.drift_repairs.inc()
-        msg = (
-            f"already in phase {current.phase.value if current.phase else '-'}; repaired drift "
-            f"of epoch {current.epoch}: +{len(plan.add)} -{len(plan.remove)} circuits"
-        )
-        bound.warning("drift_repaired", added=len(plan.add), removed=len(plan.remove))
-        self.events.publish(Event("drift_repaired", epoch=current.epoch, message=msg))
-        return PhaseResult(current, False, msg)
-
-    async def _roll_back(self, epoch: int, phase: Phase, exc: _StageError) -> None:
-        """Return the switches to the committed epoch and raise a precise account."""
-        current = self.current
-        self.metrics.rollbacks.labels(exc.stage).inc()
-        try:
-            undo = await self._converge(
-                current.circuits, f"rollback-{epoch}-{secrets.token_hex(4)}"
-            )
-            await self.store.abandon()
-            outcome = (
-                f"rolled back ({len(undo.add)} circuit(s) restored, {len(undo.remove)} removed); "
-                f"the fabric is at epoch {current.epoch}"
-            )
-        except errors.OrlError as undo_exc:
-            self._needs_recovery = True
-            outcome = (
-                f"rollback failed too ({undo_exc}); the controller retries the repair to "
-                f"epoch {current.epoch} before the next change"
-            )
-        message = (
-            f"epoch {epoch} ({phase.value}) not committed: stage {exc.stage}: {exc.detail}; "
-            f"{outcome}"
-        )
-        log.error("reconfiguration_failed", epoch=epoch, phase=phase.value, error=message)
-        self.events.publish(Event("phase_failed", epoch=epoch, phase=phase, message=message))
-        raise errors.FailedPrecondition(message) from None
-
-
-class _StageError(errors.FailedPrecondition):
-    """A stage of a reconfiguration failed (an OrlError, so every handler sees it)."""
-
-    def __init__(self, stage: str, detail: str) -> None:
-        super().__init__(f"{stage}: {detail}")
-        self.stage = stage
-        self.detail = detail
+    async def run_reconcile(self, interval_s: float) -> None:
+        """Check for drift every ``interval_s`` (runs until cancelled)."""
+        await self.epochs.run_reconcile(interval_s)

@@ -1,10 +1,13 @@
-"""Persistent controller state in SQLite (WAL, one transaction per state change).
+"""Persistent controller state: the store interface and its SQLite implementation.
 
-Blocking sqlite3 calls run in a worker thread; callers use the async methods. The async
-methods are the store's contract (a replicated store implements the same ones): epochs
-(``current``, ``epoch``, ``commit``), the reconfiguration journal (``begin``,
+``EpochStore`` is the contract the controller's epoch manager types against (a
+replicated store, e.g. on etcd, implements the same one): epochs (``current``,
+``epoch``, ``by_request``, ``commit``), the reconfiguration journal (``begin``,
 ``advance``, ``abandon``, ``pending``), and the outcomes of idempotent requests
 (``record_outcome``, ``outcome``; an epoch's outcome is written by its ``commit``).
+
+``Store`` is the embedded default: SQLite (WAL, one transaction per state change);
+blocking sqlite3 calls run in a worker thread, callers use the async methods.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from orchestrrl import errors
 from orchestrrl.model import Circuit, Phase
@@ -126,6 +130,92 @@ class RequestOutcome:
     recorded_at: float
 
 
+class EpochStore(Protocol):
+    """What the controller needs from its state store: exactly the calls it makes.
+
+    Every method is one atomic state change or one consistent read: a reader never sees
+    half of a write, and a write either happens completely or not at all (then it
+    raises, and the state is as before). Reads see every write that returned before
+    them (read-your-writes across the whole store, also for a replicated one: a
+    linearizable read). Storage failures raise an ``orchestrrl.errors.OrlError``
+    subclass with a message naming the store (SQLite: ``FailedPrecondition``; a
+    replicated store without quorum: ``Unavailable``), never a library exception.
+
+    Invariants the controller relies on:
+
+    - committed epochs are numbered 1, 2, 3, ... without gaps; epoch 0 is ``GENESIS``
+      (no phase, no circuits) and is never stored; a committed epoch never changes;
+    - the journal holds at most one ``PendingRecord`` (the reconfiguration in
+      progress); it is written before the first switch is touched and cleared by the
+      commit of its epoch (same transaction) or by ``abandon``;
+    - a request id has at most one ``RequestOutcome``, the first recorded; it never
+      changes afterwards.
+
+    Node registrations are not part of the store today: the controller keeps them in
+    memory (``fabric_controller.registry``) and agents re-register after a restart.
+    """
+
+    @property
+    def location(self) -> str:
+        """Where the state lives, for logs and messages (a file path; endpoints and key
+        prefix for a replicated store)."""
+        ...
+
+    async def current(self) -> EpochRecord:
+        """The newest committed epoch (``GENESIS`` when none is)."""
+        ...
+
+    async def epoch(self, epoch: int) -> EpochRecord:
+        """Committed epoch ``epoch`` (0: ``GENESIS``); ``errors.NotFound`` naming the
+        epoch if it is not stored."""
+        ...
+
+    async def by_request(self, request_id: str) -> EpochRecord | None:
+        """The committed epoch whose ``request_id`` is ``request_id``, or None."""
+        ...
+
+    async def commit(
+        self, record: EpochRecord, outcome: RequestOutcome | None = None
+    ) -> EpochRecord:
+        """In one transaction: check that ``record.epoch`` is the newest committed epoch
+        + 1 (else ``errors.Aborted`` naming both, nothing written: another writer got
+        there first), store ``record``, store ``outcome`` (the answer to the request
+        that made the epoch) unless its request id has one already (the first stays),
+        and clear the journal. Returns ``record``."""
+        ...
+
+    async def outcome(self, request_id: str) -> RequestOutcome | None:
+        """The recorded outcome of ``request_id``, or None if none succeeded with it."""
+        ...
+
+    async def record_outcome(self, outcome: RequestOutcome) -> RequestOutcome:
+        """In one transaction: store the outcome of a request that committed no epoch
+        (nothing to change, gated, drift repaired) unless its id has one already.
+        Returns the outcome recorded for the id (the first one wins). A failed request
+        is never recorded: its retry is a fresh attempt."""
+        ...
+
+    async def pending(self) -> PendingRecord | None:
+        """The journal: the reconfiguration begun and neither committed nor abandoned,
+        with the last stage it reached; None when none is in progress."""
+        ...
+
+    async def begin(self, p: PendingRecord) -> None:
+        """In one transaction: make ``p`` the journal (replacing any earlier
+        entry). Returns only once durable: the switches are touched after it."""
+        ...
+
+    async def advance(self, stage: str) -> None:
+        """In one transaction: set the journal's stage to ``stage`` (nothing if the
+        journal is empty). Returns only once durable."""
+        ...
+
+    async def abandon(self) -> None:
+        """In one transaction: clear the journal (nothing if it is empty); committed
+        epochs and outcomes are untouched."""
+        ...
+
+
 def _missing_json(missing: Missing) -> str:
     return json.dumps([list(m) for m in missing], separators=(",", ":"))
 
@@ -227,6 +317,11 @@ class Store:
         text = _circuits_json(cs)
         self._encoded = [*self._encoded[-5:], (cs, text)]
         return text
+
+    @property
+    def location(self) -> str:
+        """The state file's path."""
+        return self.path
 
     def close(self) -> None:
         with self._lock:

@@ -26,6 +26,7 @@ SERVICE = fabric_controller_pb2.DESCRIPTOR.services_by_name["FabricController"].
 @dataclass
 class _ControllerProcess:
     controller: Controller
+    store: Store
     server: grpcutil.RunningServer
     drivers: list[OcsDriver]
     liveness: asyncio.Task[None]
@@ -37,7 +38,7 @@ class _ControllerProcess:
         await self.server.stop(0.1)
         for d in self.drivers:
             await d.close()
-        self.controller.store.close()
+        self.store.close()
 
 
 async def _start_controller(
@@ -53,9 +54,10 @@ async def _start_controller(
     drivers: dict[str, OcsDriver] = {
         name: GrpcOcsDriver(name, addr, timeout_s=timeout_s) for name, addr in ocs_addresses.items()
     }
+    store = Store(state)
     controller = Controller(
         wiring,
-        Store(state),
+        store,
         drivers,
         heartbeat_interval_s=heartbeat_interval_s,
         heartbeat_deadline_s=deadline_s,
@@ -70,7 +72,7 @@ async def _start_controller(
         [SERVICE],
     )
     liveness = asyncio.create_task(controller.run_liveness())
-    return _ControllerProcess(controller, server, list(drivers.values()), liveness)
+    return _ControllerProcess(controller, store, server, list(drivers.values()), liveness)
 
 
 @dataclass

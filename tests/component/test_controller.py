@@ -256,7 +256,7 @@ async def test_concurrent_phase_changes_are_serialized(
     try:
         async with AsyncClient(f.address, timeout_s=10) as c:
             first = asyncio.create_task(c.set_phase("training"))
-            while not f.controller._reconfig.locked():  # noqa: ASYNC110
+            while not f.controller.epochs.busy:  # noqa: ASYNC110
                 await asyncio.sleep(0.005)
             with pytest.raises(errors.Aborted) as info:
                 await c.set_phase("weight-sync")

@@ -277,23 +277,23 @@ async def test_recovery_rolls_back_when_the_switch_does_not_hold_the_planned_epo
 async def test_recovery_rolls_back_when_the_held_epoch_fails_verification(
     example_wiring: Wiring, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fabric_controller.controller import Controller, _StageError
+    from fabric_controller.switches import StageError, Switches
 
     f = await crashed_fabric(example_wiring, tmp_path / "s.db", "program_ocs")
     try:
         training = f.controller.current.circuits
-        converge = Controller._converge
+        converge = Switches.converge
         failed: list[frozenset[Circuit]] = []
 
         async def verify_fails_once(
-            self: Controller, target: frozenset[Circuit], *args: object, **kw: object
+            self: Switches, target: frozenset[Circuit], *args: object, **kw: object
         ) -> object:
             if not failed:  # the ToRs' routes over the held epoch cannot be verified
                 failed.append(target)
-                raise _StageError("verify", "ToR 'tor-gen0' routes differ (missing 1)")
+                raise StageError("verify", "ToR 'tor-gen0' routes differ (missing 1)")
             return await converge(self, target, *args, **kw)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(Controller, "_converge", verify_fails_once)
+        monkeypatch.setattr(Switches, "converge", verify_fails_once)
         await f.restart_controller()
         assert failed == [frozenset()]  # it tried the held (generation) epoch first
         cur = f.controller.current
