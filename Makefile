@@ -5,8 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Debian packages the project needs at run or test time (installed when root and missing):
-# cmake and libgomp1 build and run llama.cpp's server for the real-engine tests.
-DEB_PACKAGES := iproute2 iperf3 cmake libgomp1
+# cmake and libgomp1 build and run llama.cpp's server for the real-engine tests;
+# etcd-server runs the real etcd clusters of the HA tests (docs/ha.md).
+DEB_PACKAGES := iproute2 iperf3 cmake libgomp1 etcd-server
 
 .PHONY: all demo demo-engines demo-testbed test lint bench bench-testbed proto deps engines package clean reproduce
 

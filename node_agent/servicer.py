@@ -18,6 +18,7 @@ from node_agent.roce import RoceConfigurator
 from node_agent.routes import HostRoutes
 from node_agent.telemetry import Collector, check_interval
 from orchestrrl import errors
+from orchestrrl.fencing import FencingGate
 from orchestrrl.grpcutil import domain_errors_to_status, parse_address
 from orchestrrl.logs import get_logger
 from orchestrrl.tls import Authorizer, check_addressee
@@ -59,6 +60,8 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         self._metrics = metrics
         self._exports = migration.Exports(engine)
         self._gateway = gateway
+        # the newest controller fencing token of a route command (controller HA)
+        self._route_fencing = FencingGate(f"agent {collector.node}: ApplyRoutes")
 
     def _admit(self, context: Context, allowed: frozenset[str]) -> None:
         """Only ``allowed`` identities (with TLS), and only calls meant for this node."""
@@ -262,6 +265,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         self, request: node_agent_pb2.ApplyRoutesRequest, context: Context
     ) -> node_agent_pb2.ApplyRoutesResponse:
         self._admit(context, self._controllers)
+        self._route_fencing.admit(request.fencing_token)  # a deposed leader changes nothing
         host_routes = self._routes
 
         async def apply() -> node_agent_pb2.ApplyRoutesResponse:

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from orchestrrl import errors
+from orchestrrl.fencing import FencingGate
 
 Pair = tuple[int, int]
 
@@ -61,6 +62,8 @@ class SimulatedOcs:
         if not (math.isfinite(switching_time_s) and switching_time_s >= 0):
             raise errors.field_error("switching_time_s", switching_time_s, "must be >= 0")
         self.name = name
+        # the newest controller fencing token seen (controller HA; 0: none yet)
+        self.fencing = FencingGate(f"OCS {name}")
         self.port_count = port_count
         self.switching_time_s = switching_time_s
         self._peers: dict[int, int] = {}  # symmetric: _peers[a] == b iff _peers[b] == a
@@ -118,15 +121,23 @@ class SimulatedOcs:
     # Changes
 
     def apply(
-        self, disconnect: Iterable[Pair], connect: Iterable[Pair], *, request_id: str = ""
+        self,
+        disconnect: Iterable[Pair],
+        connect: Iterable[Pair],
+        *,
+        request_id: str = "",
+        fencing_token: int = 0,
     ) -> ApplyResult:
         """Apply a batch atomically: all disconnects, then all connects, or nothing.
 
         The connects are validated against the table after the disconnects, so a batch may
         move a port from one peer to another. Raises ``InvalidArgument`` naming every bad
         item, or ``FailedPrecondition`` for an injected fault; the table is then unchanged.
-        A repeated ``request_id`` returns the first answer with ``replayed=True``.
+        A repeated ``request_id`` returns the first answer with ``replayed=True``. A
+        ``fencing_token`` older than the newest seen is refused (``FailedPrecondition``)
+        before anything else; 0 means no HA.
         """
+        self.fencing.admit(fencing_token)
         batch: _Batch = (tuple(disconnect), tuple(connect))
         self.check_batch_size(len(batch[0]), len(batch[1]))
         if request_id and (seen := self._answers.get(request_id)) is not None:

@@ -132,8 +132,18 @@ class OpticalSwitchServicer(pb_grpc.OpticalSwitchServicer):
         disconnect = _pairs(request.disconnect, request.disconnect_pairs, "disconnect_pairs")
         connect = _pairs(request.connect, request.connect_pairs, "connect_pairs")
         if self._dataplane is not None:
-            return await self._dataplane.apply(disconnect, connect, request_id=request.request_id)
-        return self._ocs.apply(disconnect, connect, request_id=request.request_id)
+            return await self._dataplane.apply(
+                disconnect,
+                connect,
+                request_id=request.request_id,
+                fencing_token=request.fencing_token,
+            )
+        return self._ocs.apply(
+            disconnect,
+            connect,
+            request_id=request.request_id,
+            fencing_token=request.fencing_token,
+        )
 
 
 def _pairs(messages: Iterable[pb.CrossConnect], packed: Sequence[int], field: str) -> list[Pair]:

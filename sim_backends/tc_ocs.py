@@ -241,12 +241,19 @@ class NetnsOcs:
                 self.ocs.set_port_health(port, False)
 
     async def apply(
-        self, disconnect: Iterable[Pair], connect: Iterable[Pair], *, request_id: str = ""
+        self,
+        disconnect: Iterable[Pair],
+        connect: Iterable[Pair],
+        *,
+        request_id: str = "",
+        fencing_token: int = 0,
     ) -> ApplyResult:
         """Validate against the table (and the links' health), program the redirects,
-        and only then answer; a refused batch changes neither the table nor the kernel."""
+        and only then answer; a refused batch changes neither the table nor the kernel.
+        A ``fencing_token`` older than the newest seen is refused first (0: no HA)."""
         d, c = tuple(disconnect), tuple(connect)
         async with self._lock:
+            self.ocs.fencing.admit(fencing_token)
             if request_id and (seen := self._answers.get(request_id)) is not None:
                 if seen[:2] != (d, c):
                     raise errors.field_error(

@@ -1,0 +1,34 @@
+"""Fencing tokens on southbound commands (controller high availability, docs/ha.md).
+
+A leader controller stamps every OCS batch and route command with its fencing token (the
+create revision of its etcd election key: every new leader's token is larger). A switch
+or an agent remembers the newest token it has seen and refuses an older one, so a deposed
+leader that resumes (after a freeze, a partition) changes nothing. Token 0 (absent) means
+"no HA": a single controller, always admitted, as before fencing existed.
+"""
+
+from __future__ import annotations
+
+from orchestrrl import errors
+
+
+class FencingGate:
+    """The newest fencing token ``what`` (a switch, an agent's route table) has seen."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.newest = 0
+
+    def admit(self, token: int) -> None:
+        """Admit a command stamped with ``token`` (remembering it if newer), or raise
+        ``FailedPrecondition`` naming it and the newest seen if it is older."""
+        if token < 0:
+            raise errors.field_error("fencing_token", token, "0 (no HA) or a leader's token > 0")
+        if token == 0:
+            return
+        if token < self.newest:
+            raise errors.FailedPrecondition(
+                f"{self.what}: fencing token {token} is older than the newest seen, "
+                f"{self.newest}: a newer controller leads, this command changed nothing"
+            )
+        self.newest = token

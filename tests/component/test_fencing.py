@@ -1,0 +1,136 @@
+"""Fencing tokens in the southbound: the simulated OCS and the node agent refuse a
+command stamped with a token older than the newest they have seen, over real gRPC;
+token 0 (no HA) is always admitted, as before fencing existed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import grpc
+import pytest
+
+from node_agent.commands import CommandLog
+from node_agent.nics import SysfsNics
+from node_agent.servicer import SERVICE_NAME, NodeAgentService
+from node_agent.telemetry import Collector
+from orchestrrl import errors, grpcutil
+from orchestrrl.fencing import FencingGate
+from orchestrrl.v1 import node_agent_pb2 as na
+from orchestrrl.v1 import node_agent_pb2_grpc as na_grpc
+from orchestrrl.v1 import optical_switch_pb2 as pb
+from orchestrrl.v1 import optical_switch_pb2_grpc as pb_grpc
+from sim_backends.engine import SimulatedEngine
+from sim_backends.gpus import SimulatedGpus
+from sim_backends.ocs import SimulatedOcs
+from sim_backends.ocs_server import serve
+
+if TYPE_CHECKING:
+    from orchestrrl.v1.node_agent_pb2_grpc import NodeAgentAsyncStub
+    from orchestrrl.v1.optical_switch_pb2_grpc import OpticalSwitchAsyncStub
+
+pytestmark = pytest.mark.component
+
+TIMEOUT = 5.0
+
+
+def test_the_gate_keeps_the_newest_token() -> None:
+    gate = FencingGate("OCS x")
+    for token in (0, 4, 4, 0, 9):  # equal and newer admitted; 0 always
+        gate.admit(token)
+    assert gate.newest == 9
+    with pytest.raises(errors.FailedPrecondition, match="OCS x: fencing token 4 is older than"):
+        gate.admit(4)
+    with pytest.raises(errors.InvalidArgument, match="fencing_token=-1"):
+        gate.admit(-1)
+    assert gate.newest == 9
+
+
+async def refused(call: object) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call  # type: ignore[misc]
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    return info.value.details() or ""
+
+
+@pytest.fixture
+async def switch() -> AsyncIterator[tuple[SimulatedOcs, OpticalSwitchAsyncStub]]:
+    running, ocs = await serve("127.0.0.1:0", name="ocs-f", port_count=8, switching_time_s=0.0)
+    try:
+        async with grpcutil.insecure_channel(running.address) as channel:
+            yield ocs, cast("OpticalSwitchAsyncStub", pb_grpc.OpticalSwitchStub(channel))
+    finally:
+        await running.stop(grace=0)
+
+
+async def test_the_ocs_refuses_a_batch_of_a_deposed_leader(
+    switch: tuple[SimulatedOcs, OpticalSwitchAsyncStub],
+) -> None:
+    ocs, stub = switch
+
+    def batch(token: int, connect: tuple[int, int] = (0, 0), rid: str = "") -> Any:
+        pairs = [] if connect == (0, 0) else [pb.CrossConnect(a=connect[0], b=connect[1])]
+        request = pb.ApplyCrossConnectsRequest(connect=pairs, fencing_token=token, request_id=rid)
+        return stub.ApplyCrossConnects(request, timeout=TIMEOUT)
+
+    await batch(5, (1, 2), rid="old-1")  # the old leader, token 5
+    await batch(8, (3, 4))  # a new leader, token 8
+    details = await refused(batch(5, (5, 6)))  # the old leader resumes
+    assert details == (
+        "OCS ocs-f: fencing token 5 is older than the newest seen, 8: "
+        "a newer controller leads, this command changed nothing"
+    )
+    await refused(batch(5, (1, 2), rid="old-1"))  # a replay of its own batch too
+    assert ocs.cross_connects() == {(1, 2), (3, 4)}
+    await batch(0, (5, 6))  # no HA: admitted as before fencing
+    await batch(8, (7, 8))  # the same leader again
+    assert ocs.cross_connects() == {(1, 2), (3, 4), (5, 6), (7, 8)}
+    assert ocs.fencing.newest == 8
+
+
+@pytest.fixture
+async def agent(tmp_path: Path) -> AsyncIterator[NodeAgentAsyncStub]:
+    (tmp_path / "eth0" / "statistics").mkdir(parents=True)
+    for name in ("rx_bytes", "tx_bytes"):
+        (tmp_path / "eth0" / "statistics" / name).write_text("0")
+    (tmp_path / "eth0" / "operstate").write_text("up\n")
+    engine = SimulatedEngine(8, (2, 2, 2, 2), seed=1)
+    nics = SysfsNics([("eth0", 400.0)], root=tmp_path)
+    collector = Collector("gen0-n0", SimulatedGpus(8, seed=1), nics, engine)
+    await collector.open()
+    commands = CommandLog()
+    # no host route backend: an admitted command is refused as "not enabled", after the
+    # fencing gate, so the gate's verdict shows without touching the kernel
+    servicer = NodeAgentService(collector, engine, commands, default_interval_s=0.05)
+    running = await grpcutil.start_server(
+        "127.0.0.1:0",
+        lambda server: na_grpc.add_NodeAgentServicer_to_server(servicer, server),
+        [SERVICE_NAME],
+    )
+    try:
+        async with grpcutil.insecure_channel(running.address) as channel:
+            yield cast("NodeAgentAsyncStub", na_grpc.NodeAgentStub(channel))
+    finally:
+        await running.stop(grace=0)
+        await commands.close()
+
+
+async def test_the_agent_refuses_a_route_command_of_a_deposed_leader(
+    agent: NodeAgentAsyncStub,
+) -> None:
+    def command(cid: str, token: int) -> Any:
+        route = na.Route(destination="10.0.0.0/24", gateways=["10.1.0.1"])
+        request = na.ApplyRoutesRequest(command_id=cid, routes=[route], fencing_token=token)
+        return agent.ApplyRoutes(request, timeout=TIMEOUT)
+
+    not_enabled = "route programming is not enabled"
+    assert not_enabled in await refused(command("c1", 7))  # admitted (token 7 is newest)
+    details = await refused(command("c2", 3))
+    assert details == (
+        "agent gen0-n0: ApplyRoutes: fencing token 3 is older than the newest seen, 7: "
+        "a newer controller leads, this command changed nothing"
+    )
+    assert not_enabled in await refused(command("c3", 0))  # no HA: admitted
+    assert not_enabled in await refused(command("c4", 7))  # the same leader again
+    assert "older than the newest seen, 7" in await refused(command("c1", 6))
