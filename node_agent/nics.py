@@ -34,7 +34,7 @@ import re
 import socket
 import struct
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol
@@ -272,24 +272,21 @@ def _gbps(delta_bytes: int, elapsed_s: float) -> float:
 
 
 # -- rtnetlink ----------------------------------------------------------------------------
-# Constants from linux/netlink.h, linux/rtnetlink.h, linux/if_link.h (all host byte order).
+# The codec (headers, message and attribute walkers) is orchestrrl.rtnl's; what is here
+# is the statistics dump, whose hot path reads a whole run of messages in one unpack.
 
 RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK = rtnl.RTM_NEWLINK, rtnl.RTM_DELLINK, rtnl.RTM_GETLINK
 RTM_NEWSTATS, RTM_GETSTATS = 92, 94
-NLMSG_ERROR, NLMSG_DONE = 2, 3
-NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
+NLMSG_ERROR, NLMSG_DONE = rtnl.NLMSG_ERROR, rtnl.NLMSG_DONE
+NLM_F_REQUEST, NLM_F_DUMP = rtnl.NLM_F_REQUEST, rtnl.NLM_F_DUMP
 RTMGRP_LINK = 0x1
 IFLA_IFNAME, IFLA_OPERSTATE, IF_OPER_UP = rtnl.IFLA_IFNAME, rtnl.IFLA_OPERSTATE, rtnl.IF_OPER_UP
 IFLA_STATS_LINK_64 = 1
 NLA_TYPE_MASK = rtnl.NLA_TYPE_MASK
 RECV_BYTES = 1 << 16  # a dump's datagrams are at most 32 KiB
 
-NLMSGHDR = struct.Struct("=IHHII")  # length, type, flags, seq, pid
-IF_STATS_MSG = struct.Struct("=BBHiI")  # family, pad, pad, ifindex, filter_mask
-RTATTR = struct.Struct("=HH")  # length, type
 STATS64_HEAD = struct.Struct("=QQQQ")  # rx_packets, tx_packets, rx_bytes, tx_bytes
-ERROR_CODE = struct.Struct("=i")
-SEQ, SEQ_OFFSET = struct.Struct("=I"), 8  # nlmsghdr.nlmsg_seq
+SEQ_OFFSET = 8  # nlmsghdr.nlmsg_seq
 
 
 class LinkInfo(NamedTuple):
@@ -303,22 +300,8 @@ link_dump_request = rtnl.link_dump_request
 
 def stats_dump_request(seq: int) -> bytes:
     """Every interface's ``rtnl_link_stats64`` and nothing else."""
-    body = IF_STATS_MSG.pack(socket.AF_UNSPEC, 0, 0, 0, 1 << (IFLA_STATS_LINK_64 - 1))
-    return (
-        NLMSGHDR.pack(NLMSGHDR.size + len(body), RTM_GETSTATS, NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
-        + body
-    )
-
-
-def messages(buf: bytes | bytearray, size: int) -> Iterator[tuple[int, int, int, int]]:
-    """(type, seq, payload start, payload end) of each netlink message in ``buf[:size]``."""
-    offset = 0
-    while offset + NLMSGHDR.size <= size:
-        length, kind, _flags, seq, _pid = NLMSGHDR.unpack_from(buf, offset)
-        if length < NLMSGHDR.size or offset + length > size:
-            return  # truncated: nothing more to trust in this datagram
-        yield kind, seq, offset + NLMSGHDR.size, offset + length
-        offset += (length + 3) & ~3
+    body = rtnl.IF_STATS_MSG.pack(socket.AF_UNSPEC, 0, 1 << (IFLA_STATS_LINK_64 - 1))
+    return rtnl.message(RTM_GETSTATS, NLM_F_REQUEST | NLM_F_DUMP, seq, body)
 
 
 def parse_link(buf: bytes | bytearray, start: int, end: int) -> LinkInfo | None:
@@ -329,24 +312,24 @@ def parse_link(buf: bytes | bytearray, start: int, end: int) -> LinkInfo | None:
 
 def parse_stats(buf: bytes | bytearray, start: int, end: int) -> tuple[int, int, int] | None:
     """(ifindex, rx_bytes, tx_bytes) of an RTM_NEWSTATS payload with IFLA_STATS_LINK_64."""
-    if end - start < IF_STATS_MSG.size:
+    if end - start < rtnl.IF_STATS_MSG.size:
         return None
-    index = IF_STATS_MSG.unpack_from(buf, start)[3]
-    at = start + IF_STATS_MSG.size
-    while at + RTATTR.size <= end:
-        length, kind = RTATTR.unpack_from(buf, at)
-        if length < RTATTR.size or at + length > end:
-            break
-        if kind & NLA_TYPE_MASK == IFLA_STATS_LINK_64 and length >= RTATTR.size + STATS64_HEAD.size:
-            _rx_packets, _tx_packets, rx, tx = STATS64_HEAD.unpack_from(buf, at + RTATTR.size)
-            return index, rx, tx
-        at += (length + 3) & ~3
+    header = rtnl.if_stats_msg(buf, start)
+    for a in rtnl.attrs(buf, start + rtnl.IF_STATS_MSG.size, end):
+        if a.type == IFLA_STATS_LINK_64 and a.end - a.start >= STATS64_HEAD.size:
+            _rx_packets, _tx_packets, rx, tx = STATS64_HEAD.unpack_from(buf, a.start)
+            return header.ifindex, rx, tx
     return None
 
 
 # One unpack for a whole RTM_NEWSTATS message whose first attribute is IFLA_STATS_LINK_64
-# (the only one requested): header, if_stats_msg, rtattr, the first four u64 of the stats.
-STATS_MESSAGE = struct.Struct("=IHHIIBBHiIHHQQQQ")
+# (the only one requested): nlmsghdr, if_stats_msg, nlattr header, the first four u64 of
+# the stats (formats of rtnl.NLMSGHDR, rtnl.IF_STATS_MSG, rtnl.RTATTR, STATS64_HEAD).
+STATS_MESSAGE = struct.Struct(
+    "="
+    + "".join(s.format.lstrip("=") for s in (rtnl.NLMSGHDR, rtnl.IF_STATS_MSG, rtnl.RTATTR))
+    + STATS64_HEAD.format.lstrip("=")
+)
 FIRST_LENGTH = struct.Struct("=I")
 _STATS_RUNS: dict[int, struct.Struct] = {}
 
@@ -368,39 +351,51 @@ def read_stats_datagram(
     """Put ``ifindex -> (rx_bytes, tx_bytes)`` of one datagram of a stats dump into ``out``;
     True when it ended the dump (NLMSG_DONE). OSError for an NLMSG_ERROR answer."""
     offset = 0
-    whole, head = STATS_MESSAGE.size, NLMSGHDR.size
     # The common case: the datagram opens with a run of RTM_NEWSTATS messages of one length
     # (every interface answers the same attribute), read in one pass of a single unpack.
-    length = FIRST_LENGTH.unpack_from(buf)[0] if size >= whole else 0
-    if length >= whole and not length & 3:
+    length = FIRST_LENGTH.unpack_from(buf)[0] if size >= STATS_MESSAGE.size else 0
+    if length >= STATS_MESSAGE.size and not length & 3:
         run = _stats_run(length)
-        for f in run.iter_unpack(buf[: size - size % length]):
+        for (
+            msg_length,
+            kind,
+            _flags,
+            msg_seq,
+            _pid,
+            _family,
+            ifindex,
+            _filter_mask,
+            _attr_length,
+            attr_type,
+            _rx_packets,
+            _tx_packets,
+            rx_bytes,
+            tx_bytes,
+        ) in run.iter_unpack(buf[: size - size % length]):
             if (
-                f[0] != length
-                or f[1] != RTM_NEWSTATS
-                or f[3] != seq
-                or f[11] & NLA_TYPE_MASK != IFLA_STATS_LINK_64
+                msg_length != length
+                or kind != RTM_NEWSTATS
+                or msg_seq != seq
+                or attr_type & NLA_TYPE_MASK != IFLA_STATS_LINK_64
             ):
                 break  # something else: the general loop below takes it from here
-            out[f[8]] = (f[14], f[15])
+            out[ifindex] = (rx_bytes, tx_bytes)
             offset += length
-    while offset + head <= size:
-        length, kind, _flags, mseq, _pid = NLMSGHDR.unpack_from(buf, offset)
-        if length < head or offset + length > size:
-            return False
-        if mseq == seq:
-            if kind == RTM_NEWSTATS:
-                if (parsed := parse_stats(buf, offset + head, offset + length)) is not None:
-                    out[parsed[0]] = (parsed[1], parsed[2])
-            elif kind == NLMSG_DONE:
-                return True
-            elif kind == NLMSG_ERROR:
-                _raise_if_error(buf, offset + NLMSGHDR.size)
-        offset += (length + 3) & ~3
+    for header, start, end in rtnl.frames(buf, size, start=offset):
+        if header.seq != seq:
+            continue
+        if header.type == RTM_NEWSTATS:
+            parsed = parse_stats(buf, start, end)
+            if parsed is not None:
+                out[parsed[0]] = (parsed[1], parsed[2])
+        elif header.type == NLMSG_DONE:
+            return True
+        elif header.type == NLMSG_ERROR:
+            _raise_if_error(buf, start)
     return False
 
 
-DONE_MESSAGE = struct.Struct("=IHHIIi")  # nlmsghdr, then the dump's error code
+DONE_MESSAGE = struct.Struct(rtnl.NLMSGHDR.format + "i")  # nlmsghdr, the dump's error code
 
 
 def ends_dump(buf: bytes | bytearray, size: int, seq: int) -> bool:
@@ -414,7 +409,7 @@ def ends_dump(buf: bytes | bytearray, size: int, seq: int) -> bool:
 
 
 def _raise_if_error(buf: bytes | bytearray, start: int) -> None:
-    code = ERROR_CODE.unpack_from(buf, start)[0]
+    code = rtnl.I32.unpack_from(buf, start)[0]
     if code:
         raise OSError(-code, f"rtnetlink: {os.strerror(-code)}")
 
@@ -499,7 +494,7 @@ class NetlinkNics(SysfsNics):
 
     def _stats_request_for(self, seq: int) -> bytearray:
         """The stats dump request, built once: only its sequence number changes."""
-        SEQ.pack_into(self._stats_request, SEQ_OFFSET, seq)
+        rtnl.U32.pack_into(self._stats_request, SEQ_OFFSET, seq)
         return self._stats_request
 
     def _decode(
@@ -534,15 +529,15 @@ class NetlinkNics(SysfsNics):
         return read_stats_datagram(self._buf, size, seq, self._counters)
 
     def _on_links(self, size: int, seq: int) -> bool:
-        for kind, mseq, start, end in messages(self._buf, size):
-            if mseq != seq:
+        for header, start, end in rtnl.frames(self._buf, size):
+            if header.seq != seq:
                 continue  # the rest of an earlier, interrupted dump
-            if kind == NLMSG_DONE:
+            if header.type == NLMSG_DONE:
                 return True
-            if kind == NLMSG_ERROR:
+            if header.type == NLMSG_ERROR:
                 _raise_if_error(self._buf, start)
             else:
-                self._on_link(self._buf, kind, start, end)
+                self._on_link(self._buf, header.type, start, end)
         return False
 
     def _on_link(self, buf: bytearray, kind: int, start: int, end: int) -> None:
@@ -581,8 +576,8 @@ class NetlinkNics(SysfsNics):
                 self._links_stale = True
                 continue
             self._links = dict(self._links)  # readings taken so far keep the old one
-            for kind, _seq, start, end in messages(buf, size):
-                self._on_link(buf, kind, start, end)
+            for header, start, end in rtnl.frames(buf, size):
+                self._on_link(buf, header.type, start, end)
 
     async def _dump(
         self, request: Callable[[int], bytes | bytearray], handle: Callable[[int, int], bool]

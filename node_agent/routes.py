@@ -83,22 +83,14 @@ def _rule(index: int, rule: node_agent_pb2.PolicyRule) -> RuleSpec:
 
 
 def response_to_pb(command_id: str, result: RoutesResult) -> node_agent_pb2.ApplyRoutesResponse:
+    """Routes are added in place (``repeated.add``): a message built on its own and then
+    handed to its parent is copied, and a response can list tens of thousands."""
     routes, rules = result.routes, result.rules
-    return node_agent_pb2.ApplyRoutesResponse(
+    response = node_agent_pb2.ApplyRoutesResponse(
         command_id=command_id,
         added=routes.added + routes.replaced + rules.added,
         removed=routes.removed + rules.removed,
         unchanged=routes.unchanged + rules.unchanged,
-        routes=[
-            node_agent_pb2.Route(
-                destination=r.destination,
-                gateways=r.gateways,
-                device=r.device or "",
-                table=r.table,
-                metric=r.metric,
-            )
-            for r in sorted(routes.routes, key=route_sort_key)
-        ],
         rules=[
             node_agent_pb2.PolicyRule(
                 priority=r.priority,
@@ -110,6 +102,16 @@ def response_to_pb(command_id: str, result: RoutesResult) -> node_agent_pb2.Appl
             for r in sorted(rules.rules, key=rule_sort_key)
         ],
     )
+    add = response.routes.add
+    for r in sorted(routes.routes, key=route_sort_key):
+        add(
+            destination=r.destination,
+            gateways=r.gateways,
+            device=r.device or "",
+            table=r.table,
+            metric=r.metric,
+        )
+    return response
 
 
 class HostRoutes:
@@ -123,13 +125,13 @@ class HostRoutes:
 
     async def apply(self, request: RoutesRequest) -> RoutesResult:
         async with self._locks[request.netns], self._connect(request.netns) as netlink:
-            await netlink.check_routes(request.routes)
+            # One observation of the kernel serves the checks, the change and the way back.
+            plan = await netlink.prepare_routes(request.routes, request.prune)
             await netlink.check_rules(request.rules)
-            before = await netlink.routes()
-            route_change = await netlink.ensure_routes(request.routes, request.prune)
+            route_change = await netlink.apply_routes(plan)
             try:
                 rule_change = await netlink.ensure_rules(request.rules, request.prune)
             except errors.OrlError:
-                await netlink.ensure_routes(before, prune=True)
+                await netlink.ensure_routes(plan.observed, prune=True)
                 raise
         return RoutesResult(route_change, rule_change)

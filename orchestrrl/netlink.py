@@ -1,19 +1,31 @@
-"""THE netlink adapter: every pyroute2 call of the project lives in this module.
+"""The netlink adapter for routes, links and policy rules of one network namespace.
 
 It takes and returns our own frozen values (``RouteSpec``, ``RuleSpec``, ``LinkInfo``,
 ``RouteChange``), maps kernel error codes to ``orchestrrl.errors``, and never lets a
 pyroute2 object or ``**kwargs`` escape.
 
-- Links (lookup, MTU) and policy rules go through pyroute2's ``IPRoute``, driven from
-  one dedicated thread per adapter: pyroute2's ``AsyncIPRoute`` cannot open its socket
-  on uvloop, which the daemons run on, and the calls then never block the event loop.
-- Routes are the bulk object (thousands per switch at a phase change), so they go
-  through our own small codec (``orchestrrl.rtnl``) in batches of hundreds of messages
-  per ``send`` on a plain rtnetlink socket. See ``orchestrrl.rtnl`` for the
+Where pyroute2 is used, and where not:
+
+- Routes and links go through our own codec (``orchestrrl.rtnl``) on a plain rtnetlink
+  socket: routes are the bulk object (thousands per switch at a phase change), sent in
+  batches of hundreds of messages per ``send``; link listings are small but frequent and
+  pyroute2 decodes every attribute of every link. See ``orchestrrl.rtnl`` for the
   measurements behind that choice and ``bench/routes.py`` for the comparison with
   ``ip -batch``.
-- Both sockets are created inside the namespace by :func:`netlink_socket` (pyroute2's
-  ``setns`` in a short-lived thread; no fork).
+- Policy rules and link changes (MTU) go through pyroute2's ``IPRoute`` here; traffic
+  control (``orchestrrl.tc``) uses it too, through the same :class:`PyrouteThread`; and
+  :func:`netlink_socket` (like ``sim_backends.netns``) uses ``pyroute2.netns.setns`` to
+  create sockets inside a namespace (in a short-lived thread; no fork).
+- ``IPRoute`` runs on one dedicated thread per adapter rather than as ``AsyncIPRoute``
+  on the event loop: the daemons run on uvloop, and pyroute2 opens its netlink socket
+  with ``loop.create_datagram_endpoint``, which uvloop refuses for AF_NETLINK
+  ("ValueError: cannot open a UDP handle, invalid family 16"). Upstream:
+  https://github.com/svinota/pyroute2/issues/1335 ("compatibility with uvloop", open;
+  pyroute2 0.9.2, uvloop 0.21) and the uvloop side,
+  https://github.com/MagicStack/uvloop/issues/676 ("Support datagram endpoints over
+  netlink sockets", open). A thread has no running loop, so ``IPRoute`` makes its own
+  with ``asyncio.new_event_loop()`` (a plain asyncio loop: ``uvloop.run`` does not change
+  the global policy), and the calls never block the daemon's event loop.
 
 Ownership: everything OrchestrRL installs carries the route/rule protocol
 ``OWNER_PROTO`` = 77. Number 99, which one might pick, is RTPROT_OPENR in
@@ -38,6 +50,7 @@ import functools
 import os
 import re
 import socket
+import struct
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
@@ -59,6 +72,7 @@ from orchestrrl.routing import (
     RouteSpec,
     RuleChange,
     RuleSpec,
+    diff_indexed,
     diff_routes,
     diff_rules,
     foreign_conflicts,
@@ -101,6 +115,19 @@ FAMILY_OF = {4: socket.AF_INET, 6: socket.AF_INET6}
 VERSION_OF = {socket.AF_INET: 4, socket.AF_INET6: 6}
 NETNS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,62}$")
 TOLERATED_ON_DELETE = frozenset({errno.ENOENT, errno.ESRCH})
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """What an ensure will change, decided from one observation of the kernel (see
+    :meth:`Netlink.prepare_routes`)."""
+
+    want: dict[RouteKey, RouteSpec]  # the desired routes by key
+    prune: bool
+    observed: tuple[RouteSpec, ...]  # OrchestrRL's routes when the plan was made
+    diff: RouteDiff
+    links: dict[str, LinkInfo]
+    names: dict[int, str]  # ifindex -> link name
 
 
 @dataclass(frozen=True)
@@ -222,10 +249,10 @@ class _RouteSocket:
         self._seq = (self._seq + 1) & 0xFFFF_FFFF or 1
         return self._seq
 
-    async def _recv(self, drain: bool) -> list[rtnl.Message]:
-        """The next datagram's messages, waiting if none is queued; with ``drain``, also
-        every datagram queued behind it (ACKs: one datagram each). Not for dumps: each
-        read makes the kernel produce the next chunk, so draining never ends early."""
+    async def _recv(self, drain: bool) -> list[bytes]:
+        """The next datagram, waiting if none is queued; with ``drain``, also every
+        datagram queued behind it (ACKs). Not for dumps: each read makes the kernel produce
+        the next chunk, so draining never ends early."""
         loop = asyncio.get_running_loop()
         chunks = [await loop.sock_recv(self._sock, RECV_SIZE)]
         while drain:
@@ -233,47 +260,113 @@ class _RouteSocket:
                 chunks.append(self._sock.recv(RECV_SIZE))
             except BlockingIOError:
                 break
-        return [m for chunk in chunks for m in rtnl.iter_messages(chunk)]
+        return chunks
 
-    async def request(self, build: Sequence[Callable[[int], bytes]]) -> list[tuple[int, str]]:
-        """Send messages (callables seq -> bytes) in batches; (errno, text) of each ACK."""
+    async def request(
+        self, ops: Sequence[tuple[rtnl.RouteOp, RouteSpec]], encoder: rtnl.RouteEncoder
+    ) -> list[tuple[int, str]]:
+        """Send route messages in batches; (errno, text) of each, 0 for success."""
         async with self._lock, self._exchange("route changes"):
-            return await self._request(build)
+            return await self._request(ops, encoder)
 
-    async def _request(self, build: Sequence[Callable[[int], bytes]]) -> list[tuple[int, str]]:
+    async def _request(
+        self, ops: Sequence[tuple[rtnl.RouteOp, RouteSpec]], encoder: rtnl.RouteEncoder
+    ) -> list[tuple[int, str]]:
+        """Each batch goes out in one ``send``; only its last message asks for an ACK. The
+        kernel handles the messages of a send in order, before the send returns, and
+        answers every message that fails (NLM_F_ACK or not), so when the last message's
+        ACK is read every error of the batch has been read before it: one answer per batch
+        instead of one per route, with the same per-message outcome."""
         results: list[tuple[int, str]] = []
+        encode = encoder.encode
         start = 0
-        while start < len(build):
+        while start < len(ops):
             seqs: dict[int, int] = {}
             payload = bytearray()
-            while start < len(build) and len(seqs) < self.batch:
+            last = 0  # offset of the batch's last message
+            while start < len(ops) and len(seqs) < self.batch:
                 seq = self._next_seq()
-                message = build[start](seq)
+                op, route = ops[start]
+                message = encode(seq, op, route, ack=False)
                 if seqs and len(payload) + len(message) > self.batch_bytes:
                     break
+                last = len(payload)
                 payload += message
                 seqs[seq] = start
                 start += 1
-            acks: dict[int, tuple[int, str]] = {}
+            header = rtnl.nlmsghdr(payload, last)
+            _FLAGS_AT.pack_into(payload, last + _FLAGS_OFFSET, header.flags | rtnl.NLM_F_ACK)
+            failed: dict[int, tuple[int, str]] = {}
             await asyncio.get_running_loop().sock_sendall(self._sock, bytes(payload))
-            while len(acks) < len(seqs):
-                for reply in await self._recv(drain=True):
-                    if reply.kind == rtnl.NLMSG_ERROR and reply.seq in seqs:
-                        acks[reply.seq] = rtnl.decode_error(reply)
-            results.extend(acks[seq] for seq in seqs)
+            while header.seq not in failed:
+                for chunk in await self._recv(drain=True):
+                    for frame in rtnl.frames(chunk, strict=True):
+                        reply = frame.header
+                        if reply.type == rtnl.NLMSG_ERROR and reply.seq in seqs:
+                            failed[reply.seq] = rtnl.decode_error(
+                                rtnl.Message(
+                                    reply.type,
+                                    reply.flags,
+                                    reply.seq,
+                                    chunk[frame.start : frame.end],
+                                )
+                            )
+            ok = (0, "")
+            results.extend(failed.get(seq, ok) for seq in seqs)
             # The kernel answers synchronously, so nothing above ever waits: give the
             # event loop a turn per batch (gRPC, telemetry, timeouts, cancellation).
             await asyncio.sleep(0)
         return results
 
+    async def links(self) -> list[rtnl.Link]:
+        """Every link of the namespace (an RTM_GETLINK dump without statistics)."""
+        async with self._lock, self._exchange("link dump"):
+            for _ in range(DUMP_RETRIES):
+                seq = self._next_seq()
+                await asyncio.get_running_loop().sock_sendall(
+                    self._sock, rtnl.link_dump_request(seq)
+                )
+                links: list[rtnl.Link] = []
+                interrupted = False
+                done = False
+                while not done:
+                    for chunk in await self._recv(drain=False):
+                        for header, start, end in rtnl.frames(chunk, strict=True):
+                            if header.seq != seq:
+                                continue  # a late answer to a cancelled request
+                            interrupted |= bool(header.flags & rtnl.NLM_F_DUMP_INTR)
+                            if header.type == rtnl.NLMSG_DONE:
+                                done = True
+                            elif header.type == rtnl.NLMSG_ERROR:
+                                code, text = rtnl.decode_error(
+                                    rtnl.Message(header.type, header.flags, seq, chunk[start:end])
+                                )
+                                raise kernel_error(code, "list interfaces", text)
+                            elif header.type == rtnl.RTM_NEWLINK:
+                                link = rtnl.parse_link(chunk, start, end)
+                                if link is not None:
+                                    links.append(link)
+                if not interrupted:
+                    return links
+        raise errors.Aborted(
+            f"link dump kept being interrupted by concurrent changes ({DUMP_RETRIES} tries)"
+        )
+
     async def dump(
-        self, version: int, table: int = 0, proto: int = 0, skip_proto: int = -1
+        self,
+        version: int,
+        decoder: rtnl.RouteDecoder,
+        table: int = 0,
+        proto: int = 0,
+        skip_proto: int = -1,
     ) -> list[rtnl.WireRoute]:
         """Routes of one family, filtered by the kernel on ``table`` and ``proto`` (0: any);
         routes of ``skip_proto`` are dropped before they are decoded."""
         async with self._lock, self._exchange(f"IPv{version} route dump"):
             for _ in range(DUMP_RETRIES):
-                routes, interrupted = await self._dump_once(version, table, proto, skip_proto)
+                routes, interrupted = await self._dump_once(
+                    version, decoder, table, proto, skip_proto
+                )
                 if not interrupted:
                     return routes
         raise errors.Aborted(
@@ -281,33 +374,52 @@ class _RouteSocket:
         )
 
     async def _dump_once(
-        self, version: int, table: int, proto: int, skip_proto: int
+        self, version: int, decoder: rtnl.RouteDecoder, table: int, proto: int, skip_proto: int
     ) -> tuple[list[rtnl.WireRoute], bool]:
+        """One dump. The message walk is rtnl.frames written out (tens of thousands of
+        routes per dump: no tuple per message)."""
         seq = self._next_seq()
         await asyncio.get_running_loop().sock_sendall(
             self._sock, rtnl.encode_dump(seq, version, table, proto)
         )
         routes: list[rtnl.WireRoute] = []
+        decode, add = decoder.decode, routes.append
+        unpack_header, head = rtnl.NLMSGHDR.unpack_from, rtnl.NLMSGHDR.size
         interrupted = False
         while True:
             await asyncio.sleep(0)  # as in _request: let the loop run between chunks
-            for message in await self._recv(drain=False):
-                if message.seq != seq:
-                    continue  # a late ACK of a cancelled request
-                interrupted |= bool(message.flags & rtnl.NLM_F_DUMP_INTR)
-                if message.kind == rtnl.NLMSG_DONE:
-                    return routes, interrupted
-                if message.kind == rtnl.NLMSG_ERROR:
-                    code, text = rtnl.decode_error(message)
-                    if code == errno.ENOENT:  # IPv4: the table does not exist yet
-                        return [], False
-                    raise kernel_error(code, f"dump IPv{version} routes", text)
-                if message.kind == rtnl.RTM_NEWROUTE:
-                    if rtnl.route_proto(message.payload) == skip_proto:
-                        continue
-                    route = rtnl.decode_route(message.payload)
-                    if route is not None:
-                        routes.append(route)
+            for chunk in await self._recv(drain=False):
+                offset, size = 0, len(chunk)
+                while offset + head <= size:
+                    length, kind, flags, mseq, _ = unpack_header(chunk, offset)
+                    if length < head or offset + length > size:
+                        raise ValueError(
+                            f"truncated netlink message at offset {offset} (length {length})"
+                        )
+                    start, end = offset + head, offset + length
+                    offset += (length + 3) & ~3
+                    if mseq != seq:
+                        continue  # a late ACK of a cancelled request
+                    if flags & rtnl.NLM_F_DUMP_INTR:
+                        interrupted = True
+                    if kind == rtnl.RTM_NEWROUTE:
+                        if chunk[start + 5] == skip_proto:  # rtm_protocol
+                            continue
+                        route = decode(chunk[start:end])
+                        if route is not None:
+                            add(route)
+                    elif kind == rtnl.NLMSG_DONE:
+                        return routes, interrupted
+                    elif kind == rtnl.NLMSG_ERROR:
+                        code, text = rtnl.decode_error(
+                            rtnl.Message(kind, flags, mseq, chunk[start:end])
+                        )
+                        if code == errno.ENOENT:  # IPv4: the table does not exist yet
+                            return [], False
+                        raise kernel_error(code, f"dump IPv{version} routes", text)
+
+
+_FLAGS_AT, _FLAGS_OFFSET = struct.Struct("=H"), 6  # nlmsghdr.nlmsg_flags
 
 
 def netlink_socket(netns: str | None) -> socket.socket:
@@ -336,12 +448,6 @@ def netlink_socket(netns: str | None) -> socket.socket:
     if isinstance(outcome[0], BaseException):
         raise outcome[0]
     return outcome[0]
-
-
-def _op_route(
-    op: rtnl.RouteOp, route: RouteSpec, ifindexes: dict[str, int]
-) -> Callable[[int], bytes]:
-    return lambda seq: rtnl.encode_route(seq, op, route, OWNER_PROTO, ifindexes)
 
 
 @contextlib.contextmanager
@@ -475,23 +581,19 @@ class Netlink:
     # -- links ------------------------------------------------------------------------
 
     async def links(self) -> dict[str, LinkInfo]:
-        ipr, _ = await self._require()
-        found: dict[str, LinkInfo] = {}
-        try:
-            for msg in await self._call(lambda: list(ipr.get_links())):
-                info = LinkInfo(
-                    name=str(msg.get("ifname")),
-                    index=int(msg["index"]),
-                    mtu=int(msg.get("mtu") or 0),
-                    min_mtu=int(msg.get("min_mtu") or 0),
-                    max_mtu=int(msg.get("max_mtu") or 0),
-                    oper_up=msg.get("operstate") == "UP",
-                    kind=str(msg.get(("linkinfo", "kind")) or ""),
-                )
-                found[info.name] = info
-        except NetlinkError as exc:
-            raise kernel_error(exc.code, f"list interfaces in {self.where}") from None
-        return found
+        _, sock = await self._require()
+        return {
+            link.name: LinkInfo(
+                name=link.name,
+                index=link.ifindex,
+                mtu=link.mtu,
+                min_mtu=link.min_mtu,
+                max_mtu=link.max_mtu,
+                oper_up=link.oper_up,
+                kind=link.kind,
+            )
+            for link in await sock.links()
+        }
 
     async def set_mtu(self, name: str, mtu: int) -> LinkInfo:
         """Set an interface's MTU (``ip link set NAME mtu MTU``) and return it read back."""
@@ -534,38 +636,76 @@ class Netlink:
 
     async def _owned_routes(self, sock: _RouteSocket, names: dict[int, str]) -> list[RouteSpec]:
         owned = []
-        hop_sets: dict[tuple[rtnl.WireHop, ...], tuple[KernelHop, ...]] = {}
+        decoder = rtnl.RouteDecoder()
+        # id(wire hops) -> (wire hops, kept so that the id stays theirs; kernel hops): the
+        # decoder hands routes with the same hops one shared tuple
+        hop_sets: dict[int, tuple[tuple[rtnl.WireHop, ...], tuple[KernelHop, ...]]] = {}
+        from_kernel = RouteSpec.from_kernel
         for version in (4, 6):
-            for wire in await sock.dump(version, proto=OWNER_PROTO):
+            for wire in await sock.dump(version, decoder, proto=OWNER_PROTO):
                 if wire.proto != OWNER_PROTO or wire.kind != rtnl.RTN_UNICAST:
                     continue
-                spec = _route_from_wire(wire, names, hop_sets)
-                if spec is None:
+                known = hop_sets.get(id(wire.nexthops))
+                if known is None:
+                    known = hop_sets[id(wire.nexthops)] = (
+                        wire.nexthops,
+                        _kernel_hops(wire.nexthops, names),
+                    )
+                hops = known[1]
+                if not hops:
                     log.warning("owned_route_unreadable", route=repr(wire), netns=self.netns)
                 else:
-                    owned.append(spec)
+                    owned.append(
+                        from_kernel(wire.version, wire.destination, hops, wire.table, wire.metric)
+                    )
         return owned
 
     async def _foreign_keys(
         self, sock: _RouteSocket, desired: Iterable[RouteSpec]
     ) -> set[RouteKey]:
         keys: set[RouteKey] = set()
+        decoder = rtnl.RouteDecoder()
         for version, table in sorted({(r.family, r.table) for r in desired}):
-            for wire in await sock.dump(version, table=table, skip_proto=OWNER_PROTO):
+            for wire in await sock.dump(version, decoder, table=table, skip_proto=OWNER_PROTO):
                 if wire.table == table:
                     keys.add((version, wire.table, wire.destination, wire.metric))
         return keys
 
     async def check_routes(self, desired: Iterable[RouteSpec]) -> None:
         """Everything that can be known before touching the kernel; raises, changes nothing."""
+        await self.prepare_routes(desired, prune=False)
+
+    async def prepare_routes(self, desired: Iterable[RouteSpec], prune: bool) -> RoutePlan:
+        """Everything that can be known before touching the kernel (syntax, devices,
+        conflicts with routes OrchestrRL did not install), and what an ensure would change;
+        raises, changes nothing. :meth:`apply_routes` carries the plan out."""
         _, sock = await self._require()
-        want = list(desired)
-        index_routes(want)
+        async with self._lock:
+            return await self._prepare(sock, list(desired), prune, sorted_conflicts=False)
+
+    async def _prepare(
+        self, sock: _RouteSocket, want: list[RouteSpec], prune: bool, sorted_conflicts: bool
+    ) -> RoutePlan:
+        """The plan; conflicts are reported in the order of the request, or with
+        ``sorted_conflicts`` in the order of the routes to add (what an ensure has
+        always named first)."""
+        keys = index_routes(want)
         links = await self.links()
         self._check_devices(want, links)
         names = {link.index: link.name for link in links.values()}
-        ours = {r.key for r in await self._owned_routes(sock, names)}
-        await self._check_conflicts(sock, [r for r in want if r.key not in ours])
+        observed = await self._owned_routes(sock, names)
+        have = {r.key: r for r in observed}
+        diff = diff_indexed(have, keys, prune)
+        new = diff.add if sorted_conflicts else [r for r in want if r.key not in have]
+        await self._check_conflicts(sock, new)
+        return RoutePlan(
+            want=keys,
+            prune=prune,
+            observed=tuple(observed),
+            diff=diff,
+            links=links,
+            names=names,
+        )
 
     def _check_devices(self, routes: Sequence[RouteSpec], links: dict[str, LinkInfo]) -> None:
         """Every device a route names (shared or per hop) must exist; the error names the
@@ -599,28 +739,34 @@ class Netlink:
     async def ensure_routes(self, desired: Iterable[RouteSpec], prune: bool) -> RouteChange:
         """Make OrchestrRL's routes match ``desired``; remove others of ours only if prune."""
         _, sock = await self._require()
-        want = list(desired)
         async with self._lock:
-            links = await self.links()
-            names = {link.index: link.name for link in links.values()}
-            keys = index_routes(want)
-            self._check_devices(want, links)
-            observed = await self._owned_routes(sock, names)
-            plan = diff_routes(observed, want, prune)
-            await self._check_conflicts(sock, plan.add)
-            if plan.empty:
-                final = frozenset(observed)
-            else:
-                await self._apply(sock, plan, observed, links)
-                final = await self._settle(sock, names, want, prune)
+            plan = await self._prepare(sock, list(desired), prune, sorted_conflicts=True)
+            return await self._carry_out(sock, plan)
+
+    async def apply_routes(self, plan: RoutePlan) -> RouteChange:
+        """Carry out a plan of :meth:`prepare_routes` (as :meth:`ensure_routes` would, had
+        it observed the kernel when the plan was made): write, then read back and verify.
+        A change made meanwhile by someone else is caught by the kernel (an add whose key
+        appeared fails, and everything is rolled back) or by the verification."""
+        _, sock = await self._require()
+        async with self._lock:
+            return await self._carry_out(sock, plan)
+
+    async def _carry_out(self, sock: _RouteSocket, plan: RoutePlan) -> RouteChange:
+        diff = plan.diff
+        if diff.empty:
+            final = frozenset(plan.observed)
+        else:
+            await self._apply(sock, diff, plan.observed, plan.links)
+            final = await self._settle(sock, plan.names, plan.want, plan.prune)
         change = RouteChange(
-            added=len(plan.add),
-            removed=len(plan.remove),
-            replaced=len(plan.replace),
-            unchanged=len(keys) - len(plan.add) - len(plan.replace),
+            added=len(diff.add),
+            removed=len(diff.remove),
+            replaced=len(diff.replace),
+            unchanged=len(plan.want) - len(diff.add) - len(diff.replace),
             routes=final,
         )
-        if not plan.empty:
+        if not diff.empty:
             log.info(
                 "routes_ensured",
                 netns=self.netns,
@@ -644,14 +790,14 @@ class Netlink:
         observed: Sequence[RouteSpec],
         links: dict[str, LinkInfo],
     ) -> None:
-        ifindexes = {name: link.index for name, link in links.items()}
+        encoder = rtnl.RouteEncoder(OWNER_PROTO, {name: link.index for name, link in links.items()})
         before = {r.key: r for r in observed}
         ops: list[tuple[rtnl.RouteOp, RouteSpec]] = [
             *(("add", r) for r in plan.add),
             *(("replace", r) for r in plan.replace),
             *(("delete", r) for r in plan.remove),
         ]
-        acks = await sock.request([_op_route(op, r, ifindexes) for op, r in ops])
+        acks = await sock.request(ops, encoder)
         failed = [
             (op, route, code, text)
             for (op, route), (code, text) in zip(ops, acks, strict=True)
@@ -668,7 +814,7 @@ class Netlink:
                 undo.append(("replace", before[route.key]))
             else:
                 undo.append(("replace", route))
-        undo_acks = await sock.request([_op_route(op, r, ifindexes) for op, r in undo])
+        undo_acks = await sock.request(undo, encoder)
         undo_failed = [
             r.describe() for (_, r), (code, _) in zip(undo, undo_acks, strict=True) if code
         ]
@@ -687,7 +833,7 @@ class Netlink:
         self,
         sock: _RouteSocket,
         names: dict[int, str],
-        want: Sequence[RouteSpec],
+        want: dict[RouteKey, RouteSpec],
         prune: bool,
     ) -> frozenset[RouteSpec]:
         """Read back until the kernel shows the desired state (or give up after a while)."""
@@ -695,7 +841,7 @@ class Netlink:
         delay = 0.01
         while True:
             observed = await self._owned_routes(sock, names)
-            remaining = diff_routes(observed, want, prune)
+            remaining = diff_indexed({r.key: r for r in observed}, want, prune)
             if remaining.empty:
                 return frozenset(observed)
             if time.monotonic() >= deadline:
@@ -818,25 +964,17 @@ class Netlink:
             delay = min(0.2, delay * 2)
 
 
-def _route_from_wire(
-    wire: rtnl.WireRoute,
-    names: dict[int, str],
-    hop_sets: dict[tuple[rtnl.WireHop, ...], tuple[KernelHop, ...]],
-) -> RouteSpec | None:
-    """One of our routes as a RouteSpec; None if it is not something we could have
-    installed (a hop with neither gateway nor known device). ``hop_sets`` memoises the
-    translation of wire hops (ifindex, flags) to (gateway, device, onlink) for one dump:
-    many routes share a few hop sets."""
-    hops = hop_sets.get(wire.nexthops)
-    if hops is None:
-        hops = tuple(
-            (gateway, names.get(ifindex), bool(flags & rtnl.RTNH_F_ONLINK))
-            for gateway, ifindex, flags in wire.nexthops
-        )
-        hop_sets[wire.nexthops] = hops
-    if not hops or any(gateway is None and device is None for gateway, device, _ in hops):
-        return None
-    return RouteSpec.from_kernel(wire.version, wire.destination, hops, wire.table, wire.metric)
+def _kernel_hops(hops: tuple[rtnl.WireHop, ...], names: dict[int, str]) -> tuple[KernelHop, ...]:
+    """Wire hops (gateway, ifindex, flags) as (gateway, device, onlink); empty when the
+    route is not something we could have installed (no hop, or a hop with neither
+    gateway nor known device)."""
+    kernel = tuple(
+        (gateway, names.get(ifindex), bool(flags & rtnl.RTNH_F_ONLINK))
+        for gateway, ifindex, flags in hops
+    )
+    if any(gateway is None and device is None for gateway, device, _ in kernel):
+        return ()
+    return kernel
 
 
 def _rule_from_msg(msg: Any) -> RuleSpec | None:

@@ -105,6 +105,8 @@ def parse_prefix(value: object, field_name: str) -> Prefix:
     if int.from_bytes(packed, "big") & host_mask:
         loose = ipaddress.ip_network(value, strict=False)
         raise errors.field_error(field_name, value, f"host bits are set; did you mean {loose}?")
+    if version == 4:  # inet_pton takes only canonical IPv4 text (no leading zeros)
+        return Prefix(version, packed, length, value)
     return Prefix(version, packed, length, f"{socket.inet_ntop(_FAMILY[version], packed)}/{length}")
 
 
@@ -133,27 +135,48 @@ def _link_local(version: int, packed: bytes) -> bool:
     return version == 6 and packed[0] == 0xFE and packed[1] & 0xC0 == 0x80
 
 
+class _WrongVersion(Exception):
+    """A gateway of the other IP version (the message needs the destination)."""
+
+    def __init__(self, value: str, version: int) -> None:
+        super().__init__(value)
+        self.value, self.version = value, version
+
+
 def _gateways(values: Iterable[str], prefix: Prefix, device: str | None) -> tuple[str, ...]:
     if isinstance(values, str):
         raise errors.field_error("gateways", values, "expected a list of addresses, not a string")
     values = tuple(values)
+    try:
+        try:
+            return _checked_gateways(values, prefix.version, device is not None)
+        except TypeError:  # something unhashable among them: check without the cache
+            return _checked_gateways.__wrapped__(values, prefix.version, device is not None)
+    except _WrongVersion as exc:
+        raise errors.field_error(
+            "gateways",
+            exc.value,
+            f"gateway is IPv{exc.version} but destination {prefix.text} is IPv{prefix.version}",
+        ) from None
+
+
+@functools.lru_cache(maxsize=_HOP_CACHE)
+def _checked_gateways(values: tuple[str, ...], version: int, has_device: bool) -> tuple[str, ...]:
+    """The canonical gateways of the simple form (cached: routes share few gateway sets;
+    errors are raised again at every call, never cached)."""
     parsed: list[bytes] = []
     for value in values:
         address = _address(value)
         if address is None:
             raise errors.field_error("gateways", value, "expected an IP address")
-        version, packed = address
-        if version != prefix.version:
-            raise errors.field_error(
-                "gateways",
-                value,
-                f"gateway is IPv{version} but destination {prefix.text} is IPv{prefix.version}",
-            )
-        if _unusable_next_hop(version, packed):
+        gateway_version, packed = address
+        if gateway_version != version:
+            raise _WrongVersion(value, gateway_version)
+        if _unusable_next_hop(gateway_version, packed):
             raise errors.field_error(
                 "gateways", value, "a next hop must be a unicast address of a neighbour"
             )
-        if _link_local(version, packed) and device is None:
+        if _link_local(gateway_version, packed) and not has_device:
             raise errors.field_error(
                 "gateways", value, "an IPv6 link-local next hop needs a device"
             )
@@ -164,7 +187,7 @@ def _gateways(values: Iterable[str], prefix: Prefix, device: str | None) -> tupl
         raise errors.field_error(
             "gateways", f"{len(parsed)} next hops", f"at most {MAX_GATEWAYS} next hops per route"
         )
-    family = _FAMILY[prefix.version]
+    family = _FAMILY[version]
     return tuple(socket.inet_ntop(family, packed) for packed in sorted(parsed))
 
 
@@ -247,7 +270,8 @@ def _hop(gateway: str | None, device: str | None, onlink: bool) -> NextHop:
     return hop
 
 
-HopSet = tuple[tuple[NextHop, ...], tuple[str, ...], str | None]  # nexthops, gateways, device
+# nexthops, gateways, device, hash(nexthops) (computed once per interned hop set)
+HopSet = tuple[tuple[NextHop, ...], tuple[str, ...], str | None, int]
 
 
 def _hop_set(hops: Iterable[NextHop]) -> HopSet:
@@ -255,7 +279,7 @@ def _hop_set(hops: Iterable[NextHop]) -> HopSet:
     ordered = tuple(_hop(h.gateway, h.device, h.onlink) for h in sorted(hops, key=_hop_sort_key))
     gateways = tuple(dict.fromkeys(h.gateway for h in ordered if h.gateway))
     devices = {h.device for h in ordered}
-    return ordered, gateways, devices.pop() if len(devices) == 1 else None
+    return ordered, gateways, devices.pop() if len(devices) == 1 else None, hash(ordered)
 
 
 @functools.lru_cache(maxsize=_HOP_CACHE)
@@ -333,6 +357,9 @@ class RouteSpec:
     gateways: tuple[str, ...] = field(init=False, repr=False, compare=False)
     device: str | None = field(init=False, repr=False, compare=False)
     family: int = field(init=False, repr=False, compare=False)
+    # (family, table, destination, metric): how the kernel tells routes apart
+    key: RouteKey = field(init=False, repr=False, compare=False)
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __init__(
         self,
@@ -377,10 +404,18 @@ class RouteSpec:
     def _set(self, destination: str, hops: HopSet, table: int, metric: int, family: int) -> None:
         values = self.__dict__
         values["destination"] = destination
-        values["nexthops"], values["gateways"], values["device"] = hops
+        values["nexthops"], values["gateways"], values["device"], hops_hash = hops
         values["table"] = table
         values["metric"] = metric
         values["family"] = family
+        values["key"] = (family, table, destination, metric)
+        # equal routes have equal nexthops, hence equal hashes of them
+        values["_hash"] = hash((destination, hops_hash, table, metric))
+
+    def __hash__(self) -> int:
+        """Of the compared fields (as the dataclass would), with the hop set's hash
+        computed once per hop set: routes land in sets and dicts by the ten thousand."""
+        return self._hash
 
     @classmethod
     def from_kernel(
@@ -398,10 +433,6 @@ class RouteSpec:
         route = object.__new__(cls)
         route._set(destination, _kernel_hop_set(nexthops), table, metric, family)
         return route
-
-    @property
-    def key(self) -> RouteKey:
-        return (self.family, self.table, self.destination, self.metric)
 
     def describe(self) -> str:
         """``10.1.0.0/16 via 10.0.0.2,10.0.0.3 dev eth0 table 254 metric 0``, or with
@@ -550,8 +581,10 @@ def satisfies(observed: RouteSpec, desired: RouteSpec) -> bool:
 
     Hop by hop is sound because both sides sort by gateway first, and a desired gateway
     without a device is in only one of its hops (RouteSpec enforces that)."""
-    if observed.key != desired.key:
-        return False
+    return observed.key == desired.key and _same_hops(observed, desired)
+
+
+def _same_hops(observed: RouteSpec, desired: RouteSpec) -> bool:
     have, want = observed.nexthops, desired.nexthops
     if have == want:  # interned hops: usually an identity comparison
         return True
@@ -568,10 +601,29 @@ def diff_routes(
 
     ``observed`` are the routes OrchestrRL installed (never anyone else's).
     """
-    want = index_routes(desired)
-    have = {route.key: route for route in observed}
+    return diff_indexed({route.key: route for route in observed}, index_routes(desired), prune)
+
+
+def diff_indexed(
+    have: Mapping[RouteKey, RouteSpec], want: Mapping[RouteKey, RouteSpec], prune: bool
+) -> RouteDiff:
+    """:func:`diff_routes` of routes already indexed by key (``want`` as
+    :func:`index_routes` gives it), for callers that diff one desired set repeatedly."""
     add = [r for k, r in want.items() if k not in have]
-    replace = [r for k, r in want.items() if k in have and not satisfies(have[k], r)]
+    # Whether observed hops satisfy desired ones depends on the two hop sets only, and
+    # both are interned: one answer per pair of hop sets (the routes keep them alive).
+    same: dict[tuple[int, int], bool] = {}
+    replace = []
+    for k, r in want.items():
+        h = have.get(k)
+        if h is None:
+            continue
+        pair = (id(h.nexthops), id(r.nexthops))
+        ok = same.get(pair)
+        if ok is None:
+            ok = same[pair] = _same_hops(h, r)
+        if not ok:
+            replace.append(r)
     remove = [r for k, r in have.items() if k not in want] if prune else []
     return RouteDiff(
         tuple(sorted(add, key=route_sort_key)),

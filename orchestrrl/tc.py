@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import socket
-import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
@@ -53,37 +52,31 @@ MATCH_ALL = ["0x0/0x0+0"]  # u32: the 32-bit word at offset 0, mask 0 - every pa
 
 T = TypeVar("T")
 
-# rtnetlink link dump (the request and the link parser are orchestrrl.rtnl's)
-NLMSG_ERROR = 2
-NLMSG_DONE = 3
-_NLMSGHDR = struct.Struct("=IHHII")  # len, type, flags, seq, pid
-
 
 def _dump_links(sock: socket.socket, seq: int) -> dict[str, LinkState]:
-    """One RTM_GETLINK dump on a blocking rtnetlink socket (runs on the Tc thread)."""
+    """One RTM_GETLINK dump on a blocking rtnetlink socket (runs on the Tc thread), read
+    with orchestrrl.rtnl's codec."""
     sock.send(rtnl.link_dump_request(seq))
     found: dict[str, LinkState] = {}
     while True:
         data = sock.recv(1 << 16)
-        offset = 0
-        while offset + _NLMSGHDR.size <= len(data):
-            length, kind, _flags, msg_seq, _pid = _NLMSGHDR.unpack_from(data, offset)
-            if length < _NLMSGHDR.size:
+        try:
+            walked = list(rtnl.frames(data, strict=True))
+        except ValueError:  # a truncated message: nothing more to trust in this dump
+            return found
+        for header, start, end in walked:
+            if header.seq != seq:
+                continue
+            if header.type == rtnl.NLMSG_DONE:
                 return found
-            end = offset + length
-            if msg_seq == seq:
-                if kind == NLMSG_DONE:
-                    return found
-                if kind == NLMSG_ERROR:
-                    code = -struct.unpack_from("=i", data, offset + _NLMSGHDR.size)[0]
-                    raise NetlinkError(code)
-                if kind == rtnl.RTM_NEWLINK:
-                    link = rtnl.parse_link(data, offset + _NLMSGHDR.size, end)
-                    if link is not None:
-                        found[link.name] = LinkState(
-                            link.name, link.ifindex, bool(link.flags & rtnl.IFF_UP), link.oper_up
-                        )
-            offset = (end + 3) & ~3
+            if header.type == rtnl.NLMSG_ERROR:
+                raise NetlinkError(-rtnl.I32.unpack_from(data, start)[0])
+            if header.type == rtnl.RTM_NEWLINK:
+                link = rtnl.parse_link(data, start, end)
+                if link is not None:
+                    found[link.name] = LinkState(
+                        link.name, link.ifindex, bool(link.flags & rtnl.IFF_UP), link.oper_up
+                    )
 
 
 @dataclass(frozen=True)

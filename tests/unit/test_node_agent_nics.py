@@ -11,7 +11,7 @@ from structlog.testing import capture_logs
 
 from node_agent import nics
 from node_agent.nics import NicRates, NicSample, NicSpec, SysfsNics, parse_nic
-from orchestrrl import errors
+from orchestrrl import errors, rtnl
 from tests.helpers import FakeClock
 
 pytestmark = pytest.mark.unit
@@ -231,17 +231,15 @@ def test_a_netlink_error_answer_raises() -> None:
 
 def test_truncated_messages_are_not_read_past_the_datagram() -> None:
     data = _stats_message(1, 2, 3, 4)
-    assert list(nics.messages(data, len(data) - 1)) == []
-    assert list(nics.messages(b"\x04\0\0\0", 4)) == []  # a length below the header's
+    assert list(rtnl.frames(data, len(data) - 1)) == []
+    assert list(rtnl.frames(b"\x04\0\0\0" + bytes(12), 16)) == []  # a length below the header's
 
 
 def test_link_messages_give_index_name_and_oper_state() -> None:
     up = _link_message(nics.RTM_NEWLINK, 4, "eth0", nics.IF_OPER_UP)
     down = _link_message(nics.RTM_NEWLINK, 5, "eth1", 2)  # IF_OPER_DOWN
     data = up + down
-    links = [
-        nics.parse_link(data, start, end) for _, _, start, end in nics.messages(data, len(data))
-    ]
+    links = [nics.parse_link(data, start, end) for _, start, end in rtnl.frames(data, len(data))]
     assert links == [nics.LinkInfo(4, "eth0", True), nics.LinkInfo(5, "eth1", False)]
 
 
@@ -259,8 +257,8 @@ def test_a_run_of_stats_messages_reads_like_one_message_at_a_time() -> None:
     out: dict[int, tuple[int, int]] = {}
     assert nics.read_stats_datagram(run + done, len(run + done), 7, out) is True
     parsed = {}
-    for kind, _, start, end in nics.messages(run, len(run)):
-        assert kind == nics.RTM_NEWSTATS
+    for header, start, end in rtnl.frames(run, len(run)):
+        assert header.type == nics.RTM_NEWSTATS
         index, rx, tx = nics.parse_stats(run, start, end) or (0, 0, 0)
         parsed[index] = (rx, tx)
     assert out == parsed and len(out) == 20
