@@ -11,6 +11,7 @@ import json
 import sys
 import time
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,27 @@ from orchestrrl import add_version_flag, errors
 
 
 def _run(args: argparse.Namespace) -> int:
-    from sim_backends.clustersim.pipeline import run_scenario
+    from sim_backends.clustersim.pipeline import resolve_split, run_scenario
     from sim_backends.clustersim.reproduce import _summary
     from sim_backends.clustersim.scenario import load_scenario
 
-    scenario = load_scenario(args.scenario)  # every input error surfaces before running
+    given = load_scenario(args.scenario)  # every input error surfaces before running
+    scenario, sweep = resolve_split(given)
+    if sweep:
+        print(
+            'split.choose = "auto": the best static layout at each split '
+            "(mean steady seconds; the shortest step wins, ties to more generation GPUs)"
+        )
+        print(
+            f"{'gen/train GPUs':>15} {'static TP':>9} {'generation s':>13} {'training s':>11} "
+            f"{'sync s':>7} {'step s':>8}  bound by"
+        )
+        for o in sweep:
+            mark = "  <- chosen" if o.train_gpus == scenario.split.train_gpus else ""
+            print(
+                f"{f'{o.gen_gpus}/{o.train_gpus}':>15} {f'TP{o.static_tp}':>9} {o.gen_s:>13.2f} "
+                f"{o.train_s:>11.2f} {o.sync_s:>7.3f} {o.step_s:>8.2f}  {o.bound}{mark}"
+            )
     result = run_scenario(scenario)
     print(
         f"{scenario.name}: {scenario.model.name} on {result.gpus} GPUs "
@@ -43,7 +60,8 @@ def _run(args: argparse.Namespace) -> int:
     print(
         f"mean step {result.mean_step_s:.2f} s (steady state), {result.tokens_per_s:.0f} tokens/s, "
         f"network cost {result.cost.total / 1e6:.3f} MUSD, "
-        f"perf/cost {result.perf_per_cost:.4f} steps/s per MUSD"
+        f"perf/cost {result.perf_per_cost:.4f} steps/s per MUSD; the pipeline is "
+        f"{result.bound}-bound"
     )
     reshards = sum(g.reshards for g in result.gens)
     moves = sum(g.migrations for g in result.gens)
@@ -55,7 +73,12 @@ def _run(args: argparse.Namespace) -> int:
     ceil: dict[str, Any] | None = None
     if not scenario.generation.static_tp and scenario.generation.policy != "static":
         # policies compared: every static TP, adaptive, oracle and the fluid bound
-        from sim_backends.clustersim.report import CEILING_HEADER, ceiling_rows
+        from sim_backends.clustersim.report import (
+            CEILING_HEADER,
+            E2E_HEADER,
+            ceiling_rows,
+            e2e_rows,
+        )
         from sim_backends.clustersim.reproduce import suite_row
 
         ceil = suite_row(scenario)
@@ -65,8 +88,17 @@ def _run(args: argparse.Namespace) -> int:
         ):
             shown = f"{value:.2f}" if isinstance(value, float) else str(value)
             print(f"  {head:<14} {shown}")
+        print("end to end (pipeline step time per steady step):")
+        for head, value in zip(E2E_HEADER[1:], e2e_rows({scenario.name: ceil})[0][1:], strict=True):
+            shown = f"{value:.2f}" if isinstance(value, float) else str(value)
+            print(f"  {head:<34} {shown}")
     if args.json:
-        summary: dict[str, Any] = {"scenario": scenario.name, **_summary(result)}
+        summary: dict[str, Any] = {
+            "scenario": scenario.name,
+            **_summary(result),
+            "split_choose": given.split.choose,
+            "split_sweep": [asdict(o) for o in sweep],
+        }
         if ceil is not None:
             summary["ceilings"] = ceil
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

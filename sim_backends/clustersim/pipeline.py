@@ -25,7 +25,7 @@ first. Nodes of neither pool stay idle.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from scheduler.compute_problem import PlannerConfig
@@ -47,7 +47,7 @@ from sim_backends.clustersim.generation import (
     simulate_step,
     uniform_layout,
 )
-from sim_backends.clustersim.scenario import Scenario
+from sim_backends.clustersim.scenario import Scenario, SplitConfig
 from sim_backends.clustersim.workload import workload
 
 # The compute planner's configuration inside the simulator: its defaults, except that
@@ -85,6 +85,8 @@ class RunResult:
     gens: tuple[GenStepResult, ...]
     cost: CostBreakdown
     link_utilisation: Mapping[str, Mapping[str, float]]  # phase -> link class -> mean
+    train_gpus: int = 0
+    gen_gpus: int = 0
 
     @property
     def steady(self) -> tuple[StepTiming, ...]:
@@ -106,6 +108,21 @@ class RunResult:
         s = self.steady
         tokens = sum(self.gens[x.step].response_tokens for x in s)
         return tokens / sum(x.step_s for x in s)
+
+    @property
+    def mean_train_s(self) -> float:
+        s = self.steady
+        return sum(x.train_s for x in s) / len(s)
+
+    @property
+    def mean_sync_s(self) -> float:
+        s = self.steady
+        return sum(x.sync_s for x in s) / len(s)
+
+    @property
+    def bound(self) -> str:
+        """Which side sets the steady steps' length: :func:`pipeline_bound`."""
+        return pipeline_bound(self.steady)
 
     @property
     def perf_per_cost(self) -> float:
@@ -287,6 +304,8 @@ def run_pipeline(
         gens=tuple(gens),
         cost=fabric.cost(),
         link_utilisation=util,
+        train_gpus=s.split.train_gpus,
+        gen_gpus=s.split.gen_gpus,
     )
 
 
@@ -301,7 +320,9 @@ def _acc(
 
 def run_scenario(s: Scenario) -> RunResult:
     """``orl-sim run``: the scenario's policy (``static_tp`` 0: the best uniform layout,
-    which adaptive policies also start from unless ``initial_tp`` says otherwise)."""
+    which adaptive policies also start from unless ``initial_tp`` says otherwise), on the
+    scenario's split (``split.choose = "auto"``: :func:`resolve_split`'s)."""
+    s, _ = resolve_split(s)
     perf = perf_model(s)
     gen = s.generation
     if gen.static_tp:
@@ -315,6 +336,119 @@ def run_scenario(s: Scenario) -> RunResult:
         gens = run_generation(s, perf, gen.policy, gen.initial_tp or tp)
     fabric = make_fabric(s, perf)
     return run_pipeline(s, perf, gens, fabric, policy=gen.policy, static_tp=tp)
+
+
+def pipeline_bound(steps: Iterable[StepTiming]) -> str:
+    """``generation`` when generation lasts at least as long as the training it overlaps in
+    every one of ``steps`` (faster generation shortens them), ``training`` when training
+    is longer in every one (faster generation gains nothing end to end), ``mixed``
+    otherwise."""
+    gen_longer = [x.gen_s >= x.train_s for x in steps]
+    if all(gen_longer):
+        return "generation"
+    if not any(gen_longer):
+        return "training"
+    return "mixed"
+
+
+@dataclass(frozen=True)
+class SplitOutcome:
+    """The best static layout's pipeline at one generation/training split (means over
+    the steady steps)."""
+
+    train_gpus: int
+    gen_gpus: int
+    static_tp: int
+    gen_s: float
+    train_s: float
+    sync_s: float
+    step_s: float
+    bound: str
+
+
+def choose_split(outcomes: Sequence[SplitOutcome]) -> SplitOutcome:
+    """The rule of ``split.choose = "auto"``: the split whose best static layout has the
+    shortest mean steady step time, ``max(generation, training) + weight sync``; equal
+    step times go to the split with more generation GPUs."""
+    if not outcomes:
+        raise ValueError("choose_split: no split to choose from")
+    return min(outcomes, key=lambda o: (o.step_s, -o.gen_gpus))
+
+
+def with_split(s: Scenario, train_gpus: int, gen_gpus: int) -> Scenario:
+    """``s`` with this fixed split."""
+    return replace(s, split=SplitConfig(train_gpus, gen_gpus))
+
+
+def outcome(r: RunResult) -> SplitOutcome:
+    return SplitOutcome(
+        train_gpus=r.train_gpus,
+        gen_gpus=r.gen_gpus,
+        static_tp=r.static_tp,
+        gen_s=r.mean_gen_s,
+        train_s=r.mean_train_s,
+        sync_s=r.mean_sync_s,
+        step_s=r.mean_step_s,
+        bound=r.bound,
+    )
+
+
+def run_best_static(s: Scenario, perf: PerfModel) -> RunResult:
+    """The pipeline with the best uniform layout (:func:`best_static`) on ``s``'s split."""
+    tp, gens, _ = best_static(s, perf)
+    return run_pipeline(s, perf, gens, make_fabric(s, perf), policy="static", static_tp=tp)
+
+
+def sweep_split(s: Scenario, perf: PerfModel) -> tuple[SplitOutcome, ...]:
+    """The best static layout's pipeline at every split ``split.choose = "auto"`` tries."""
+    return tuple(
+        outcome(run_best_static(with_split(s, c.train_gpus, c.gen_gpus), perf))
+        for c in s.split.candidates(s.cluster.gpus_per_node)
+    )
+
+
+def resolve_split(s: Scenario) -> tuple[Scenario, tuple[SplitOutcome, ...]]:
+    """``s`` with its split fixed: as given (``choose = "fixed"``, no sweep), or the one
+    :func:`choose_split` picks from :func:`sweep_split` (returned too)."""
+    if s.split.choose != "auto":
+        return s, ()
+    sweep = sweep_split(s, perf_model(s))
+    best = choose_split(sweep)
+    return with_split(s, best.train_gpus, best.gen_gpus), sweep
+
+
+def end_to_end(
+    static: RunResult,
+    adaptive: RunResult,
+    oracle: RunResult,
+    bound_gen_s: Sequence[float],
+) -> dict[str, object]:
+    """The pipeline view of one compute result (mean steady step seconds each): the split,
+    training and weight-sync time (the same workload for every policy), the step time of
+    the best static layout, adaptive and oracle, their end-to-end speedups over best
+    static, which side bounds each pipeline (:func:`pipeline_bound`), and the step time
+    with generation at its fluid bound (``bound_gen_s``, per step), the end-to-end
+    ceiling: ``max(bound, training) + weight sync``."""
+    steady = static.steady
+    bound_step = sum(max(bound_gen_s[x.step], x.train_s) + x.sync_s for x in steady) / len(steady)
+    return {
+        "train_gpus": static.train_gpus,
+        "gen_gpus": static.gen_gpus,
+        "train_s": static.mean_train_s,
+        "sync_s": static.mean_sync_s,
+        "static_step_s": static.mean_step_s,
+        "adaptive_step_s": adaptive.mean_step_s,
+        "oracle_step_s": oracle.mean_step_s,
+        "bound_step_s": bound_step,
+        "adaptive_e2e_speedup": static.mean_step_s / adaptive.mean_step_s,
+        "oracle_e2e_speedup": static.mean_step_s / oracle.mean_step_s,
+        "bound_e2e_speedup": static.mean_step_s / bound_step,
+        "pipeline_bound": {
+            "static": static.bound,
+            "adaptive": adaptive.bound,
+            "oracle": oracle.bound,
+        },
+    }
 
 
 def step_bounds(s: Scenario, perf: PerfModel) -> tuple[float, ...]:

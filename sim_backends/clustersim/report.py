@@ -78,6 +78,99 @@ def ceiling_table(results: Mapping[str, Mapping[str, Any]]) -> str:
     return _table(CEILING_HEADER, ceiling_rows(results))
 
 
+E2E_HEADER = (
+    "scenario",
+    "gen/train GPUs",
+    "train s",
+    "sync s",
+    "static step s",
+    "adaptive step s",
+    "oracle step s",
+    "bound step s",
+    "adaptive gen",
+    "adaptive e2e",
+    "oracle gen",
+    "oracle e2e",
+    "bound e2e",
+    "bound by (static/adaptive/oracle)",
+)
+
+
+def e2e_rows(results: Mapping[str, Mapping[str, Any]]) -> list[list[object]]:
+    """Rows of :data:`E2E_HEADER`: the same results as :func:`ceiling_rows` through the
+    one-step-asynchronous pipeline (mean steady step seconds), each speedup over the best
+    static layout in generation time and end to end, and which side bounds each run."""
+    rows: list[list[object]] = []
+    for name, c in results.items():
+        if "static_step_s" not in c:
+            continue
+        auto = " (auto)" if c.get("split_choose") == "auto" else ""
+        b = c["pipeline_bound"]
+        rows.append(
+            [
+                name,
+                f"{c['gen_gpus']}/{c['train_gpus']}{auto}",
+                c["train_s"],
+                c["sync_s"],
+                c["static_step_s"],
+                c["adaptive_step_s"],
+                c["oracle_step_s"],
+                c["bound_step_s"],
+                f"{c['adaptive_speedup']:.3f}x",
+                f"{c['adaptive_e2e_speedup']:.3f}x",
+                f"{c['oracle_speedup']:.3f}x",
+                f"{c['oracle_e2e_speedup']:.3f}x",
+                f"{c['bound_e2e_speedup']:.3f}x",
+                f"{b['static']} / {b['adaptive']} / {b['oracle']}",
+            ]
+        )
+    return rows
+
+
+def e2e_table(results: Mapping[str, Mapping[str, Any]]) -> str:
+    return _table(E2E_HEADER, e2e_rows(results))
+
+
+SWEEP_HEADER = (
+    "gen/train GPUs",
+    "best static",
+    "static gen s",
+    "train s",
+    "sync s",
+    "static step s",
+    "static bound by",
+    "adaptive gen s",
+    "adaptive step s",
+    "adaptive bound by",
+    "adaptive gen",
+    "adaptive e2e",
+    "auto picks",
+)
+
+
+def sweep_rows(sweep: Mapping[str, Any]) -> list[list[object]]:
+    """Rows of :data:`SWEEP_HEADER` for one scenario's split sweep (``split_row``s keyed
+    ``gen/train``; ``chosen`` the key ``split.choose = "auto"`` picks)."""
+    return [
+        [
+            key,
+            f"TP{r['static_tp']}",
+            r["gen_s"],
+            r["train_s"],
+            r["sync_s"],
+            r["step_s"],
+            r["bound"],
+            r["adaptive_gen_s"],
+            r["adaptive_step_s"],
+            r["adaptive_bound"],
+            f"{r['adaptive_gen_speedup']:.3f}x",
+            f"{r['adaptive_e2e_speedup']:.3f}x",
+            "<- auto" if key == sweep.get("chosen") else "",
+        ]
+        for key, r in sweep["splits"].items()
+    ]
+
+
 def write_report(out: Mapping[str, Any], runs: Mapping[str, RunResult], outdir: Path) -> Path:
     try:
         from sim_backends.clustersim import plots as draw
@@ -140,8 +233,8 @@ def write_report(out: Mapping[str, Any], runs: Mapping[str, RunResult], outdir: 
         statics = ", ".join(
             f"TP{k} {v:.0f} s" for k, v in row.get("static_gen_total_s", {}).items()
         )
-        rows.append([model, "static (all TPs)", statics, "", "", ""])
-        for p in ("static", *POLICIES):
+        rows.append([model, "static (all TPs)", statics, "", "", "", "", ""])
+        for p in ("static", *POLICIES, "oracle"):
             if p not in row:
                 continue
             r = row[p]
@@ -151,19 +244,43 @@ def write_report(out: Mapping[str, Any], runs: Mapping[str, RunResult], outdir: 
                     p if p != "static" else f"static TP{row['static_tp']} (best)",
                     r["mean_step_s"],
                     r["mean_gen_s"],
+                    r["mean_train_s"],
                     r["tokens_per_s"],
-                    r.get("speedup", 1.0),
+                    f"{r.get('gen_speedup', 1.0):.3f}x",
+                    f"{r.get('speedup', 1.0):.3f}x",
                 ]
             )
     md.append(
-        _table(["model", "policy", "step s (steady)", "generation s", "tokens/s", "speedup"], rows)
+        _table(
+            [
+                "model",
+                "policy",
+                "step s (steady)",
+                "generation s",
+                "training s",
+                "tokens/s",
+                "gen speedup",
+                "e2e speedup",
+            ],
+            rows,
+        )
     )
     md += [
         "",
         "Static TP rows give the total generation time of all steps per uniform layout; the "
         "best is the baseline. Policies start from the best static layout; `proactive` is "
         "the planner with reactive moves disabled, `reactive` keeps the layout and only "
-        "moves requests, `adaptive` does both.",
+        "moves requests, `adaptive` does both; `oracle` knows every response length. "
+        "`gen speedup` is over the best static layout's generation time, `e2e speedup` over "
+        "its step time (one-step-asynchronous pipeline: max(generation, training of the "
+        "previous batch) + weight sync); split "
+        + ", ".join(
+            f"{m} {r['static']['gen_gpus']} generation / {r['static']['train_gpus']} "
+            f"training GPUs ({r['static']['bound']}-bound at best static)"
+            for m, r in compute.items()
+            if "static" in r
+        )
+        + ".",
         "",
     ]
     ceil = {m: r["ceilings"] for m, r in compute.items() if "ceilings" in r}
@@ -193,6 +310,20 @@ def write_report(out: Mapping[str, Any], runs: Mapping[str, RunResult], outdir: 
                     f"gains: {sum(shares) / len(shares):.0%}."
                 )
             md.append("")
+        md += ["### End to end: the same results through the pipeline", ""]
+        md.append(
+            "Mean steady step seconds, `max(generation, training of the previous batch) + "
+            "weight sync`, on each scenario's split (`(auto)`: chosen by `split.choose = "
+            '"auto"`). Training and sync take the same time under every policy (same '
+            "batch, same fabric), so a faster generation shortens the step only while the "
+            "pipeline is generation-bound; `bound by` says which side set the steady steps "
+            "(`mixed`: some of each). `gen` speedups are the generation-time ones above; "
+            "`e2e` are step time over the best static layout's; `bound e2e` is the step with "
+            "generation at its fluid bound, the end-to-end ceiling."
+        )
+        md.append("")
+        md.append(e2e_table({**{f"compute {m}": c for m, c in ceil.items()}, **suite}))
+        md.append("")
     md += ["## 2. Network: fabrics at 1024 and 2048 H800 (Qwen2.5-72B)", ""]
     md.append(f"Paper: {PAPER['network']}.")
     md.append("")
@@ -248,23 +379,21 @@ def write_report(out: Mapping[str, Any], runs: Mapping[str, RunResult], outdir: 
         md.append("")
     sp = out.get("sensitivity_split", {})
     if sp:
-        md += ["## 3b. Sensitivity: generation / training split (64 GPUs)", ""]
+        md += ["## 3b. Sensitivity: generation / training split", ""]
         md.append(
-            _table(
-                ["gen/train GPUs", "best static TP", "static step s", "adaptive step s", "speedup"],
-                [
-                    [
-                        k,
-                        v["static_tp"],
-                        v["static"]["mean_step_s"],
-                        v["adaptive"]["mean_step_s"],
-                        v["speedup"],
-                    ]
-                    for k, v in sp.items()
-                ],
-            )
+            "The best static layout and the adaptive policy at each split of the scenario's "
+            "GPUs (mean steady seconds). `bound by`: which side set the steady steps. "
+            '`auto picks` marks the split `split.choose = "auto"` takes: the shortest best '
+            "static step time (equal times: more generation GPUs). A generation speedup "
+            "turns into an end-to-end one only where the adaptive run is still "
+            "generation-bound."
         )
         md.append("")
+        for name, sweep in sp.items():
+            md.append(f"### {name}")
+            md.append("")
+            md.append(_table(SWEEP_HEADER, sweep_rows(sweep)))
+            md.append("")
     md += ["## Plots", ""]
     for name, caption in plots:
         md.append(f"![{caption}]({name})")
@@ -417,6 +546,7 @@ def discussion(out: Mapping[str, Any]) -> list[str]:
             f"cost: RFabric {rf.get('perf_per_cost_norm', 0):.2f}x the Fat-Tree, best "
             f"{best[0]} {best[1]['perf_per_cost_norm']:.2f}x."
         )
+    lines += sweep_discussion(out.get("sensitivity_split", {}))
     sw = out.get("sensitivity_switching", {})
     if sw:
         rows = list(sw.items())
@@ -430,5 +560,36 @@ def discussion(out: Mapping[str, Any]) -> list[str]:
             "pods, RFabric rewired on the critical path and was charged switching + settling "
             f"({rows[-1][1]['reconfig_charged_s']:.3f} s in all at the slowest switch); with a "
             "window the change is hidden."
+        )
+    return lines
+
+
+def sweep_discussion(sweeps: Mapping[str, Any]) -> list[str]:
+    """Per swept scenario: which side bounds the best static pipeline at each split, where
+    it turns generation-bound, the split ``auto`` picks and the adaptive policy's
+    generation and end-to-end speedups there."""
+    lines: list[str] = []
+    for name, sweep in sweeps.items():
+        rows = sweep.get("splits", {})
+        if not rows:
+            continue
+        by = ", ".join(f"{k} {r['bound']}" for k, r in rows.items())
+        gen = [k for k, r in rows.items() if r["bound"] == "generation"]
+        where = (
+            f"generation-bound at {', '.join(gen)}"
+            if gen
+            else "training-bound or mixed at every split swept"
+        )
+        chosen = sweep.get("chosen")
+        pick = ""
+        if chosen in rows:
+            c = rows[chosen]
+            pick = (
+                f"; auto picks {chosen} ({c['step_s']:.1f} s a step, {c['bound']}-bound), "
+                f"where adaptive gains {c['adaptive_gen_speedup']:.3f}x in generation and "
+                f"{c['adaptive_e2e_speedup']:.3f}x end to end ({c['adaptive_bound']}-bound)"
+            )
+        lines.append(
+            f"Split sweep {name} (gen/train GPUs): best static pipeline {by}; {where}{pick}."
         )
     return lines

@@ -10,7 +10,14 @@
    Generation is the same on every fabric (it has no inter-node traffic in this model),
    so it is simulated once per size with the best static layout.
 3. sensitivity: OCS switching time (10 us .. 50 ms) on RFabric at 1024 GPUs; the
-   generation/training split at 64 GPUs (14B).
+   generation/training split of the default and the DAPO-like suite scenarios (64 GPUs,
+   1-4 training nodes): where the pipeline is generation- or training-bound, which split
+   ``split.choose = "auto"`` picks, and the adaptive policy's speedups at each.
+
+Every compute result gives two speedups over the best static layout: in generation time
+(the policy's own effect) and end to end (the pipeline's step time,
+``max(generation, training) + weight sync``, which a faster generation shortens only while
+the pipeline is generation-bound), with the split and which side bounds the pipeline.
 
 Every figure comes from the model; nothing is tuned toward the paper. Results are a
 pure function of the seed (wall-clock times go to the progress output only).
@@ -20,21 +27,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from sim_backends.clustersim.generation import GenStepResult, decode_time
 from sim_backends.clustersim.pipeline import (
     RunResult,
+    SplitOutcome,
     best_static,
     candidate_tps,
     ceilings,
+    choose_split,
+    end_to_end,
     make_fabric,
+    outcome,
     perf_model,
+    resolve_split,
+    run_best_static,
     run_generation,
     run_pipeline,
     step_bounds,
+    with_split,
 )
 from sim_backends.clustersim.scenario import (
     FABRIC_KINDS,
@@ -57,6 +71,7 @@ POLICIES = ("proactive", "reactive", "adaptive")
 SWITCHING_S = (10e-6, 1e-3, 10e-3, 25e-3, 50e-3)
 SUITE_DIR = Path(__file__).resolve().parents[2] / "examples" / "sim" / "suite"
 QUICK_SUITE = ("default-14b", "dapo-14b")  # the --quick run's subset, shrunk
+SPLIT_SWEEP = ("default-14b", "dapo-14b")  # suite scenarios swept over the split
 
 
 @dataclass(frozen=True)
@@ -107,8 +122,9 @@ class Plan:
 
     @property
     def splits(self) -> tuple[int, ...]:
-        """Training nodes of the 8-node cluster."""
-        return (2,) if self.quick else (1, 2, 3, 4)
+        """Training nodes of the split sweep (of the scenario's pool, 8 nodes in the
+        swept scenarios; a split that leaves no generation node is skipped)."""
+        return (1, 2) if self.quick else (1, 2, 3, 4)
 
 
 def compute_scenario(plan: Plan, model: str, train_nodes: int = 2) -> Scenario:
@@ -196,6 +212,7 @@ def tasks(plan: Plan, out: dict[str, Any], runs: dict[str, RunResult]) -> Iterat
                 runs[f"compute/{s.model.name}/{policy}"] = res
                 row[policy] = _summary(res)
                 row[policy]["speedup"] = row["static"]["mean_step_s"] / res.mean_step_s
+                row[policy]["gen_speedup"] = row["static"]["mean_gen_s"] / res.mean_gen_s
                 firsts = [res.gens[x.step].predicted[0][1] for x in res.steady]
                 row[policy]["predicted_at_start_s"] = sum(firsts) / len(firsts)
                 row[policy]["layout_changes"] = sum(
@@ -207,12 +224,29 @@ def tasks(plan: Plan, out: dict[str, Any], runs: dict[str, RunResult]) -> Iterat
         def oracle(s: Scenario = s, row: dict[str, Any] = row) -> None:
             perf = perf_model(s)
             gens = run_generation(s, perf, "oracle", row["static_tp"])
+            res = run_pipeline(
+                s, perf, gens, make_fabric(s, perf), policy="oracle", static_tp=row["static_tp"]
+            )
+            runs[f"compute/{s.model.name}/oracle"] = res
+            row["oracle"] = _summary(res)
+            row["oracle"]["speedup"] = row["static"]["mean_step_s"] / res.mean_step_s
+            row["oracle"]["gen_speedup"] = row["static"]["mean_gen_s"] / res.mean_gen_s
             statics = {int(t): v for t, v in row["static_step_gen_s"].items()}
+            bounds = step_bounds(s, perf)
             row["ceilings"] = ceilings(
                 statics,
                 row["adaptive"]["mean_gen_s"],
-                _mean_steady([g.seconds for g in gens]),
-                _mean_steady(list(step_bounds(s, perf))),
+                res.mean_gen_s,
+                _mean_steady(list(bounds)),
+            )
+            row["ceilings"].update(
+                end_to_end(
+                    runs[f"compute/{s.model.name}/static"],
+                    runs[f"compute/{s.model.name}/adaptive"],
+                    res,
+                    bounds,
+                ),
+                split_choose=s.split.choose,
             )
 
         yield f"compute {model}: oracle and bound", oracle
@@ -286,53 +320,90 @@ def tasks(plan: Plan, out: dict[str, Any], runs: dict[str, RunResult]) -> Iterat
 
             yield f"sensitivity: OCS switching time at {nodes * 8} GPUs", switching
 
-    split: dict[str, Any] = {}
-    out["sensitivity_split"] = split
-    for train_nodes in plan.splits:
-        s = compute_scenario(plan, plan.compute_models[0], train_nodes)
+    sweeps: dict[str, Any] = {}
+    out["sensitivity_split"] = sweeps
+    for s in plan.suite:
+        if s.name not in SPLIT_SWEEP:
+            continue
+        sweep: dict[str, Any] = {"scenario": s.name, "splits": {}, "chosen": None}
+        sweeps[s.name] = sweep
+        g = s.cluster.gpus_per_node
+        total = s.split.total_gpus
+        for train_nodes in plan.splits:
+            if train_nodes * g >= total:
+                continue
+            one = with_split(s, train_nodes * g, total - train_nodes * g)
 
-        def one_split(s: Scenario = s, split: dict[str, Any] = split) -> None:
-            perf = perf_model(s)
-            tp, gens, _ = best_static(s, perf)
-            static = run_pipeline(
-                s, perf, gens, make_fabric(s, perf), policy="static", static_tp=tp
-            )
-            agens = run_generation(s, perf, "adaptive", tp)
-            adaptive = run_pipeline(
-                s, perf, agens, make_fabric(s, perf), policy="adaptive", static_tp=tp
-            )
-            split[f"{s.split.gen_gpus}/{s.split.train_gpus}"] = {
-                "gen_gpus": s.split.gen_gpus,
-                "train_gpus": s.split.train_gpus,
-                "static_tp": tp,
-                "static": _summary(static),
-                "adaptive": _summary(adaptive),
-                "speedup": static.mean_step_s / adaptive.mean_step_s,
-            }
+            def one_split(s: Scenario = one, sweep: dict[str, Any] = sweep) -> None:
+                sweep["splits"][f"{s.split.gen_gpus}/{s.split.train_gpus}"] = split_row(s)
+                sweep["chosen"] = _chosen(sweep["splits"])
 
-        yield f"sensitivity: split {s.split.gen_gpus} gen / {s.split.train_gpus} train", one_split
+            yield (
+                f"split sweep {s.name}: {one.split.gen_gpus} gen / {one.split.train_gpus} train",
+                one_split,
+            )
+
+
+def split_row(s: Scenario) -> dict[str, Any]:
+    """One split of the sweep: the best static layout's pipeline (what ``split.choose =
+    "auto"`` compares) and the adaptive policy's from it, with both speedups."""
+    perf = perf_model(s)
+    static = run_best_static(s, perf)
+    gens = run_generation(s, perf, "adaptive", static.static_tp)
+    adaptive = run_pipeline(
+        s, perf, gens, make_fabric(s, perf), policy="adaptive", static_tp=static.static_tp
+    )
+    return {
+        **asdict(outcome(static)),
+        "adaptive_gen_s": adaptive.mean_gen_s,
+        "adaptive_step_s": adaptive.mean_step_s,
+        "adaptive_bound": adaptive.bound,
+        "adaptive_gen_speedup": static.mean_gen_s / adaptive.mean_gen_s,
+        "adaptive_e2e_speedup": static.mean_step_s / adaptive.mean_step_s,
+    }
+
+
+def _chosen(rows: dict[str, Any]) -> str:
+    """The key of the row :func:`choose_split` picks (``split.choose = "auto"``'s rule)."""
+    keys = [f.name for f in fields(SplitOutcome)]
+    best = choose_split([SplitOutcome(**{k: v[k] for k in keys}) for v in rows.values()])
+    return f"{best.gen_gpus}/{best.train_gpus}"
 
 
 def suite_row(s: Scenario) -> dict[str, Any]:
     """One scenario against its ceilings: every static TP, adaptive (from the best static
-    layout), oracle and the fluid bound, in mean generation seconds per steady step."""
+    layout), oracle and the fluid bound, in mean generation seconds per steady step; and
+    the same runs end to end through the pipeline (training and weight sync) on the
+    scenario's split (``split.choose = "auto"``: the one :func:`resolve_split` picks)."""
+    chooser = s.split.choose
+    s, sweep = resolve_split(s)
     perf = perf_model(s)
-    statics = {
-        t: _mean_steady([g.seconds for g in run_generation(s, perf, "static", t)])
-        for t in candidate_tps(s, perf)
-    }
+    per_tp = {t: run_generation(s, perf, "static", t) for t in candidate_tps(s, perf)}
+    statics = {t: _mean_steady([g.seconds for g in gens]) for t, gens in per_tp.items()}
     tp = min(statics, key=lambda t: (statics[t], t))
     adaptive = run_generation(s, perf, "adaptive", tp)
     oracle = run_generation(s, perf, "oracle", tp)
+    bounds = step_bounds(s, perf)
     row = ceilings(
         statics,
         _mean_steady([g.seconds for g in adaptive]),
         _mean_steady([g.seconds for g in oracle]),
-        _mean_steady(list(step_bounds(s, perf))),
+        _mean_steady(list(bounds)),
+    )
+
+    def pipe(gens: tuple[GenStepResult, ...], policy: str) -> RunResult:
+        return run_pipeline(s, perf, gens, make_fabric(s, perf), policy=policy, static_tp=tp)
+
+    row.update(
+        end_to_end(
+            pipe(per_tp[tp], "static"), pipe(adaptive, "adaptive"), pipe(oracle, "oracle"), bounds
+        )
     )
     row.update(
         model=s.model.name,
         gen_gpus=s.split.gen_gpus,
+        split_choose=chooser,
+        split_sweep=[asdict(o) for o in sweep],
         requests_per_step=s.workload.requests_per_step,
         steps=s.steps,
         seed=s.seed,
@@ -391,6 +462,9 @@ def _summary(r: RunResult) -> dict[str, Any]:
         "policy": r.policy,
         "fabric": r.fabric,
         "static_tp": r.static_tp,
+        "train_gpus": r.train_gpus,
+        "gen_gpus": r.gen_gpus,
+        "bound": r.bound,
         "mean_step_s": r.mean_step_s,
         "mean_gen_s": r.mean_gen_s,
         "mean_train_s": sum(x.train_s for x in steady) / n,
@@ -426,11 +500,15 @@ def headline(out: dict[str, Any]) -> list[tuple[str, str, str]]:
     for model, row in out.get("compute", {}).items():
         if "adaptive" not in row:
             continue
-        got = ", ".join(f"{p} {row[p]['speedup']:.2f}x" for p in POLICIES if p in row)
+        got = ", ".join(
+            f"{p} {row[p]['speedup']:.2f}x (gen {row[p]['gen_speedup']:.2f}x)"
+            for p in (*POLICIES, "oracle")
+            if p in row
+        )
         paper = {"Qwen2.5-14B": "1.40x", "Qwen2.5-32B": "1.34x"}.get(model, "")
         rows.append(
             (
-                f"compute 64 GPUs {model} vs best static TP{row['static_tp']}",
+                f"compute 64 GPUs {model} end to end vs best static TP{row['static_tp']}",
                 got,
                 f"{paper} (up to 1.42x)",
             )

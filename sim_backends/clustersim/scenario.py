@@ -24,6 +24,8 @@ A scenario (every key optional except ``cluster.nodes``; defaults below)::
     [split]                        # disaggregation: whole nodes per pool
     train_gpus = 16
     gen_gpus = 48
+    choose = "fixed"               # or "auto": see SplitConfig
+    sweep_train_gpus = [8, 16, 24] # only with choose = "auto"
 
     [workload]   ...  see WorkloadConfig
     [generation] ...  see GenerationConfig
@@ -45,6 +47,7 @@ from orchestrrl import errors
 from scheduler.perf_model import HARDWARE, MODELS, default_model
 
 POLICIES = ("static", "proactive", "reactive", "adaptive", "oracle")
+SPLIT_CHOICES = ("fixed", "auto")
 FABRIC_KINDS = ("fat-tree", "fat-tree-oversub", "rail-optimised", "static-optical", "rfabric")
 
 
@@ -75,10 +78,32 @@ class SplitConfig:
     """GPUs of the training and the generation pool (whole nodes each). 0 for both means
     a quarter of the nodes train and the rest generate: generation dominates RL step
     time, and asynchronous RL systems give it most of the GPUs (an assumption; the
-    sensitivity experiment sweeps the split)."""
+    sensitivity experiment sweeps the split).
+
+    ``choose``: ``fixed`` runs that split; ``auto`` keeps the pool total
+    (``train_gpus + gen_gpus``) and picks the split of it that minimises the best static
+    layout's mean steady step time in the one-step-asynchronous pipeline (every whole-node
+    split, or the training-pool sizes listed in ``sweep_train_gpus``; ties go to the split
+    with more generation GPUs). The rule is :func:`~.pipeline.choose_split`.
+    """
 
     train_gpus: int = 0
     gen_gpus: int = 0
+    choose: str = "fixed"
+    sweep_train_gpus: tuple[int, ...] = ()
+
+    @property
+    def total_gpus(self) -> int:
+        return self.train_gpus + self.gen_gpus
+
+    def candidates(self, gpus_per_node: int) -> tuple[SplitConfig, ...]:
+        """The splits ``auto`` chooses from, fewest training GPUs first (just this split
+        when ``fixed``)."""
+        if self.choose != "auto":
+            return (self,)
+        total = self.total_gpus
+        trains = self.sweep_train_gpus or tuple(range(gpus_per_node, total, gpus_per_node))
+        return tuple(SplitConfig(t, total - t) for t in sorted(trains))
 
 
 @dataclass(frozen=True)
@@ -279,6 +304,24 @@ def _typed(name: str, value: Any, kind: Any, problems: list[str]) -> bool:
     return ok
 
 
+_KINDS: dict[str, type] = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "bool": bool,
+    "tuple[int, ...]": tuple,
+}
+
+
+def _int_list(name: str, value: Any, problems: list[str]) -> bool:
+    ok = isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    )
+    if not ok:
+        problems.append(str(errors.field_error(name, value, "a list of integers")))
+    return ok
+
+
 def _section(name: str, table: Mapping[str, Any], problems: list[str]) -> Any:
     cls = _SECTIONS[name]
     kinds = {f.name: f.type for f in fields(cls)}
@@ -292,7 +335,12 @@ def _section(name: str, table: Mapping[str, Any], problems: list[str]) -> Any:
                 + ", ".join(sorted(kinds))
             )
             continue
-        kind = {"int": int, "float": float, "str": str, "bool": bool}[str(kinds[key])]
+        kind = _KINDS[str(kinds[key])]
+        if kind is tuple:
+            if not _int_list(dotted, value, problems):
+                continue
+            kwargs[key] = tuple(value)
+            continue
         if not _typed(dotted, value, kind, problems):
             continue
         if kind in (int, float):
@@ -319,8 +367,43 @@ def _default_split(s: Scenario) -> Scenario:
         train = max(1, nodes // 4)
         gen = nodes - train
         g = s.cluster.gpus_per_node
-        return replace(s, split=SplitConfig(train * g, gen * g))
+        return replace(s, split=replace(s.split, train_gpus=train * g, gen_gpus=gen * g))
     return s
+
+
+def _check_split_choice(s: Scenario, problems: list[str]) -> None:
+    sp, g = s.split, s.cluster.gpus_per_node
+    if sp.choose not in SPLIT_CHOICES:
+        problems.append(
+            str(errors.field_error("split.choose", sp.choose, "one of " + ", ".join(SPLIT_CHOICES)))
+        )
+        return
+    sweep = sp.sweep_train_gpus
+    if sweep and sp.choose != "auto":
+        problems.append(
+            str(
+                errors.field_error(
+                    "split.sweep_train_gpus",
+                    list(sweep),
+                    'only with split.choose = "auto" (the training-pool sizes it tries)',
+                )
+            )
+        )
+        return
+    total = sp.total_gpus
+    bad = [t for t in sweep if t <= 0 or t % g or t >= total]
+    if bad or len(set(sweep)) != len(sweep):
+        problems.append(
+            str(
+                errors.field_error(
+                    "split.sweep_train_gpus",
+                    list(sweep),
+                    f"distinct training-pool sizes, each a positive multiple of {g} GPUs "
+                    f"below the pool total train_gpus + gen_gpus = {total} (so both pools "
+                    "keep at least one node)",
+                )
+            )
+        )
 
 
 def _check_semantics(s: Scenario, problems: list[str]) -> None:
@@ -340,6 +423,7 @@ def _check_semantics(s: Scenario, problems: list[str]) -> None:
             problems.append(
                 str(errors.field_error(f"split.{key}", v, f"a positive multiple of {g} GPUs"))
             )
+    _check_split_choice(s, problems)
     total = s.split.train_gpus + s.split.gen_gpus
     if total > c.gpus:
         problems.append(

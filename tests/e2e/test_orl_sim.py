@@ -40,14 +40,34 @@ def test_run_example_scenario_writes_json(tmp_path: Path) -> None:
     assert again.read_text() == out.read_text()  # deterministic for the scenario's seed
 
 
+def test_run_with_split_auto_prints_the_sweep_and_runs_the_chosen_split(tmp_path: Path) -> None:
+    out = tmp_path / "res.json"
+    proc = _orl_sim("run", "examples/sim/split-auto.toml", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert 'split.choose = "auto"' in proc.stdout
+    data = json.loads(out.read_text())
+    sweep = data["split_sweep"]
+    assert [(o["gen_gpus"], o["train_gpus"]) for o in sweep] == [(24, 8), (16, 16), (8, 24)]
+    best = min(sweep, key=lambda o: (o["step_s"], -o["gen_gpus"]))
+    assert (data["gen_gpus"], data["train_gpus"]) == (best["gen_gpus"], best["train_gpus"])
+    chosen = f"{best['gen_gpus']}/{best['train_gpus']}"
+    assert any(
+        line.split()[0] == chosen and "<- chosen" in line for line in proc.stdout.splitlines()
+    )
+    assert f"({best['gen_gpus']} generate, {best['train_gpus']} train)" in proc.stdout
+    assert data["split_choose"] == "auto" and data["bound"] in {"generation", "training", "mixed"}
+
+
 def test_bad_scenario_is_rejected_before_running(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text(
-        "[cluster]\nnodes = 2\n[split]\ntrain_gpus = 16\ngen_gpus = 8\n[workload]\nprompt = 1\n"
+        "[cluster]\nnodes = 2\n[split]\ntrain_gpus = 16\ngen_gpus = 8\nchoose = 'best'\n"
+        "[workload]\nprompt = 1\n"
     )
     proc = _orl_sim("run", str(bad))
     assert proc.returncode == 2
     assert "workload.prompt=1 is not valid: unknown key" in proc.stderr
+    assert "split.choose='best' is not valid: one of fixed, auto" in proc.stderr
     assert "the cluster has 16 GPUs" in proc.stderr
     assert proc.stdout == ""
 
@@ -55,7 +75,7 @@ def test_bad_scenario_is_rejected_before_running(tmp_path: Path) -> None:
 def test_reproduce_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     proc = _orl_sim("reproduce", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    assert "] 11/11" in proc.stderr  # the progress bar reached the end
+    assert "] 14/14" in proc.stderr  # the progress bar reached the end
     assert "compute 64 GPUs Qwen2.5-14B" in proc.stdout and "paper" in proc.stdout
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results) >= {"compute", "network", "sensitivity_switching", "sensitivity_split"}
@@ -70,6 +90,25 @@ def test_reproduce_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
         assert c["bound_s"] <= c["adaptive_s"]
         assert c["captured"] is None or isinstance(c["captured"], float)
         assert set(c["static_gen_s"]) == {"1", "2", "4", "8"}
+        # end to end: step times on the split used, both speedups, the bounding side
+        assert (c["gen_gpus"], c["train_gpus"]) == (48, 16)
+        assert c["adaptive_e2e_speedup"] == c["static_step_s"] / c["adaptive_step_s"]
+        assert c["oracle_e2e_speedup"] == c["static_step_s"] / c["oracle_step_s"]
+        assert c["bound_step_s"] <= c["oracle_step_s"] + 1e-9
+        assert c["static_step_s"] >= max(c["best_static_s"], c["train_s"]) + c["sync_s"] - 1e-9
+        assert set(c["pipeline_bound"].values()) <= {"generation", "training", "mixed"}
+    assert "End to end" in report and "adaptive e2e" in report and "oracle e2e" in report
+    # the split sweep of the default and DAPO-like scenarios, and auto's choice in each
+    sweeps = results["sensitivity_split"]
+    assert set(sweeps) == {"default-14b", "dapo-14b"}
+    for sweep in sweeps.values():
+        rows = sweep["splits"]
+        assert set(rows) == {"56/8", "48/16"}
+        best = min(rows, key=lambda k: (rows[k]["step_s"], -rows[k]["gen_gpus"]))
+        assert sweep["chosen"] == best
+        for r in rows.values():  # one steady step at --quick: the bound is gen vs train
+            assert r["bound"] == ("generation" if r["gen_s"] >= r["train_s"] else "training")
+    assert report.count("<- auto") == 2 and "Split sweep dapo-14b" in report
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert "perf-cost.png" in pngs and any(p.startswith("timeline-") for p in pngs)
     assert all((tmp_path / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)

@@ -6,7 +6,14 @@ from typing import Any
 
 import pytest
 
-from sim_backends.clustersim.report import discussion
+from sim_backends.clustersim.report import (
+    E2E_HEADER,
+    SWEEP_HEADER,
+    discussion,
+    e2e_rows,
+    sweep_discussion,
+    sweep_rows,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -60,3 +67,81 @@ def test_no_bulk_lead_and_a_proactive_reshard_are_said_as_such() -> None:
     text = "\n".join(discussion(_compute(done, 1)))
     assert "No layout gets through the bulk sooner than TP8" in text
     assert "kept the layout" not in text
+
+
+def _e2e(choose: str) -> dict[str, Any]:
+    return {
+        "adaptive_speedup": 1.10,
+        "oracle_speedup": 1.20,
+        "gen_gpus": 48,
+        "train_gpus": 16,
+        "split_choose": choose,
+        "train_s": 90.0,
+        "sync_s": 1.0,
+        "static_step_s": 111.0,
+        "adaptive_step_s": 101.0,
+        "oracle_step_s": 92.5,
+        "bound_step_s": 91.0,
+        "adaptive_e2e_speedup": 111.0 / 101.0,
+        "oracle_e2e_speedup": 111.0 / 92.5,
+        "bound_e2e_speedup": 111.0 / 91.0,
+        "pipeline_bound": {"static": "generation", "adaptive": "generation", "oracle": "mixed"},
+    }
+
+
+def test_e2e_rows_give_both_speedups_the_split_and_the_bound() -> None:
+    rows = e2e_rows({"a": _e2e("fixed"), "b": _e2e("auto"), "gen only": {"adaptive_s": 1.0}})
+    assert len(rows) == 2 and all(len(r) == len(E2E_HEADER) for r in rows)
+    a = dict(zip(E2E_HEADER, rows[0], strict=True))
+    assert a["gen/train GPUs"] == "48/16"
+    assert (a["adaptive gen"], a["adaptive e2e"]) == ("1.100x", "1.099x")
+    assert (a["oracle gen"], a["oracle e2e"]) == ("1.200x", "1.200x")
+    assert a["bound by (static/adaptive/oracle)"] == "generation / generation / mixed"
+    assert rows[1][1] == "48/16 (auto)"
+
+
+def _sweep() -> dict[str, Any]:
+    def row(gen: int, train: int, step: float, bound: str, e2e: float) -> dict[str, Any]:
+        return {
+            "train_gpus": train,
+            "gen_gpus": gen,
+            "static_tp": 4,
+            "gen_s": step - 1,
+            "train_s": 50.0,
+            "sync_s": 1.0,
+            "step_s": step,
+            "bound": bound,
+            "adaptive_gen_s": step - 5,
+            "adaptive_step_s": step - 4,
+            "adaptive_bound": bound,
+            "adaptive_gen_speedup": 1.08,
+            "adaptive_e2e_speedup": e2e,
+        }
+
+    return {
+        "scenario": "s",
+        "splits": {
+            "56/8": row(56, 8, 120.0, "training", 1.0),
+            "48/16": row(48, 16, 100.0, "generation", 1.05),
+        },
+        "chosen": "48/16",
+    }
+
+
+def test_sweep_rows_mark_autos_choice() -> None:
+    rows = sweep_rows(_sweep())
+    assert all(len(r) == len(SWEEP_HEADER) for r in rows)
+    assert [r[0] for r in rows] == ["56/8", "48/16"]
+    assert [r[-1] for r in rows] == ["", "<- auto"]
+    assert rows[0][6] == "training" and rows[1][11] == "1.050x"
+
+
+def test_sweep_discussion_says_where_the_pipeline_turns_generation_bound() -> None:
+    (line,) = sweep_discussion({"s": _sweep()})
+    assert "56/8 training, 48/16 generation" in line
+    assert "generation-bound at 48/16" in line
+    assert "auto picks 48/16 (100.0 s a step, generation-bound)" in line
+    assert "1.080x in generation and 1.050x end to end" in line
+    none = _sweep()
+    del none["splits"]["48/16"]
+    assert "training-bound or mixed at every split swept" in sweep_discussion({"s": none})[0]

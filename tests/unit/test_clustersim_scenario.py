@@ -111,3 +111,57 @@ def test_file_errors(tmp_path: Path) -> None:
     unknown.write_text("[cluster]\nnodes = 2\n[workload]\nprompt = 3\n")
     with pytest.raises(errors.InvalidArgument, match=r"u\.toml: invalid scenario"):
         load_scenario(unknown)
+
+
+def test_split_choose_auto_keeps_the_pool_and_an_optional_sweep() -> None:
+    s = parse_scenario({"cluster": {"nodes": 8}, "split": {"choose": "auto"}})
+    assert (s.split.choose, s.split.train_gpus, s.split.gen_gpus) == ("auto", 16, 48)
+    assert s.split.sweep_train_gpus == ()
+    listed = parse_scenario(
+        {
+            "cluster": {"nodes": 8},
+            "split": {
+                "train_gpus": 16,
+                "gen_gpus": 32,
+                "choose": "auto",
+                "sweep_train_gpus": [8, 24],
+            },
+        }
+    )
+    assert listed.split.sweep_train_gpus == (8, 24)
+    assert [c.gen_gpus for c in listed.split.candidates(8)] == [40, 24]  # total 48 kept
+
+
+@pytest.mark.parametrize(
+    ("split", "needle"),
+    [
+        ({"choose": "best"}, "split.choose='best' is not valid: one of fixed, auto"),
+        ({"choose": 1}, "split.choose=1 is not valid: a str"),
+        (
+            {"sweep_train_gpus": [8]},
+            'split.sweep_train_gpus=[8] is not valid: only with split.choose = "auto"',
+        ),
+        (
+            {"choose": "auto", "sweep_train_gpus": 8},
+            "split.sweep_train_gpus=8 is not valid: a list of integers",
+        ),
+        ({"choose": "auto", "sweep_train_gpus": [8, True]}, "a list of integers"),
+        (
+            {"choose": "auto", "sweep_train_gpus": [4]},
+            "split.sweep_train_gpus=[4] is not valid: distinct",
+        ),
+        (
+            {"choose": "auto", "sweep_train_gpus": [64]},
+            "below the pool total train_gpus + gen_gpus = 64",
+        ),
+        ({"choose": "auto", "sweep_train_gpus": [0]}, "a positive multiple of 8 GPUs"),
+        (
+            {"choose": "auto", "sweep_train_gpus": [8, 8]},
+            "split.sweep_train_gpus=[8, 8] is not valid: distinct",
+        ),
+    ],
+)
+def test_bad_split_choice_names_field_value_and_what_is_allowed(
+    split: dict[str, Any], needle: str
+) -> None:
+    assert needle in _error({"cluster": {"nodes": 8}, "split": split})
