@@ -152,15 +152,25 @@ async def test_a_killed_engine_is_restarted_and_its_requests_resume(
     nodes: Nodes, long_reference: dict[int, list[int]]
 ) -> None:
     b = node(nodes, "b")
-    reqs = [b.engine.submit(p, LONG, GREEDY) for p in PROMPTS[:2]]
-    readers = [asyncio.create_task(read_all(r)) for r in reqs]
-    await eventually(lambda: all(len(r.output) > 5 for r in reqs), within_s=120)
-    # killed at once: LONG tokens take seconds, so neither request can finish first
-    # (pausing in place first did not always hold vLLM's streams: they could finish)
     server = b.live()[0]
     assert isinstance(server, HttpEngine) and server.process.pid is not None
+    start = (await server.load()).generation_tokens_total or 0
+    reqs = [b.engine.submit(p, LONG, GREEDY) for p in PROMPTS[:2]]
+    readers = [asyncio.create_task(read_all(r)) for r in reqs]
+    # The moment to kill is read from the engine's own counters, not from the gateway's
+    # output: the gateway's reader may lag the engine by a socket buffer's worth of
+    # tokens (so a request can be complete in the engine while its gateway output is
+    # short). Both running and fewer than LONG tokens made in all: neither is finished,
+    # and the kill follows the metrics answer with no await in between.
+    while True:
+        load = await server.load()
+        made = (load.generation_tokens_total or 0) - start
+        if load.running == 2 and made >= 2:
+            break
+        assert made < LONG, "the engine finished a request before it was seen running"
+        await asyncio.sleep(0.002)
     os.killpg(server.process.pid, signal.SIGKILL)  # the API server and its engine core
-    assert not any(r.done for r in reqs)
+    assert made < LONG  # so neither request had all its LONG tokens
     outs = await asyncio.wait_for(asyncio.gather(*readers), 300)
     assert outs == [long_reference[i] for i in range(2)]
     assert b.engine.failures == 1 and b.engine.instance_health() == ("up",)
