@@ -1,20 +1,25 @@
 """orlctl: the operator's and the RL loop's command line for OrchestrRL.
 
 Every command takes --json for scripts; --controller HOST:PORT or $ORL_CONTROLLER
-selects the controller (default 127.0.0.1:50051).
+selects the controller (default 127.0.0.1:50051); several separated by commas are the
+controllers of an HA group, and every call follows the one that leads.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+import structlog
 
 from fabric_controller import local
 from orchestrrl import add_version_flag, errors
@@ -25,10 +30,11 @@ from orchestrrl.client import (
     NodeView,
     PhaseChange,
     ScheduleView,
-    controller_address,
+    controller_addresses,
     to_json,
 )
 from orchestrrl.convert import optional_phase_from_pb
+from orchestrrl.logs import setup_logging
 from orchestrrl.model import Phase
 from orchestrrl.tls import TlsConfig
 from orchestrrl.tls import from_args as tls_from_args
@@ -42,8 +48,9 @@ def _common() -> argparse.ArgumentParser:
     p.add_argument(
         "--controller",
         default=argparse.SUPPRESS,
-        metavar="HOST:PORT",
-        help="controller address (default: $ORL_CONTROLLER or 127.0.0.1:50051)",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="controller address, or the addresses of an HA group separated by commas: calls "
+        "follow the leader (default: $ORL_CONTROLLER or 127.0.0.1:50051)",
     )
     p.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="print machine-readable JSON"
@@ -295,8 +302,8 @@ def _print(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None
         print(text())
 
 
-def _target(args: argparse.Namespace) -> tuple[str, float, TlsConfig | None]:
-    """Controller address, timeout, and mutual TLS when a --tls-* flag or $ORL_TLS_* is set."""
+def _target(args: argparse.Namespace) -> tuple[tuple[str, ...], float, TlsConfig | None]:
+    """Controller addresses, timeout, and mutual TLS when a --tls-* flag or $ORL_TLS_* is set."""
     files = {
         key: getattr(args, key, None) or (Path(os.environ[env]) if os.environ.get(env) else None)
         for key, env in (("tls_cert", "ORL_TLS_CERT"), ("tls_key", "ORL_TLS_KEY"),
@@ -304,7 +311,7 @@ def _target(args: argparse.Namespace) -> tuple[str, float, TlsConfig | None]:
     }  # fmt: skip
     tls = tls_from_args(argparse.Namespace(**files), required=False)
     return (
-        controller_address(getattr(args, "controller", None)),
+        controller_addresses(getattr(args, "controller", None), "--controller"),
         getattr(args, "timeout", 30.0),
         tls,
     )
@@ -632,10 +639,31 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+@contextlib.contextmanager
+def _logs_on_stderr() -> Iterator[None]:
+    """orlctl's own log lines (the client following the leader of an HA group) go to
+    stderr, warnings and worse: stdout holds the results (--json). The caller's logging
+    is restored afterwards (main also runs in-process, in tests)."""
+    config = structlog.get_config()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    setup_logging("warning", "console", sys.stderr)
+    try:
+        yield
+    finally:
+        structlog.configure(**config)
+        for handler in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(handler)
+        for handler in [h for h in handlers if h not in root.handlers]:
+            root.addHandler(handler)
+        root.setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command](args)
+        with _logs_on_stderr():
+            return COMMANDS[args.command](args)
     except errors.OrlError as exc:
         if getattr(args, "json", False):
             kind = type(exc).__name__

@@ -5,6 +5,9 @@ with ``_`` for ``-``; the repeatable ``--nic`` and ``--controller-identity`` are
 lists ``nics`` and ``controller_identities``). Precedence: flags, then the file, then
 ``$ORL_CONTROLLER`` (for ``controller`` only), then the built-in defaults. Every problem
 is reported at once, naming the flag or file key, the value and what is allowed.
+``controller`` may name several controllers (an HA group: a TOML list, or HOST:PORTs
+separated by commas in the file, the flag or ``$ORL_CONTROLLER``); the agent follows the
+one that leads.
 ``node_agent/agent.example.toml`` shows every key.
 """
 
@@ -37,6 +40,7 @@ from node_agent.uplink import (
 )
 from orchestrrl import add_version_flag, errors
 from orchestrrl.grpcutil import parse_address
+from orchestrrl.leader import parse_addresses
 from orchestrrl.logs import LogFormat
 from orchestrrl.tls import TlsConfig, add_tls_arguments
 from orchestrrl.tls import from_args as tls_from_args
@@ -99,6 +103,7 @@ class AgentConfig:
     node: str
     engine: EngineConfig
     listen: str = DEFAULT_LISTEN
+    # HOST:PORT, or the HOST:PORTs of an HA group joined by commas (see ``controllers``)
     controller: str = DEFAULT_CONTROLLER
     advertise_host: str | None = None
     gpus: int = 8
@@ -118,13 +123,18 @@ class AgentConfig:
     telemetry_buffer: int = DEFAULT_BUFFER_SAMPLES  # samples kept while the controller is away
     telemetry_flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S  # 0: send each sample
 
+    @property
+    def controllers(self) -> tuple[str, ...]:
+        """The controllers' addresses, in the order tried."""
+        return tuple(self.controller.split(","))
+
 
 # Settings a running agent applies on SIGHUP; a change to any other needs a restart.
 RUNTIME_FIELDS = frozenset(
     {"telemetry_interval_s", "telemetry_flush_interval_s", "log_level", "nics"}
 )
 
-Kind = Literal["str", "int", "number", "bool", "strs", "layout"]
+Kind = Literal["str", "int", "number", "bool", "strs", "layout", "addresses"]
 
 
 @dataclass(frozen=True)
@@ -150,7 +160,7 @@ KEYS: dict[str, Key] = {
     for k in (
         Key("node", "str"),
         Key("listen", "str"),
-        Key("controller", "str"),
+        Key("controller", "addresses"),
         Key("advertise_host", "str"),
         Key("gpus", "int"),
         Key("gpu_backend", "str"),
@@ -260,7 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--controller",
-        help=f"fabric controller HOST:PORT (default ${CONTROLLER_ENV} or {DEFAULT_CONTROLLER})",
+        help="fabric controller HOST:PORT, or the HOST:PORTs of an HA group separated by "
+        f"commas: the agent follows the leader (default ${CONTROLLER_ENV} or "
+        f"{DEFAULT_CONTROLLER})",
     )
     p.add_argument(
         "--advertise-host",
@@ -532,6 +544,8 @@ _EXPECT: dict[Kind, str] = {
     "bool": "true or false",
     "strs": "a list of strings",
     "layout": 'a list of integers, e.g. [2, 2, 2, 2], or a string "2,2,2,2"',
+    "addresses": 'a "HOST:PORT" string or a list of them, e.g. ["10.0.0.1:50051", '
+    '"10.0.0.2:50051"]',
 }
 
 
@@ -542,6 +556,10 @@ def _from_toml(key: Key, value: Any) -> Any:
     if isinstance(value, bool):
         return None
     if key.kind == "str":
+        return value if isinstance(value, str) else None
+    if key.kind == "addresses":  # the flag's form: HOST:PORTs separated by commas
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            return ",".join(value)
         return value if isinstance(value, str) else None
     if key.kind == "int":
         return str(value) if isinstance(value, int) else None
@@ -577,7 +595,7 @@ def _validate(
     else:
         check("node", lambda f: _node(node, f))
     check("listen", lambda f: parse_address(values["listen"], f) and values["listen"])
-    check("controller", lambda f: parse_address(values["controller"], f) and values["controller"])
+    check("controller", lambda f: ",".join(parse_addresses(values["controller"], f)))
     check("gpus", lambda f: _int(values["gpus"], f, 1, MAX_GPUS))
     check("gpu_backend", lambda f: _choice(values["gpu_backend"], f, BACKEND_KINDS))
     if "tp_layout" in values:
@@ -831,7 +849,7 @@ def to_toml(config: AgentConfig) -> str:
     values: dict[str, Any] = {
         "node": config.node,
         "listen": config.listen,
-        "controller": config.controller,
+        "controller": config.controller if len(config.controllers) == 1 else [*config.controllers],
         "advertise_host": config.advertise_host,
         "gpus": config.gpus,
         "gpu_backend": config.gpu_backend,

@@ -35,6 +35,15 @@ restart) ends the session; the uplink logs why, backs off with jitter and regist
 again. A controller that rejects the registration (node not in its wiring) is retried at
 the longest backoff, since an operator may fix the wiring. The agent keeps serving its
 own NodeAgent service throughout.
+
+The controller may be an HA group: a list of addresses, of which one leads. A standby
+answers Register, Heartbeat and the telemetry stream with UNAVAILABLE naming the leader
+(:mod:`orchestrrl.leader`); the uplink then registers with that leader at once (at most
+``len(addresses) + 2`` such redirects in a row, then it backs off). A controller that
+cannot be reached, or a standby that knows no leader, sends the next registration to the
+next address of the list, after the usual backoff. Samples stay buffered across all of
+it (a sample leaves the buffer only once written to a stream), so a failover loses no
+more than an outage of the same length.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ import asyncio
 import collections
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -53,8 +62,9 @@ from node_agent import convert
 from node_agent.metrics import AgentMetrics
 from node_agent.nics import NicRates
 from node_agent.telemetry import Collector, Reading, Telemetry, set_done, ticks
-from orchestrrl import errors
-from orchestrrl.grpcutil import call, channel
+from orchestrrl import errors, leader
+from orchestrrl.grpcutil import channel
+from orchestrrl.leader import call
 from orchestrrl.logs import get_logger
 from orchestrrl.tls import TlsConfig
 from orchestrrl.v1 import fabric_controller_pb2, fabric_controller_pb2_grpc
@@ -216,7 +226,7 @@ class Uplink:
         self,
         collector: Collector,
         agent_address: str,
-        controller: str | Callable[[], str],
+        controller: str | Sequence[str] | Callable[[], str | Sequence[str]],
         telemetry_interval_s: float,
         *,
         settings: UplinkSettings | None = None,
@@ -243,6 +253,11 @@ class Uplink:
         self._settings = settings or UplinkSettings()
         self._backoff = Backoff(self._settings.backoff_initial_s, self._settings.backoff_max_s, rng)
         self.session: Session | None = None
+        # An HA group of controllers (see the module docstring): the leader a standby named,
+        # the redirects followed in a row, and the position in the list of addresses
+        self._leader: str | None = None
+        self._redirects = 0
+        self._index = 0
 
     @property
     def telemetry_interval_s(self) -> float:
@@ -301,14 +316,18 @@ class Uplink:
     async def _sessions(self) -> None:
         failures = 0
         while True:
-            address = self._controller()
+            given = self._controller()
+            address = given if isinstance(given, str) else ",".join(given)
             try:
+                addresses = leader.parse_addresses(given, "controller")
+                address = self._leader or addresses[self._index % len(addresses)]
                 async with channel(address, self._tls) as ch:
                     stub = cast(
                         "fabric_controller_pb2_grpc.FabricControllerAsyncStub",
                         fabric_controller_pb2_grpc.FabricControllerStub(ch),
                     )
                     session = await self._register(stub, address)
+                    self._redirects = 0
                     await self._keep_alive(stub, session)
             except RegistrationRejected as exc:
                 failures += 1
@@ -326,19 +345,49 @@ class Uplink:
                 log.error("controller_address_invalid", controller=address, reason=str(exc))
             except Exception as exc:
                 failures += 1
-                delay = self._backoff.next()
-                log.warning(
-                    "controller_session_lost" if self.session else "controller_unreachable",
-                    controller=address,
-                    reason=_reason(exc),
-                    failures=failures,
-                    retry_in_s=round(delay, 3),
-                )
+                named = self._redirect_to(exc, address, addresses)
+                if named is not None:
+                    delay = 0.0
+                    log.info(
+                        "controller_redirect",
+                        standby=address,
+                        leader=named,
+                        redirects=self._redirects,
+                        session_lost=self.session is not None,
+                    )
+                else:
+                    self._leader = None  # the next address of the list, after the backoff
+                    self._redirects = 0
+                    self._index = (
+                        addresses.index(address) if address in addresses else self._index
+                    ) + 1
+                    delay = self._backoff.next()
+                    log.warning(
+                        "controller_session_lost" if self.session else "controller_unreachable",
+                        controller=address,
+                        reason=_reason(exc),
+                        failures=failures,
+                        retry_in_s=round(delay, 3),
+                        next=addresses[self._index % len(addresses)],
+                    )
             if self.session is not None:
                 self.metrics.reconnects.inc()
             self.session = None
             self.metrics.registered.set(0)
             await asyncio.sleep(delay)
+
+    def _redirect_to(
+        self, exc: BaseException, address: str, addresses: tuple[str, ...]
+    ) -> str | None:
+        """The leader to register with next when ``exc`` is a standby's answer naming one
+        (and the redirects in a row are within bounds), else None."""
+        leaf = _leaf(exc)
+        named = leaf.leader if isinstance(leaf, leader.NotLeader) else None
+        if named is None or named == address or self._redirects >= len(addresses) + 2:
+            return None
+        self._redirects += 1
+        self._leader = named
+        return named
 
     async def _register(
         self, stub: fabric_controller_pb2_grpc.FabricControllerAsyncStub, address: str
@@ -447,6 +496,9 @@ class Uplink:
                 try:
                     await call("ReportTelemetryBatch", stream.write(message))
                 except asyncio.InvalidStateError:
+                    # the stream has ended: its status says why (a standby names the leader)
+                    async with asyncio.timeout(self._settings.rpc_timeout_s):
+                        await call("ReportTelemetryBatch", _ended(stream))
                     raise errors.Unavailable(
                         "ReportTelemetryBatch: the controller closed the telemetry stream"
                     ) from None
@@ -457,10 +509,21 @@ class Uplink:
             stream.cancel()
 
 
-def _reason(exc: BaseException) -> str:
-    """The first leaf of an exception group, rendered for a person."""
+async def _ended(stream: object) -> object:
+    """The outcome of an ended client stream: its response, or its status raised."""
+    return await cast("asyncio.Future[object]", stream)
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The first leaf of an exception group (``exc`` itself when not a group)."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
+    return exc
+
+
+def _reason(exc: BaseException) -> str:
+    """The first leaf of an exception group, rendered for a person."""
+    exc = _leaf(exc)
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
     if isinstance(exc, errors.OrlError):

@@ -10,14 +10,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+import random
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterator,
+    Sequence,
+)
 from dataclasses import asdict, dataclass, field
 from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
 
-from orchestrrl import errors, grpcutil
+from orchestrrl import errors, grpcutil, leader
 from orchestrrl.convert import optional_phase_from_pb, phase_to_pb, stages_from_pb
 from orchestrrl.logs import get_logger
 from orchestrrl.model import Phase
@@ -30,9 +38,28 @@ log = get_logger("orchestrrl.client")
 T = TypeVar("T")
 
 
+BACKOFF_INITIAL_S = 0.05  # before a second round through the controllers' addresses
+BACKOFF_MAX_S = 1.0
+
+
 def controller_address(explicit: str | None = None) -> str:
-    """--controller, else $ORL_CONTROLLER, else the local default."""
+    """--controller, else $ORL_CONTROLLER, else the local default (as given: one
+    HOST:PORT or several separated by commas; see :func:`controller_addresses`)."""
     return explicit or os.environ.get("ORL_CONTROLLER") or DEFAULT_CONTROLLER
+
+
+def controller_addresses(
+    explicit: str | Sequence[str] | None = None, field: str = "controller"
+) -> tuple[str, ...]:
+    """The controllers to try, validated: ``explicit`` (a HOST:PORT, several separated by
+    commas, or a list; ``field`` names it in errors), else $ORL_CONTROLLER, else the local
+    default."""
+    if explicit:
+        return leader.parse_addresses(explicit, field)
+    env = os.environ.get("ORL_CONTROLLER")
+    if env:
+        return leader.parse_addresses(env, "$ORL_CONTROLLER")
+    return (DEFAULT_CONTROLLER,)
 
 
 @dataclass(frozen=True)
@@ -238,13 +265,40 @@ def _telemetry_summary(n: pb.NodeState) -> dict[str, Any]:
 
 
 class AsyncClient:
+    """The controller's API. ``address``: one HOST:PORT, several separated by commas, or a
+    list (default ``$ORL_CONTROLLER``, else the local default): the controllers of an HA
+    group, of which one leads.
+
+    Every unary call (and the opening of ``watch``) follows the leader: a standby's answer
+    (UNAVAILABLE naming the leader, see :mod:`orchestrrl.leader`) sends the call to that
+    leader (at most ``len(addresses) + 2`` such hops per call); UNAVAILABLE without a
+    leader, or a controller that cannot be reached, sends it to the next address of the
+    list, after a short jittered backoff once every address has failed. All of it within
+    ``timeout_s`` per call; then :class:`errors.Unavailable` says what each address
+    answered. Any other status is never retried. A retried ``set_phase`` is the same
+    request (the same ``request_id``: the controller answers a retry with the first
+    outcome); without a ``request_id`` a retry after a lost connection sets the same phase
+    again, which is a no-op if the first attempt was applied."""
+
     def __init__(
-        self, address: str | None = None, timeout_s: float = 30.0, tls: TlsConfig | None = None
+        self,
+        address: str | Sequence[str] | None = None,
+        timeout_s: float = 30.0,
+        tls: TlsConfig | None = None,
+        *,
+        backoff_initial_s: float = BACKOFF_INITIAL_S,
+        backoff_max_s: float = BACKOFF_MAX_S,
     ) -> None:
-        self.address = controller_address(address)
+        self.addresses = controller_addresses(address)
+        self.address = self.addresses[0]  # the controller calls go to (the leader, once known)
         self.timeout_s = timeout_s
-        self._channel = grpcutil.channel(self.address, tls)
-        self._stub = pb_grpc.FabricControllerStub(self._channel)
+        self._tls = tls
+        self._backoff_initial_s = backoff_initial_s
+        self._backoff_max_s = backoff_max_s
+        self._rng = random.Random()
+        # one channel per controller dialled (the list, and leaders it named): a call in
+        # flight on one is not cut when another call moves on
+        self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -253,10 +307,25 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._channel.close()
+        channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            await ch.close()
 
-    def _what(self, rpc: str) -> str:
-        return f"controller {self.address}: {rpc}"
+    def _stub_for(self, address: str) -> pb_grpc.FabricControllerStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpcutil.channel(address, self._tls)
+        return pb_grpc.FabricControllerStub(ch)
+
+    async def _unary(self, rpc: str, send: Callable[[Any, float], Awaitable[T]]) -> T:
+        """``send(stub, timeout)`` to the leader: follow redirects, rotate on failure."""
+        route = _Route(self, rpc)
+        while True:
+            stub = self._stub_for(route.address)
+            try:
+                return await leader.call(route.what(), send(stub, route.remaining()))
+            except (leader.NotLeader, leader.Unreachable) as exc:
+                await route.failed(exc)
 
     async def set_phase(
         self, phase: Phase | str, request_id: str = "", idle_window_s: float = 0.0
@@ -265,14 +334,12 @@ class AsyncClient:
         the phase needs its circuits (0: unknown); a shorter window than the OCS needs
         keeps the current topology (``gated`` in the result, ``message`` says why)."""
         p = phase if isinstance(phase, Phase) else Phase.parse(phase)
-        r = await grpcutil.call(
-            self._what("SetPhase"),
-            self._stub.SetPhase(
-                pb.SetPhaseRequest(
-                    phase=phase_to_pb(p), request_id=request_id, idle_window_s=idle_window_s
-                ),
-                timeout=self.timeout_s,
-            ),
+        # one request for every attempt: a retry carries the same request id
+        request = pb.SetPhaseRequest(
+            phase=phase_to_pb(p), request_id=request_id, idle_window_s=idle_window_s
+        )
+        r: pb.SetPhaseResponse = await self._unary(
+            "SetPhase", lambda stub, timeout: stub.SetPhase(request, timeout=timeout)
         )
         return PhaseChange(
             epoch=r.epoch,
@@ -318,17 +385,16 @@ class AsyncClient:
                     log.error("phase_restore_failed", phase=before, error=str(exc))
 
     async def get_phase(self) -> PhaseState:
-        r = await grpcutil.call(
-            self._what("GetPhase"),
-            self._stub.GetPhase(pb.GetPhaseRequest(), timeout=self.timeout_s),
+        r: pb.GetPhaseResponse = await self._unary(
+            "GetPhase", lambda stub, timeout: stub.GetPhase(pb.GetPhaseRequest(), timeout=timeout)
         )
         return PhaseState(r.epoch, _phase_name(r.phase), _circuits(r.circuits), r.committed_at)
 
     async def plan_phase(self, phase: Phase | str) -> PhasePlan:
         p = phase if isinstance(phase, Phase) else Phase.parse(phase)
-        r = await grpcutil.call(
-            self._what("PlanPhase"),
-            self._stub.PlanPhase(pb.PlanPhaseRequest(phase=phase_to_pb(p)), timeout=self.timeout_s),
+        request = pb.PlanPhaseRequest(phase=phase_to_pb(p))
+        r: pb.PlanPhaseResponse = await self._unary(
+            "PlanPhase", lambda stub, timeout: stub.PlanPhase(request, timeout=timeout)
         )
         return PhasePlan(
             _phase_name(r.phase),
@@ -339,15 +405,16 @@ class AsyncClient:
         )
 
     async def topology(self) -> pb.Topology:
-        return await grpcutil.call(
-            self._what("GetTopology"),
-            self._stub.GetTopology(pb.GetTopologyRequest(), timeout=self.timeout_s),
+        topology: pb.Topology = await self._unary(
+            "GetTopology",
+            lambda stub, timeout: stub.GetTopology(pb.GetTopologyRequest(), timeout=timeout),
         )
+        return topology
 
     async def nodes(self) -> list[NodeView]:
-        r = await grpcutil.call(
-            self._what("ListNodes"),
-            self._stub.ListNodes(pb.ListNodesRequest(), timeout=self.timeout_s),
+        r: pb.ListNodesResponse = await self._unary(
+            "ListNodes",
+            lambda stub, timeout: stub.ListNodes(pb.ListNodesRequest(), timeout=timeout),
         )
         return [
             NodeView(
@@ -367,21 +434,37 @@ class AsyncClient:
 
     async def schedule(self) -> ScheduleView:
         """The compute-scheduling loop's current plan, why, and its last actions."""
-        r = await grpcutil.call(
-            self._what("GetSchedule"),
-            self._stub.GetSchedule(pb.GetScheduleRequest(), timeout=self.timeout_s),
+        r: pb.GetScheduleResponse = await self._unary(
+            "GetSchedule",
+            lambda stub, timeout: stub.GetSchedule(pb.GetScheduleRequest(), timeout=timeout),
         )
         return _schedule(r)
 
     async def watch(self, recent: int = 0, follow: bool = True) -> AsyncIterator[EventView]:
         """The ``recent`` most recent events, then (``follow``) new ones as they happen,
-        until the caller stops iterating."""
-        call = self._stub.WatchEvents(pb.WatchEventsRequest(recent=recent, follow=follow))
+        until the caller stops iterating.
+
+        The stream is opened on the leader as unary calls are (a standby's answer and an
+        unreachable controller before the first event are followed); once events have
+        arrived, a broken stream is an error (the caller resumes from the last sequence)."""
+        request = pb.WatchEventsRequest(recent=recent, follow=follow)
+        route = _Route(self, "WatchEvents")  # its deadline bounds the failovers only
+        call = self._stub_for(route.address).WatchEvents(request)
+        started = False
         try:
             while True:
-                e = await grpcutil.call(self._what("WatchEvents"), call.read())
+                try:
+                    e = await leader.call(route.what(), call.read())
+                except (leader.NotLeader, leader.Unreachable) as exc:
+                    if started:
+                        raise
+                    await route.failed(exc)
+                    call.cancel()
+                    call = self._stub_for(route.address).WatchEvents(request)
+                    continue
                 if e is grpc.aio.EOF:
                     return
+                started = True
                 assert isinstance(e, pb.Event)
                 yield EventView(
                     sequence=e.sequence,
@@ -397,15 +480,108 @@ class AsyncClient:
             call.cancel()
 
 
+class _Route:
+    """One call's way to the leader (see :class:`AsyncClient`): the redirects followed,
+    the addresses that failed, the backoff between rounds, the deadline."""
+
+    def __init__(self, client: AsyncClient, rpc: str) -> None:
+        self._client = client
+        self._rpc = rpc
+        self.address = client.address  # where the next attempt goes
+        self._loop = asyncio.get_running_loop()
+        self._started = self._loop.time()
+        self._deadline = self._started + client.timeout_s
+        self._candidates = list(client.addresses)  # and the leaders named on the way
+        self._hops = 0  # redirects followed since the last backoff
+        self._failed: set[str] = set()  # addresses that named no leader since the last backoff
+        self._rounds = 0
+        self._answers: dict[str, str] = {}  # each address's last answer, for the error
+
+    def what(self) -> str:
+        """The attempt, as errors name it."""
+        return f"controller {self.address}: {self._rpc}"
+
+    def _move_to(self, address: str) -> None:
+        self.address = self._client.address = address  # later calls start there too
+
+    def remaining(self) -> float:
+        """The timeout of the next attempt: what is left of the call's deadline."""
+        return max(0.0, self._deadline - self._loop.time())
+
+    async def failed(self, exc: errors.Unavailable) -> None:
+        """The attempt on the client's current address failed with ``exc``: move the client
+        to where the next attempt goes (after a backoff when due), or raise when the call
+        must give up."""
+        c = self._client
+        here = self.address
+        self._answers[here] = str(exc)
+        named = exc.leader if isinstance(exc, leader.NotLeader) else None
+        if (
+            named is not None
+            and named != here
+            and named not in self._failed  # it failed since the last round: stale news
+            and self._hops < len(c.addresses) + 2
+        ):
+            if self.remaining() <= 0.0:
+                raise self._give_up()
+            self._hops += 1
+            if named not in self._candidates:
+                self._candidates.append(named)
+            log.info("controller_redirect", rpc=self._rpc, standby=here, leader=named)
+            self._move_to(named)
+            return
+        if len(self._candidates) == 1:  # nowhere else to try
+            raise exc
+        self._failed.add(here)
+        following = self._candidates[(self._candidates.index(here) + 1) % len(self._candidates)]
+        delay = 0.0
+        if following in self._failed:  # every address failed since the last round
+            ceiling = min(c._backoff_max_s, c._backoff_initial_s * 2.0**self._rounds)
+            delay = c._rng.uniform(ceiling / 2.0, ceiling)
+            self._rounds += 1
+        if self.remaining() <= delay:
+            raise self._give_up()
+        log.warning(
+            "controller_try_next",
+            rpc=self._rpc,
+            failed=here,
+            reason=str(exc),
+            next=following,
+            retry_in_s=round(delay, 3),
+        )
+        if delay:
+            await asyncio.sleep(delay)
+            self._failed.clear()
+            self._hops = 0
+        self._move_to(following)
+
+    def _give_up(self) -> errors.Unavailable:
+        waited = self._loop.time() - self._started
+        answers = errors.listed(f"{a}: {why}" for a, why in self._answers.items())
+        return errors.Unavailable(
+            f"{self._rpc}: no leader among the controllers {', '.join(self._candidates)} "
+            f"answered within {waited:.1f} s (timeout {self._client.timeout_s:g} s); "
+            f"last answers: {answers}"
+        )
+
+
 class Client:
     """Synchronous client: the same calls as ``AsyncClient``, blocking."""
 
     def __init__(
-        self, address: str | None = None, timeout_s: float = 30.0, tls: TlsConfig | None = None
+        self,
+        address: str | Sequence[str] | None = None,
+        timeout_s: float = 30.0,
+        tls: TlsConfig | None = None,
     ) -> None:
         self._runner = asyncio.Runner()
         self._async = self._runner.run(_make(address, timeout_s, tls))
-        self.address = self._async.address
+        self.addresses = self._async.addresses
+
+    @property
+    def address(self) -> str:
+        """The controller calls go to (the leader, once one answered)."""
+        return self._async.address
 
     def _run(self, coro: Any) -> Any:
         return self._runner.run(coro)
@@ -489,7 +665,9 @@ class Client:
             self._run(stream.aclose())
 
 
-async def _make(address: str | None, timeout_s: float, tls: TlsConfig | None) -> AsyncClient:
+async def _make(
+    address: str | Sequence[str] | None, timeout_s: float, tls: TlsConfig | None
+) -> AsyncClient:
     return AsyncClient(address, timeout_s, tls)
 
 
@@ -503,5 +681,6 @@ __all__ = [
     "PhasePlan",
     "PhaseState",
     "controller_address",
+    "controller_addresses",
     "to_json",
 ]

@@ -223,3 +223,63 @@ def test_diff_splits_runtime_changes_from_restart_ones() -> None:
     assert set(change.applied) == {"telemetry_interval_s", "log_level", "nics"}
     assert change.needs_restart == ("gpus",)
     assert diff(old, old).applied == diff(old, old).needs_restart == ()
+
+
+def test_controller_takes_a_list_from_the_file_the_flag_or_the_environment(
+    tmp_path: Path,
+) -> None:
+    group = ["ctl-a.example:50051", "ctl-b.example:50051", "10.0.0.3:50051"]
+    as_list = write(
+        tmp_path, f'node = "n1"\nplaintext = true\ncontroller = {group!r}\n'.replace("'", '"')
+    )
+    config = load_argv(["--config", str(as_list)])
+    assert config.controllers == tuple(group)
+    assert config.controller == ",".join(group)
+    # the normalised file keeps the list, and loads back to the same configuration
+    assert f'controller = ["{group[0]}", "{group[1]}", "{group[2]}"]' in to_toml(config)
+    again = write(tmp_path, to_toml(config))
+    assert load_argv(["--config", str(again)]) == config
+    commas = write(tmp_path, 'node = "n1"\nplaintext = true\ncontroller = "a:1, b:2"\n')
+    assert load_argv(["--config", str(commas)]).controllers == ("a:1", "b:2")
+    plain = write(tmp_path, 'node = "n1"\nplaintext = true\n')
+    assert load_argv(["--config", str(plain), "--controller", "x:1,y:2"]).controllers == (
+        "x:1",
+        "y:2",
+    )
+    assert load_argv(["--config", str(plain)], {"ORL_CONTROLLER": "e:1,f:2"}).controllers == (
+        "e:1",
+        "f:2",
+    )
+    assert load_argv(["--config", str(plain)]).controllers == ("127.0.0.1:50051",)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("[]", 'controller=[] is not valid: expected a "HOST:PORT" string or a list'),
+        ("[1, 2]", "controller=[1, 2] is not valid: expected a"),
+        ('"a:1,,b:2"', "controller='a:1,,b:2' is not valid: an empty address in the list"),
+        ('["a:1", "nope"]', "controller='nope' is not valid: expected HOST:PORT"),
+        ('"a:1,a:1"', "controller='a:1,a:1' is not valid: each address once (a:1 repeated)"),
+        ('"a:0"', "controller='a:0' is not valid: port must be 1..65535"),
+        ('"a:1,b:99999"', "controller='b:99999' is not valid: port must be 0..65535"),
+    ],
+)
+def test_bad_controller_lists_name_the_key_the_value_and_the_rule(
+    tmp_path: Path, value: str, message: str
+) -> None:
+    path = write(tmp_path, f'node = "n1"\nplaintext = true\ncontroller = {value}\n')
+    with pytest.raises(ConfigProblems) as info:
+        load_argv(["--config", str(path)])
+    [problem] = info.value.problems
+    assert problem.startswith(f"{path}: controller="), problem
+    assert message in problem, problem
+
+
+def test_a_bad_controller_flag_names_the_flag(tmp_path: Path) -> None:
+    plain = write(tmp_path, 'node = "n1"\nplaintext = true\n')
+    with pytest.raises(ConfigProblems) as info:
+        load_argv(["--config", str(plain), "--controller", "x:1,y"])
+    assert info.value.problems == (
+        "--controller='y' is not valid: expected HOST:PORT, e.g. 127.0.0.1:50051",
+    )
