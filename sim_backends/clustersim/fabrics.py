@@ -246,16 +246,8 @@ class Fabric:
         self, phase: str, transfers: Sequence[Transfer], idle_window_s: float = 0.0
     ) -> PhaseResult:
         """Simulate one phase's transfers, all starting together (see the module doc)."""
-        if phase not in PHASES:
-            raise errors.field_error("phase", phase, f"one of {', '.join(PHASES)}")
-        if not idle_window_s >= 0:
-            raise errors.field_error("idle_window_s", idle_window_s, "a number >= 0")
+        reconfig_s, reconfigured, reason = self.prepare_phase(phase, transfers, idle_window_s)
         src, dst, nbytes = self._arrays(transfers)
-        reconfig_s, reconfigured, reason = 0.0, False, ""
-        if self._optical is not None:
-            reconfig_s, reconfigured, reason = self._optical.prepare(
-                phase, src, dst, nbytes, idle_window_s
-            )
         cap, classes, owner, sbytes, es, el = self._flows(src, dst, nbytes)
         res = simulate_indexed(cap, owner, sbytes, es, el, np.zeros(src.shape[0]))
         transfer_s = float(res.finish.max()) if src.size else 0.0
@@ -273,6 +265,54 @@ class Fabric:
             transfer_s=transfer_s,
             circuits=self._optical.circuit_count if self._optical is not None else 0,
         )
+
+    def prepare_phase(
+        self, phase: str, transfers: Sequence[Transfer], idle_window_s: float = 0.0
+    ) -> tuple[float, bool, str]:
+        """The reconfiguration part of :meth:`run_phase` alone: RFabric plans circuits for
+        the phase's pod-to-pod bytes (all of ``transfers``, e.g. every collective of a
+        training step together) and applies the slack gate. Returns (seconds charged,
+        rewired, reason); other fabrics return (0, False, "")."""
+        if phase not in PHASES:
+            raise errors.field_error("phase", phase, f"one of {', '.join(PHASES)}")
+        if not idle_window_s >= 0:
+            raise errors.field_error("idle_window_s", idle_window_s, "a number >= 0")
+        if self._optical is None:
+            return 0.0, False, ""
+        src, dst, nbytes = self._arrays(transfers)
+        return self._optical.prepare(phase, src, dst, nbytes, idle_window_s)
+
+    def transfer_seconds(self, transfers: Sequence[Transfer], method: str = "flow") -> float:
+        """Completion time of ``transfers`` started together on the current circuits,
+        without planning any: ``flow`` simulates them (max-min fair, :mod:`.flows`);
+        ``bottleneck`` is the closed form ``max over links of bytes / capacity`` (ECMP
+        splits as in the flow model), which a schedule keeping the busiest link busy
+        reaches and which max-min fair flows reach when every flow crosses a link as
+        loaded as the busiest one (the symmetric collectives here; tested)."""
+        return self.measure(transfers, method)[0]
+
+    def measure(
+        self, transfers: Sequence[Transfer], method: str = "flow"
+    ) -> tuple[float, dict[str, float]]:
+        """:meth:`transfer_seconds` and the mean utilisation per link class."""
+        src, dst, nbytes = self._arrays(transfers)
+        if not src.size:
+            return 0.0, {}
+        cap, classes, owner, sbytes, es, el = self._flows(src, dst, nbytes)
+        if method == "flow":
+            res = simulate_indexed(cap, owner, sbytes, es, el, np.zeros(src.shape[0]))
+            seconds = float(res.finish.max())
+            load = res.link_bytes
+        elif method == "bottleneck":
+            load = np.bincount(el, weights=sbytes[es], minlength=cap.shape[0]).astype(np.float64)
+            used = load > 0
+            with np.errstate(divide="ignore"):
+                seconds = float((load[used] / cap[used]).max())
+        else:
+            raise errors.field_error("method", method, "one of flow, bottleneck")
+        if math.isinf(seconds):
+            raise errors.FailedPrecondition(f"{self.kind.value}: a transfer has no path")
+        return seconds, _utilisation(cap, classes, load, seconds)
 
     def cost(self, prices: Prices = DEFAULT_PRICES) -> CostBreakdown:
         c, o = self.cluster, self.options

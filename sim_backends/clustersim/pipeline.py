@@ -8,29 +8,35 @@ Step ``k`` (``S_k`` its start)::
 
 so a step lasts ``max(G_k, T_{k-1}) + W_k`` (verl's one-step-off-policy pipeline;
 generation pauses during the sync). ``G_k`` comes from :mod:`.generation`. Training:
-``mini_batches`` optimizer steps, each its share of the compute (FLOPs as in
-:class:`~.scenario.TrainingConfig`, at the performance model's training MFU) followed by
-the data-parallel ring all-reduce of the gradients between the training nodes as flows
-on the fabric (``Fabric.run_phase("training", ring_allreduce(...))``, not overlapped
-with compute: a conservative assumption). The traffic is idle during a mini-batch's
-compute, and that window is what RFabric may use to rewire for the training phase.
+``mini_batches`` optimizer steps and a log-prob pass under the scenario's
+``[parallelism]`` layout (:mod:`.parallel`: compute at the performance model's training
+MFU; the layout's collectives, by default Megatron's data-parallel ring all-reduce of the
+gradients, each timed on the fabric, ``flow`` by default or the ``bottleneck`` closed
+form; exposed communication ``max(0, comm - overlap x compute)``, overlap 0 by default:
+a conservative assumption). The training traffic is idle during a mini-batch's
+compute, and that window is what RFabric may use to rewire for the training phase: it
+plans its circuits for all of the step's training collectives together
+(``Fabric.prepare_phase``).
 Weight sync: ``Fabric.run_phase("weight-sync", weight_sync_transfers(...))`` with the
 network's idle window before it: the time the training pool has been done while the
 generation pool still ran (all of the step's generation time at step 0).
 
-Node indexes on the fabric: training nodes first (0..T-1), generation nodes after
-(T..T+G-1); pods are consecutive blocks of nodes, so the training pool fills whole pods
-first. Nodes of neither pool stay idle.
+Node indexes on the fabric (``split.placement``): ``contiguous``, training nodes first
+(0..T-1), generation nodes after (T..T+G-1); pods are consecutive blocks of nodes, so the
+training pool fills whole pods first. ``scattered``: the training pool's ranks are dealt
+round-robin over the pods used (rank i in pod i mod P), as a shared cluster's scheduler
+hands out free nodes, and generation takes the remaining nodes of those pods; each pool's
+rank order is the order :func:`pools` returns. Nodes of neither pool stay idle.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from scheduler.compute_problem import PlannerConfig
 from scheduler.perf_model import PerfModel, default_model
-from sim_backends.clustersim.collectives import ring_allreduce, weight_sync_transfers
+from sim_backends.clustersim.collectives import weight_sync_transfers
 from sim_backends.clustersim.cost import CostBreakdown
 from sim_backends.clustersim.fabrics import (
     ClusterSpec,
@@ -46,6 +52,12 @@ from sim_backends.clustersim.generation import (
     gen_node_names,
     simulate_step,
     uniform_layout,
+)
+from sim_backends.clustersim.models import TrainShape, shape
+from sim_backends.clustersim.parallel import (
+    TrainingTraffic,
+    time_training,
+    training_traffic,
 )
 from sim_backends.clustersim.scenario import Scenario, SplitConfig
 from sim_backends.clustersim.workload import workload
@@ -87,6 +99,7 @@ class RunResult:
     link_utilisation: Mapping[str, Mapping[str, float]]  # phase -> link class -> mean
     train_gpus: int = 0
     gen_gpus: int = 0
+    algorithms: Mapping[str, str] = field(default_factory=dict)  # collective -> algorithm
 
     @property
     def steady(self) -> tuple[StepTiming, ...]:
@@ -141,8 +154,56 @@ def cluster_spec(s: Scenario) -> ClusterSpec:
 
 
 def pools(s: Scenario) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Training and generation node indexes, each in rank order (see the module doc)."""
     t, g = s.train_nodes, s.gen_nodes
-    return tuple(range(t)), tuple(range(t, t + g))
+    if s.split.placement != "scattered":
+        return tuple(range(t)), tuple(range(t, t + g))
+    return scattered_pools(t, g, cluster_spec(s).nodes_per_pod)
+
+
+def scattered_pools(
+    train: int, gen: int, nodes_per_pod: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ``scattered`` placement: ``train + gen`` nodes fill as few pods as they can;
+    the training ranks are dealt round-robin over those pods, generation takes the rest."""
+    total = train + gen
+    pods = -(-total // nodes_per_pod)
+    slots = [
+        [p * nodes_per_pod + i for i in range(min(nodes_per_pod, total - p * nodes_per_pod))]
+        for p in range(pods)
+    ]
+    out: list[int] = []
+    k = 0
+    while len(out) < train:
+        pod = slots[k % pods]
+        if pod:
+            out.append(pod.pop(0))
+        k += 1
+    taken = set(out)
+    return tuple(out), tuple(x for x in range(total) if x not in taken)
+
+
+def train_shape(s: Scenario, perf: PerfModel) -> TrainShape:
+    """The model trained: ``training.model``, or the generation model's shape."""
+    return shape(s.training.model) if s.training.model else shape(perf.model.name)
+
+
+def training_step(s: Scenario, perf: PerfModel, tokens: int) -> TrainingTraffic:
+    """One RL step's training (compute and collectives) for a batch of ``tokens``."""
+    train, _ = pools(s)
+    c = cluster_spec(s)
+    return training_traffic(
+        train_shape(s, perf),
+        s.parallelism,
+        train,
+        c.gpus_per_node,
+        c.pod_of,
+        tokens=tokens,
+        mini_batches=s.training.mini_batches,
+        flops_per_gpu=perf.hardware.peak_flops * perf.efficiency.training_mfu,
+        grad_bytes_per_param=s.training.grad_bytes_per_param,
+        reference_model=s.training.reference_model,
+    )
 
 
 def candidate_tps(s: Scenario, perf: PerfModel) -> tuple[int, ...]:
@@ -197,6 +258,9 @@ def best_static(
 
 
 def make_fabric(s: Scenario, perf: PerfModel, kind: str | None = None, **opts: object) -> Fabric:
+    """The scenario's fabric; an optical one plans its static circuits for one step's
+    training traffic (a representative batch: every request at the workload's median
+    length) plus the weight sync."""
     cluster = cluster_spec(s)
     train, gen = pools(s)
     f = s.fabric
@@ -209,28 +273,30 @@ def make_fabric(s: Scenario, perf: PerfModel, kind: str | None = None, **opts: o
     if opts:
         options = replace(options, **opts)  # type: ignore[arg-type]
     k = FabricKind(kind or f.kind)
-    job = [*_allreduce(s, perf, train), *_sync_transfers(s, perf, cluster, None)]
+    w = s.workload
+    tokens = int(w.requests_per_step * (w.prompt_tokens + w.median_response_tokens))
+    demand = training_step(s, perf, tokens).demand(s.parallelism.algorithm)
+    job = [*demand, *_sync_transfers(s, perf, cluster, None)]
     return build_fabric(k, cluster, options, train, gen, job)
-
-
-def _allreduce(s: Scenario, perf: PerfModel, train: Sequence[int]) -> list[Transfer]:
-    grad = perf.model.params * s.training.grad_bytes_per_param
-    return ring_allreduce(list(train), float(grad), "dp-grad")
 
 
 def _sync_transfers(
     s: Scenario, perf: PerfModel, cluster: ClusterSpec, fabric: Fabric | None
 ) -> list[Transfer]:
     train, gen = pools(s)
-    return weight_sync_transfers(train, gen, perf.model.weight_bytes, cluster, fabric)
+    return weight_sync_transfers(train, gen, train_shape(s, perf).weight_bytes, cluster, fabric)
 
 
 def train_compute_s(s: Scenario, perf: PerfModel, tokens: int) -> float:
-    """Training FLOPs of one RL step's batch over the training pool at the model's MFU."""
+    """Training FLOPs of one RL step's batch over the training pool at the model's MFU
+    (8 x active params x tokens, 10 with a reference model; :mod:`.parallel`)."""
     factor = 6.0 + 2.0 + (2.0 if s.training.reference_model else 0.0)
     h, e = perf.hardware, perf.efficiency
     return (
-        factor * perf.model.params * tokens / (s.split.train_gpus * h.peak_flops * e.training_mfu)
+        factor
+        * train_shape(s, perf).active_params
+        * tokens
+        / (s.split.train_gpus * h.peak_flops * e.training_mfu)
     )
 
 
@@ -244,28 +310,45 @@ def run_pipeline(
     static_tp: int,
 ) -> RunResult:
     """Compose generation results with training and weight sync on ``fabric``."""
-    train, _ = pools(s)
-    grad_transfers = _allreduce(s, perf, train)
     sync_transfers = _sync_transfers(s, perf, fabric.cluster, fabric)
-    mb = s.training.mini_batches
+    layout = s.parallelism
+    latency = perf.efficiency.network_latency_s
     util_sum: dict[str, dict[str, float]] = {}
     util_n: dict[str, int] = {}
     steps: list[StepTiming] = []
+    algorithms: dict[str, str] = {}
     start = 0.0
     prev: GenStepResult | None = None
     for g in gens:
         train_s = compute = comm = train_reconfig = 0.0
         if prev is not None:
-            compute = train_compute_s(s, perf, prev.response_tokens + prev.prompt_tokens)
-            per_mb = compute / mb
-            first = fabric.run_phase("training", grad_transfers, idle_window_s=per_mb)
-            _acc(util_sum, util_n, "training", first.link_utilisation)
-            rest = 0.0
-            if mb > 1:
-                again = fabric.run_phase("training", grad_transfers, idle_window_s=per_mb)
-                rest = again.seconds * (mb - 1)
-            comm = first.seconds + rest
-            train_reconfig = first.reconfig_s
+            traffic = training_step(s, perf, prev.response_tokens + prev.prompt_tokens)
+            train_reconfig, _, _ = fabric.prepare_phase(
+                "training", traffic.demand(layout.algorithm), traffic.update_compute_s
+            )
+            seen: dict[int, dict[str, float]] = {}
+
+            def seconds_of(
+                ts: Sequence[Transfer], seen: dict[int, dict[str, float]] = seen
+            ) -> float:
+                sec, util = fabric.measure(ts, s.parallelism.timing)
+                seen[id(ts)] = util
+                return sec
+
+            timing = time_training(
+                traffic,
+                seconds_of,
+                algorithm=layout.algorithm,
+                overlap=layout.overlap,
+                latency_s=latency,
+            )
+            for p in traffic.patterns:
+                used = seen.get(id(p.option(timing.choices[p.name]).transfers))
+                if used:
+                    _acc(util_sum, util_n, "training", used)
+            algorithms.update(timing.choices)
+            compute = timing.compute_s
+            comm = timing.exposed_s + train_reconfig
             train_s = compute + comm
         window = max(0.0, g.seconds - train_s if prev is not None else g.seconds)
         sync = fabric.run_phase("weight-sync", sync_transfers, idle_window_s=window)
@@ -306,6 +389,7 @@ def run_pipeline(
         link_utilisation=util,
         train_gpus=s.split.train_gpus,
         gen_gpus=s.split.gen_gpus,
+        algorithms=algorithms,
     )
 
 

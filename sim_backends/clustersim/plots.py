@@ -114,3 +114,37 @@ def plot_perf_cost(network: Mapping[str, Mapping[str, Any]], path: Path) -> None
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_regimes(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
+    """Perf/cost (normalised to the fat-tree) per fabric for every cell of the regime
+    map (workload, GPUs, placement), with and without host links."""
+    cells = list(dict.fromkeys((r["workload"], r["gpus"], r["placement"]) for r in rows))
+    fabrics = list(dict.fromkeys(r["fabric"] for r in rows))
+    by = {(r["workload"], r["gpus"], r["placement"], r["fabric"]): r for r in rows}
+    fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 1.1 * len(cells)), 7), sharex=True)
+    width = 0.8 / max(1, len(fabrics))
+    for ax, key, title in (
+        (axes[0], "perf_per_cost_norm", "perf/cost vs fat-tree"),
+        (axes[1], "perf_per_cost_above_hosts_norm", "perf/cost vs fat-tree, no host links"),
+    ):
+        for i, f in enumerate(fabrics):
+            ax.bar(
+                [x + i * width for x in range(len(cells))],
+                [(by[(*c, f)][key] if (*c, f) in by else None) or 0.0 for c in cells],
+                width,
+                label=f,
+            )
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_ylabel(title)
+        ax.legend(fontsize=7, ncol=len(fabrics))
+    axes[1].set_xticks(
+        [x + 0.4 - width / 2 for x in range(len(cells))],
+        [f"{w}\n{g} {p}" for w, g, p in cells],
+        rotation=30,
+        fontsize=7,
+        ha="right",
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -30,6 +30,7 @@ A scenario (every key optional except ``cluster.nodes``; defaults below)::
     [workload]   ...  see WorkloadConfig
     [generation] ...  see GenerationConfig
     [training]   ...  see TrainingConfig
+    [parallelism] ... see sim_backends.clustersim.parallel.Parallelism
     [fabric]     ...  see FabricConfig
 
 Defaults and their public basis are documented on each dataclass.
@@ -45,9 +46,12 @@ from typing import Any
 
 from orchestrrl import errors
 from scheduler.perf_model import HARDWARE, MODELS, default_model
+from sim_backends.clustersim.models import SHAPES
+from sim_backends.clustersim.parallel import Parallelism
 
 POLICIES = ("static", "proactive", "reactive", "adaptive", "oracle")
 SPLIT_CHOICES = ("fixed", "auto")
+PLACEMENTS = ("contiguous", "scattered")
 FABRIC_KINDS = ("fat-tree", "fat-tree-oversub", "rail-optimised", "static-optical", "rfabric")
 
 
@@ -85,12 +89,17 @@ class SplitConfig:
     layout's mean steady step time in the one-step-asynchronous pipeline (every whole-node
     split, or the training-pool sizes listed in ``sweep_train_gpus``; ties go to the split
     with more generation GPUs). The rule is :func:`~.pipeline.choose_split`.
+
+    ``placement``: ``contiguous`` (the training pool fills whole pods first, generation
+    the pods after) or ``scattered`` (training ranks dealt round-robin over the pods, as a
+    shared cluster's scheduler hands out free nodes); see :func:`~.pipeline.pools`.
     """
 
     train_gpus: int = 0
     gen_gpus: int = 0
     choose: str = "fixed"
     sweep_train_gpus: tuple[int, ...] = ()
+    placement: str = "contiguous"
 
     @property
     def total_gpus(self) -> int:
@@ -163,11 +172,17 @@ class TrainingConfig:
     data-parallel gradient reduce-scatter + all-gather over the network between nodes
     (model sharded by TP inside a node). FLOPs: 6 x params x tokens for the update plus
     2 x params x tokens to recompute the old policy's log-probabilities (plus as much
-    again for a reference model when ``reference_model``)."""
+    again for a reference model when ``reference_model``; MoE: active parameters).
+    ``model``: the shape trained (``sim_backends.clustersim.models.SHAPES``, which adds
+    Qwen3-235B-A22B and Qwen3-30B-A3B); empty: ``model.name``. Generation is always
+    timed with ``model.name``'s performance model (it has no MoE decode yet), so a MoE
+    here sizes the training traffic and the weight sync only. The parallelism layout and
+    its collectives are the ``[parallelism]`` table's."""
 
     mini_batches: int = 4
     reference_model: bool = False
     grad_bytes_per_param: int = 2
+    model: str = ""
 
 
 @dataclass(frozen=True)
@@ -194,6 +209,7 @@ class Scenario:
     workload: WorkloadConfig = WorkloadConfig()
     generation: GenerationConfig = GenerationConfig()
     training: TrainingConfig = TrainingConfig()
+    parallelism: Parallelism = field(default_factory=Parallelism)
     fabric: FabricConfig = FabricConfig()
     source: str = field(default="", compare=False)
 
@@ -213,6 +229,7 @@ _SECTIONS: dict[str, type] = {
     "workload": WorkloadConfig,
     "generation": GenerationConfig,
     "training": TrainingConfig,
+    "parallelism": Parallelism,
     "fabric": FabricConfig,
 }
 _TOP = {"name": str, "seed": int, "steps": int}
@@ -229,6 +246,9 @@ _NON_NEGATIVE = {
     ("workload", "sample_sigma"),
     ("workload", "drift_per_step"),
     ("fabric", "ocs_switching_s"),
+    ("parallelism", "tp"),
+    ("parallelism", "ep"),
+    ("parallelism", "overlap"),
 }
 
 
@@ -424,6 +444,25 @@ def _check_semantics(s: Scenario, problems: list[str]) -> None:
                 str(errors.field_error(f"split.{key}", v, f"a positive multiple of {g} GPUs"))
             )
     _check_split_choice(s, problems)
+    if s.split.placement not in PLACEMENTS:
+        problems.append(
+            str(
+                errors.field_error(
+                    "split.placement", s.split.placement, "one of " + ", ".join(PLACEMENTS)
+                )
+            )
+        )
+    trained = s.training.model or s.model.name
+    if s.training.model and s.training.model not in SHAPES:
+        problems.append(
+            str(
+                errors.field_error(
+                    "training.model", s.training.model, "empty or one of " + ", ".join(SHAPES)
+                )
+            )
+        )
+    elif trained in SHAPES and s.train_nodes >= 1:
+        problems += s.parallelism.problems(SHAPES[trained], s.train_nodes, g)
     total = s.split.train_gpus + s.split.gen_gpus
     if total > c.gpus:
         problems.append(

@@ -75,7 +75,7 @@ def test_bad_scenario_is_rejected_before_running(tmp_path: Path) -> None:
 def test_reproduce_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     proc = _orl_sim("reproduce", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    assert "] 14/14" in proc.stderr  # the progress bar reached the end
+    assert "] 15/15" in proc.stderr  # the progress bar reached the end
     assert "compute 64 GPUs Qwen2.5-14B" in proc.stdout and "paper" in proc.stdout
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results) >= {"compute", "network", "sensitivity_switching", "sensitivity_split"}
@@ -109,6 +109,16 @@ def test_reproduce_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
         for r in rows.values():  # one steady step at --quick: the bound is gen vs train
             assert r["bound"] == ("generation" if r["gen_s"] >= r["train_s"] else "training")
     assert report.count("<- auto") == 2 and "Split sweep dapo-14b" in report
+    # the regime map: every workload x placement x fabric, and RFabric's verdicts
+    regime = results["regimes"]
+    cells = {(r["workload"], r["placement"], r["fabric"]) for r in regime["rows"]}
+    assert len(cells) == len(regime["rows"]) == 3 * 2 * 5
+    for r in regime["rows"]:
+        assert r["step_s"] == pytest.approx(r["compute_s"] + r["exposed_s"] + r["sync_s"])
+        assert r["algorithm"] in {"ring", "tree", "hierarchical"}
+    assert len(regime["verdicts"]) == 6
+    assert "## 2b. Regime map" in report and "RFabric / best static" in report
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert "regime-map.png" in pngs
     assert "perf-cost.png" in pngs and any(p.startswith("timeline-") for p in pngs)
     assert all((tmp_path / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
