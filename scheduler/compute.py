@@ -32,6 +32,11 @@ into it: ``max_n pause_n + max_i (moves_i + run_i)``.
    move choosing between moving the KV cache and recomputing it by the cost model; on
    small clusters it also tries exchanging two requests when no single move helps. The
    stopping condition is a property of the final placement, so it holds again on re-plan.
+3. Admission order. Requests of sample groups the forecast predicts long (their
+   finished or long-running siblings say so: ``LengthForecast.group_log_scale``) are
+   named in ``ComputePlan.admit_order``, predicted longest first: engines admit them
+   ahead of the rest of their queue, which keeps its order. Without group information
+   the order is empty and queues stay first come, first served.
 
 Scale: layout scoring, LPT and balancing look at the least-loaded instances of each TP
 degree (instances of one degree are interchangeable), so a plan for 1024 instances and
@@ -222,6 +227,11 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
     assignment = list(
         zip(map(rids.__getitem__, placed_r), map(ids.__getitem__, placed_k), strict=True)
     )
+    # requests without KV cache of groups predicted long, in the order to admit them
+    # (predicted longest first) ahead of every other waiting request
+    waiting = req_a[~kv_a[req_a] & prob.long_group_array[req_a]]
+    waiting = waiting[np.argsort(prob.rank_array[waiting], kind="stable")]
+    admit_order = tuple(map(rids.__getitem__, waiting.tolist()))
     new_node = np.array([node_code[n] for n in pl.node], dtype=np.int64)
     node_changes = np.zeros(len(prob.nodes) + 1, dtype=np.bool_)
     node_changes[[node_code[n] for n in changed]] = True
@@ -282,6 +292,7 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
         candidates=tuple(
             Candidate(c.label, c.makespan_s, c.switching_s) for c in choices[:REPORTED]
         ),
+        admit_order=admit_order,
     )
 
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from orchestrrl import errors
 from scheduler.compute_state import ComputeState, Instance, MoveMethod, canonical_instances
-from scheduler.forecast import LengthForecast, predict_remaining_arrays
+from scheduler.forecast import LengthForecast, predict_remaining_groups
 from scheduler.perf_model import PerfModel
 
 Pattern = tuple[int, ...]  # TP degrees of a node's instances, descending
@@ -224,6 +224,11 @@ class Problem:
     kv_array: np.ndarray = field(
         default_factory=lambda: np.zeros(0, np.bool_), compare=False, repr=False
     )
+    # per request, whether its sample group is predicted longer than the pooled forecast
+    # (its finished or long-running siblings say so): such requests are admitted first
+    long_group_array: np.ndarray = field(
+        default_factory=lambda: np.zeros(0, np.bool_), compare=False, repr=False
+    )
     # node_cost per (old, new) pattern pair, filled on use (a plan asks for few pairs, often)
     pauses: dict[tuple[Pattern, Pattern], float] = field(
         default_factory=dict, compare=False, repr=False
@@ -359,8 +364,16 @@ def build_problem(
     n_req = len(reqs)
     gens = list(map(attrgetter("generated_tokens"), reqs))
     instance_of = tuple(map(attrgetter("instance"), reqs))
-    means, quants = predict_remaining_arrays(
-        forecast, gens, critical_level(n_req, config.tail_quantile)
+    groups = list(map(attrgetter("group"), reqs))
+    scales = forecast.group_log_scale
+    long_group = np.array(
+        [scales.get(g, 0.0) > 0.0 if g is not None else False for g in groups]
+        if scales
+        else np.zeros(n_req, np.bool_),
+        dtype=np.bool_,
+    )
+    means, quants = predict_remaining_groups(
+        forecast, gens, groups, critical_level(n_req, config.tail_quantile)
     )
     # per-request arrays in numpy (the same float operations as the scalar forms noted)
     prompt = np.array(list(map(attrgetter("prompt_tokens"), reqs)), dtype=np.int64)
@@ -420,8 +433,17 @@ def build_problem(
     else:
         mean_ctx = mean_final = 1.0
     costs = tp_costs(perf, tps, mean_ctx, mean_final, config.max_num_seqs)
-    # the order (-q, -mi, index): lexsort is stable, so ties keep the index order
-    by_length_a = np.lexsort((-mi_a, -q_a)) if n_req else np.zeros(0, dtype=np.int64)
+    # the order (-q, -mi, position in its group, index): lexsort is stable, so ties keep
+    # the index order; among equals the groups take turns (the first sample of every
+    # group before the second of any), so LPT spreads the samples of one prompt, whose
+    # lengths go together, over the instances instead of stacking them on one
+    sibling = np.zeros(n_req, dtype=np.int64)
+    if any(g is not None for g in groups):
+        seen: dict[str | None, int] = {}
+        for k, g in enumerate(groups):
+            if g is not None:
+                sibling[k] = seen[g] = seen.get(g, -1) + 1
+    by_length_a = np.lexsort((sibling, -mi_a, -q_a)) if n_req else np.zeros(0, dtype=np.int64)
     rank_a = np.empty(n_req, dtype=np.int64)
     rank_a[by_length_a] = np.arange(n_req)
     by_length = by_length_a.tolist()
@@ -453,4 +475,5 @@ def build_problem(
         current_index=current_index,
         rank_array=rank_a,
         kv_array=kv_a,
+        long_group_array=long_group,
     )

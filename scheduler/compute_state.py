@@ -36,6 +36,9 @@ class Request:
     ``instance`` None: queued globally (not yet dispatched). ``running`` False with an
     instance: dispatched but not started (no KV cache yet). ``running`` True: decoding,
     with ``prompt_tokens + generated_tokens`` of KV cache on its instance.
+    ``group``: the request's sample group (the GRPO samples of one prompt share its
+    difficulty, so finished siblings predict the rest; see
+    :func:`scheduler.forecast.group_scales`); None: no group known.
     """
 
     id: str
@@ -43,6 +46,7 @@ class Request:
     generated_tokens: int = 0
     instance: str | None = None
     running: bool = False
+    group: str | None = None
 
     @property
     def context_tokens(self) -> int:
@@ -232,6 +236,9 @@ class ComputePlan:
     prediction: Prediction
     reason: str
     candidates: tuple[Candidate, ...] = field(default=(), compare=False)
+    # the placed requests without KV cache in the order engines should admit them
+    # (predicted longest first; the rest of the queue keeps its order after them)
+    admit_order: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def empty(self) -> bool:
@@ -290,7 +297,11 @@ def apply_plan(state: ComputeState, plan: ComputePlan) -> ComputeState:
     for r in state.requests:
         target = placed.get(r.id)
         if target is None:
-            requests.append(Request(r.id, r.prompt_tokens, r.generated_tokens, None, False))
+            requests.append(
+                Request(r.id, r.prompt_tokens, r.generated_tokens, None, False, r.group)
+            )
         else:
-            requests.append(Request(r.id, r.prompt_tokens, r.generated_tokens, target, r.has_kv))
+            requests.append(
+                Request(r.id, r.prompt_tokens, r.generated_tokens, target, r.has_kv, r.group)
+            )
     return ComputeState(state.nodes, plan.instances, tuple(requests))

@@ -26,14 +26,28 @@ exponential smoothing (level + trend; Holt 1957, see Hyndman & Athanasopoulos,
 step's lengths by ``exp(predicted log-mean - that step's log-mean)``, i.e. we assume the
 shape of the distribution is stable and its scale drifts. The factor is clamped to
 ``[1/max_drift, max_drift]``.
+
+Within a sample group (the GRPO samples of one prompt) lengths are correlated: a hard
+prompt makes all its samples long. Seer (arXiv 2511.14617) schedules on exactly this
+signal, probing a group with its first requests. We model the log length of a sample as
+``mu + d_p + e`` (a one-way random-effects model: ``d_p`` the prompt's difficulty, ``e``
+the sample's own spread) and estimate ``d_p`` by its best linear predictor (the shrunk
+group mean, the variance components by the ANOVA method of moments; Searle, Casella &
+McCulloch, *Variance Components*, 1992, section 3.5). A completed sample contributes its
+log length; a running one at ``g`` tokens contributes ``log E[L | L > g]`` under the
+pooled forecast (a censored observation imputed, so that groups whose samples are still
+running after many tokens look long). Early in a step every sample runs at about the
+same ``g``: the imputed values agree, the between-group variance is estimated at zero
+and no group is scaled. A request of group ``p`` then has its length distribution scaled
+by ``exp(d_p)`` (:func:`predict_remaining_groups`).
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -52,6 +66,8 @@ class ForecastConfig:
     # Used only when nothing at all is known (no history, nothing completed): an
     # exponential distribution with this mean.
     fallback_mean_tokens: float = 1024.0
+    # a group's length scale exp(d_p) is clamped to exp(+-group_max_log_scale)
+    group_max_log_scale: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("holt_alpha", "holt_beta", "history_decay", "tail_quantile"):
@@ -69,6 +85,10 @@ class ForecastConfig:
         if self.fallback_mean_tokens <= 0:
             raise errors.field_error(
                 "forecast.fallback_mean_tokens", self.fallback_mean_tokens, "> 0"
+            )
+        if self.group_max_log_scale < 0:
+            raise errors.field_error(
+                "forecast.group_max_log_scale", self.group_max_log_scale, ">= 0"
             )
 
 
@@ -125,6 +145,8 @@ class LengthForecast:
     max_tokens: int | None
     drift: Drift
     observations: int
+    # per sample group, the log of its length scale (groups not listed: 0)
+    group_log_scale: Mapping[str, float] = field(default_factory=dict, compare=False)
 
     # -- the distribution --
 
@@ -223,15 +245,27 @@ def build_forecast(
     *,
     max_tokens: int | None = None,
     config: ForecastConfig = ForecastConfig(),
+    completed_groups: Sequence[str | None] = (),
+    running_groups: Sequence[str | None] = (),
 ) -> LengthForecast:
     """The length forecast for the current step.
 
     ``history``: completed response lengths of recent steps, oldest first.
     ``completed``: lengths of responses finished in this step.
     ``running``: tokens generated so far by each request still running in this step.
+    ``completed_groups`` / ``running_groups``: the sample group of each of those (empty:
+    no groups known); with them the forecast carries every group's length scale.
     """
     if max_tokens is not None and max_tokens <= 0:
         raise errors.field_error("max_tokens", max_tokens, "a positive integer or None")
+    for name, groups, values in (
+        ("completed_groups", completed_groups, completed),
+        ("running_groups", running_groups, running),
+    ):
+        if groups and len(groups) != len(values):
+            raise errors.field_error(
+                name, f"{len(groups)} entries", f"one per entry of the lengths ({len(values)})"
+            )
     past = _past_steps(history, config)
     drift = past.drift
 
@@ -272,7 +306,7 @@ def build_forecast(
     if not knots:  # nothing known: exponential from zero
         knots, survival, area = [0.0], [1.0], [0.0]
         tail = config.fallback_mean_tokens
-    return LengthForecast(
+    pooled = LengthForecast(
         knots=tuple(knots),
         survival=tuple(survival),
         area=tuple(area),
@@ -281,6 +315,81 @@ def build_forecast(
         drift=drift,
         observations=len(x_a),
     )
+    if not (completed_groups or running_groups):
+        return pooled
+    scales = group_scales(
+        pooled,
+        completed,
+        completed_groups or [None] * len(completed),
+        running,
+        running_groups or [None] * len(running),
+        config.group_max_log_scale,
+    )
+    return replace(pooled, group_log_scale=scales)
+
+
+def group_scales(
+    pooled: LengthForecast,
+    completed: Sequence[int],
+    completed_groups: Sequence[str | None],
+    running: Sequence[int],
+    running_groups: Sequence[str | None],
+    max_log_scale: float = 2.0,
+) -> dict[str, float]:
+    """Per sample group, the predicted log of its length scale ``d_p`` (module docstring:
+    the shrunk group mean of log lengths, running samples imputed by ``pooled``), clamped
+    to ``+-max_log_scale``. Groups with no between-group signal are left out (scale 1)."""
+    parts = [np.log(np.maximum(1.0, np.asarray(completed, np.float64)))]
+    if len(running):
+        mean, _ = predict_remaining_arrays(pooled, running, 0.5)
+        parts.append(np.log(np.maximum(1.0, np.asarray(running, np.float64) + mean)))
+    obs = np.concatenate(parts)
+    labels = [*completed_groups, *running_groups]
+    known = np.array([g is not None for g in labels], dtype=np.bool_)
+    if not known.any():
+        return {}
+    names, code = np.unique(np.array([g for g in labels if g is not None]), return_inverse=True)
+    x = obs[known]
+    k, n = len(names), len(x)
+    if k < 2 or n <= k:
+        return {}
+    size = np.bincount(code, minlength=k).astype(np.float64)
+    means = np.bincount(code, weights=x, minlength=k) / size
+    grand = float(x.sum()) / n
+    within = float(((x - means[code]) ** 2).sum()) / (n - k)
+    ssb = float((size * (means - grand) ** 2).sum())
+    n0 = (n - float((size**2).sum()) / n) / (k - 1)
+    between = max(0.0, (ssb / (k - 1) - within) / n0) if n0 > 0 else 0.0
+    if between <= 0.0:
+        return {}
+    shrink = size * between / (size * between + within) if within > 0 else np.ones(k)
+    d = np.clip((means - grand) * shrink, -max_log_scale, max_log_scale)
+    return dict(zip(names.tolist(), d.tolist(), strict=True))
+
+
+def predict_remaining_groups(
+    forecast: LengthForecast,
+    generated: Sequence[int],
+    groups: Sequence[str | None],
+    q: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and ``q``-quantile of the remaining tokens per request, each request's length
+    distribution scaled by its group's ``exp(d_p)`` (``forecast.group_log_scale``): the
+    pooled prediction at ``g / f`` tokens, times ``f``, less ``g``, within the cap.
+    Requests of unscaled groups get :func:`predict_remaining_arrays` exactly."""
+    scales = forecast.group_log_scale
+    if not scales:
+        return predict_remaining_arrays(forecast, generated, q)
+    gen = np.asarray(generated, dtype=np.int64)
+    f = np.exp(np.array([scales.get(g, 0.0) if g is not None else 0.0 for g in groups]))
+    scaled = np.floor(gen / f + 0.5).astype(np.int64)
+    mean, quant = predict_remaining_arrays(forecast, scaled, q)
+    cap = math.inf if forecast.max_tokens is None else float(forecast.max_tokens)
+    g_f = gen.astype(np.float64)
+    room = np.maximum(0.0, cap - g_f)
+    mean = np.minimum(room, np.maximum(0.0, f * (scaled + mean) - g_f))
+    quant = np.minimum(room, np.maximum(0.0, f * (scaled + quant) - g_f))
+    return mean, quant
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,12 @@ never token by token:
   offload; rare with the defaults);
 - the compute planner of :mod:`scheduler.compute` decides inside the simulation: at the
   step start and every ``replan_interval_s`` it gets the live state (instances, every
-  request running/queued with its generated tokens) and a length forecast
-  (:func:`scheduler.forecast.build_forecast` over past steps and this step so far) and
-  its plan is applied: resharding nodes pause for the plan's ``pause_s``, requests moved
-  by KV transfer or recompute stall their target instance for the plan's ``cost_s``.
+  request running/queued with its generated tokens and its GRPO group, the prompt) and
+  a length forecast (:func:`scheduler.forecast.build_forecast` over past steps and this
+  step so far, with every finished and running sample's group: the sibling signal) and
+  its plan is applied (instance queues sorted by the plan's ``admit_order``):
+  resharding nodes pause for the plan's ``pause_s``, requests moved by KV transfer or
+  recompute stall their target instance for the plan's ``cost_s``.
 
 Policies: ``static`` (fixed layout, requests split evenly up front), ``proactive``
 (``plan_compute`` with reactive moves disabled: ``move_margin_s`` = infinity),
@@ -181,10 +183,22 @@ def prefill_batch_time(perf: PerfModel, tp: int, tokens: int) -> float:
 
 
 class _Req:
-    __slots__ = ("done_at", "gen0", "generated", "id", "inst", "it0", "length", "prompt", "running")
+    __slots__ = (
+        "done_at",
+        "gen0",
+        "generated",
+        "group",
+        "id",
+        "inst",
+        "it0",
+        "length",
+        "prompt",
+        "running",
+    )
 
     def __init__(self, r: RolloutRequest) -> None:
         self.id = r.id
+        self.group = f"p{r.prompt}"  # the GRPO group: the samples of one prompt
         self.prompt = r.prompt_tokens
         self.length = r.response_tokens
         self.generated = 0  # tokens generated as of the instance's iteration it0
@@ -249,6 +263,7 @@ class GenerationSim:
         self.seq = 0
         self.segments: list[Segment] = []
         self.completed: list[int] = []
+        self.completed_groups: list[str] = []
         self.completions: list[float] = []
         self.plans = 0
         self.reshards = 0
@@ -269,6 +284,7 @@ class GenerationSim:
                 for t in (1, 2, 4, 8, 16)
                 if gpus_per_node % t == 0 and perf.model.heads % t == 0 and perf.fits(t)
             ),
+            dispatch_ahead_s=replan_interval_s,  # a lane's requests wait for no re-plan
         )
         for n in self.nodes:
             for inst in canonical_instances(n, self.node_gpus[n], layout[n]):
@@ -387,6 +403,7 @@ class GenerationSim:
             r.done_at = now
             r.inst = None
             self.completed.append(r.length)
+            self.completed_groups.append(r.group)
             self.completions.append(now)
             self.unfinished -= 1
         if s.ctx_sum > s.cap and len(s.running) > 1:
@@ -482,11 +499,11 @@ class GenerationSim:
         for s in self.insts.values():
             for r in s.running.values():
                 g = r.generated + (s.it - r.it0)
-                requests.append(Request(r.id, r.prompt, g, s.id, True))
+                requests.append(Request(r.id, r.prompt, g, s.id, True, r.group))
             for r in s.queue:
-                requests.append(Request(r.id, r.prompt, r.generated, s.id, False))
+                requests.append(Request(r.id, r.prompt, r.generated, s.id, False, r.group))
         for r in self.global_queue:
-            requests.append(Request(r.id, r.prompt, r.generated, None, False))
+            requests.append(Request(r.id, r.prompt, r.generated, None, False, r.group))
         return ComputeState(nodes, instances, tuple(requests))
 
     def _replan(self, now: float) -> None:
@@ -494,7 +511,14 @@ class GenerationSim:
             self._sync(s, now)
         state = self._state(now)
         running = [r.generated_tokens for r in state.requests]
-        forecast = build_forecast(self.history, self.completed, running, max_tokens=self.max_tokens)
+        forecast = build_forecast(
+            self.history,
+            self.completed,
+            running,
+            max_tokens=self.max_tokens,
+            completed_groups=self.completed_groups,
+            running_groups=[r.group for r in state.requests],
+        )
         if self.policy == "oracle":
             plan = oracle_plan(state, self.lengths, self.perf, now, self.oracle)
         elif self.policy == "reactive":
@@ -566,8 +590,14 @@ class GenerationSim:
                 self._start(dst, r)
             else:
                 dst.queue.append(r)
-        if self.policy == "oracle":  # its queues run in the plan's order (longest first)
-            rank = {rid: i for i, (rid, _) in enumerate(plan.assignment)}
+        # queues run in the plan's order (predicted longest first; the oracle's
+        # assignment is in its longest-first order); unranked requests keep their place
+        # after the ranked ones
+        order = plan.admit_order or (
+            tuple(rid for rid, _ in plan.assignment) if self.policy == "oracle" else ()
+        )
+        if order:
+            rank = {rid: i for i, rid in enumerate(order)}
             for s in self.insts.values():
                 s.queue = deque(sorted(s.queue, key=lambda r: rank.get(r.id, len(rank))))
         for s in self.insts.values():

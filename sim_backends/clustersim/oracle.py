@@ -21,10 +21,19 @@ Rules (:func:`oracle_plan`, called at the step start and at every re-plan):
    first (a slot frees when its current request is predicted to finish: remaining tokens
    x ``tau``). The instance's queue is that order, so its longest requests start first.
    A request's predicted finish in this schedule is its deadline.
-3. **Starting layout** (first plan of a step, nothing started): every uniform layout and
-   every mix of ``k`` nodes at the largest TP with the others at one smaller TP is
-   scored by the list schedule's makespan, the nodes that change starting after their
-   reshard pause; the best is taken (ties: fewer reshards, then larger TP).
+3. **Starting layout and lanes** (layout: first plan of a step, nothing started): every
+   uniform layout and every mix of ``k`` nodes at the largest TP with the others at one
+   smaller TP is scored by the list schedule's makespan, the nodes that change starting
+   after their reshard pause; the best is taken (ties: fewer reshards, then larger TP).
+   In a mixed layout the instances of the largest TP may run as *lanes*: at most
+   ``b`` sequences each (``b`` from ``lane_slots``), at the faster per-token time of
+   that batch, so the longest requests (placed first) run on them at a small batch
+   while the bulk fills the small instances. Whether and at which ``b`` is scored by
+   the list schedule as well, at the step start and at every re-plan while requests
+   wait; a lane takes a request only into a slot that frees before the next re-plan
+   (``dispatch_ahead_s``), so nothing waits for a lane, and it is given only those.
+   This is the clairvoyant policy of issue 15's outside analysis (a mixed layout from
+   the start, longest-first, the long requests on large TP at a small batch).
 4. **Late requests move.** Once nothing is queued, the straggler (the running request
    predicted to finish last, at its instance's current batch) moves to the instance
    of larger TP where it would finish soonest, if that beats its current finish by more than
@@ -69,6 +78,12 @@ class OracleConfig:
     tps: tuple[int, ...] = (1, 2, 4, 8)  # TP degrees the oracle may use
     margin: float = 0.02  # a move or a tail reshard must gain this share of the finish
     max_moves: int = 8  # running requests moved per plan
+    # batch limits a lane (an instance of the largest TP kept for the longest requests)
+    # may run at; the list schedule picks the one that ends the step first (rule 3)
+    lane_slots: tuple[int, ...] = (8, 16, 32, 64)
+    # requests the schedule starts on a lane within this long are dispatched to it now
+    # (the simulator re-plans every replan_interval_s, 5 s by default)
+    dispatch_ahead_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -103,44 +118,69 @@ def list_schedule(
     busy: Mapping[str, Sequence[float]],
     pending: Sequence[tuple[str, int]],
     sp: Speeds,
+    *,
+    lanes: Mapping[str, tuple[int, float]] | None = None,
+    lane_horizon: float = math.inf,
+    starts: dict[str, float] | None = None,
 ) -> tuple[list[tuple[str, str]], float]:
     """Rule 2. ``instances``: (id, tp, ready time); ``busy``: per instance the predicted
     finish of each running request; ``pending``: (request, tokens to generate) in the
-    order to place them. Returns ((request, instance) in that order, makespan)."""
-    # slots (free time, rank in its instance, instance): equal times fill instances
-    # round robin, so no instance takes all of the longest requests
-    heaps: dict[int, list[tuple[float, int, str]]] = {}
+    order to place them; ``lanes``: instances run with fewer slots at a faster per-token
+    time, (slots, tau) (rule 3), which take a request only into a slot free by
+    ``lane_horizon`` (a request never waits for a lane). Returns ((request, instance) in
+    that order, makespan); ``starts`` (when given) receives every placed request's
+    predicted start."""
+    lanes = lanes or {}
+    # slots (free time, rank in its instance, instance) per class of interchangeable
+    # instances (TP, slots, tau): equal times fill instances round robin, so no instance
+    # takes all of the longest requests
+    heaps: dict[tuple[int, int, float], list[tuple[float, int, str]]] = {}
     makespan = 0.0
     for iid, tp, ready in instances:
-        h = heaps.setdefault(tp, [])
+        slots, tau = lanes.get(iid, (sp.slots[tp], sp.tau[tp]))
+        h = heaps.setdefault((tp, slots, tau), [])
         running = sorted(busy.get(iid, ()))
         makespan = max([makespan, *running])
-        free = max(0, sp.slots[tp] - len(running))
+        free = max(0, slots - len(running))
         h.extend((ready, k, iid) for k in range(free))
         # slots beyond the free ones open as running requests finish (earliest first)
         h.extend(
-            (max(ready, f), free + k, iid)
-            for k, f in enumerate(running[: max(0, sp.slots[tp] - free)])
+            (max(ready, f), free + k, iid) for k, f in enumerate(running[: max(0, slots - free)])
         )
     for h in heaps.values():
         heapq.heapify(h)
     out: list[tuple[str, str]] = []
     for rid, n in pending:
-        best: tuple[float, int] | None = None
-        for tp, h in heaps.items():
-            if not h:
+        best: tuple[float, int, int, tuple[int, int, float]] | None = None
+        for cls, h in heaps.items():
+            if not h or (h[0][0] > lane_horizon and cls[1] < sp.slots[cls[0]]):
                 continue
-            finish = h[0][0] + n * sp.tau[tp]
-            if best is None or (finish, -tp) < (best[0], -best[1]):
-                best = (finish, tp)
+            finish = h[0][0] + n * cls[2]
+            key = (finish, -cls[0], -cls[1], cls)
+            if best is None or key < best:
+                best = key
         if best is None:
             break
-        finish, tp = best
-        _, rank, iid = heaps[tp][0]
-        heapq.heapreplace(heaps[tp], (finish, rank, iid))
+        finish, cls = best[0], best[3]
+        start, rank, iid = heaps[cls][0]
+        heapq.heapreplace(heaps[cls], (finish, rank, iid))
         out.append((rid, iid))
+        if starts is not None:
+            starts[rid] = start
         makespan = max(makespan, finish)
     return out, makespan
+
+
+def lane_options(
+    perf: PerfModel, sp: Speeds, tp: int, config: OracleConfig
+) -> list[tuple[int, float]]:
+    """(slots, tau) a lane of TP ``tp`` may run at: ``config.lane_slots`` below the full
+    slot count, each at its decode iteration time at the step's mean context."""
+    return [
+        (b, perf.decode_iteration_time(tp, b, sp.context))
+        for b in sorted(set(config.lane_slots))
+        if 0 < b < sp.slots[tp]
+    ]
 
 
 def candidate_layouts(
@@ -191,12 +231,49 @@ def choose_layout(
                 changes += 1
             for i, t in enumerate(layout[n]):
                 insts.append((f"{n}/{i}", t, now + pause))
-        _, makespan = list_schedule(insts, {}, pending, sp)
+        _, makespan = best_lanes(insts, {}, pending, sp, perf, config, now)
         key = (makespan, changes, -max(max(p) for p in layout.values()))
         if best is None or key < best[:3]:
             best = (*key, layout)
     assert best is not None
     return best[3]
+
+
+def best_lanes(
+    instances: Sequence[tuple[str, int, float]],
+    remaining: Mapping[str, Sequence[int]],
+    pending: Sequence[tuple[str, int]],
+    sp: Speeds,
+    perf: PerfModel,
+    config: OracleConfig,
+    now: float = 0.0,
+) -> tuple[dict[str, tuple[int, float]], float]:
+    """Rule 3's lanes: in a layout of mixed TP degrees, the instances of the largest TP
+    either run at full batch or all at one of the lane batch limits, whichever list
+    schedule ends first (ties: no lanes, then the larger limit). ``remaining``: per
+    instance, the tokens its running requests still generate. Returns (the lanes,
+    (slots, tau) per lane instance; the makespan)."""
+    if not instances:
+        return {}, 0.0
+    big = max(tp for _, tp, _ in instances)
+    bigs = [iid for iid, tp, _ in instances if tp == big]
+    best: tuple[float, int, int, dict[str, tuple[int, float]]] | None = None
+    # lanes need instances for the bulk: a layout of one TP degree has none
+    options = lane_options(perf, sp, big, config) if len(bigs) < len(instances) else []
+    for opt in [None, *options]:
+        lanes = dict.fromkeys(bigs, opt) if opt is not None else {}
+        busy = {
+            iid: [ready + n * lanes.get(iid, (0, sp.tau[tp]))[1] for n in remaining.get(iid, ())]
+            for iid, tp, ready in instances
+        }
+        _, makespan = list_schedule(
+            instances, busy, pending, sp, lanes=lanes, lane_horizon=now + config.dispatch_ahead_s
+        )
+        key = (makespan, 0 if opt is None else 1, -(opt[0] if opt else 0))
+        if best is None or key < best[:3]:
+            best = (*key, lanes)
+    assert best is not None
+    return best[3], best[0]
 
 
 def _longest_first(
@@ -370,18 +447,34 @@ def oracle_plan(
         reason = "oracle: queue empty, " + ", ".join(
             f"{x.node} -> {_describe({x.node: x.after})}" for x in reshards
         )
+    slots = [(i.id, i.tp, ready[i.id]) for i in instances]
+    remaining = {iid: [r for _, r in lv.reqs.values()] for iid, lv in live.items()}
+    lanes: dict[str, tuple[int, float]] = {}
+    if pending:
+        lanes, _ = best_lanes(slots, remaining, pending, sp, perf, config, now)
     busy = {
-        iid: [lv.ready + r * sp.tau[lv.inst.tp] for _, r in lv.reqs.values()]
+        iid: [lv.ready + r * lanes.get(iid, (0, sp.tau[lv.inst.tp]))[1] for r in remaining[iid]]
         for iid, lv in live.items()
     }
-    placed, makespan = list_schedule(
-        [(i.id, i.tp, ready[i.id]) for i in instances], busy, pending, sp
+    starts: dict[str, float] = {}
+    ahead = now + config.dispatch_ahead_s
+    scheduled, makespan = list_schedule(
+        slots, busy, pending, sp, lanes=lanes, lane_horizon=ahead, starts=starts
     )
+    # a lane runs only its own slots (the engine would admit more at once, at a larger
+    # batch): it is given only what starts on it before the next re-plan
+    placed = [(rid, iid) for rid, iid in scheduled if iid not in lanes or starts[rid] <= ahead]
     dispatched = tuple(rid for rid, _ in placed)
     for rid, iid in placed:
         migrations.append(Migration(rid, by_id[rid].instance, iid, MoveMethod.DISPATCH, 0.0))
     order = [*placed, *sorted((k, v) for k, v in assignment.items())]
-    unplaced = tuple(rid for rid, _ in pending[len(placed) :])
+    unplaced = tuple(rid for rid, _ in pending[len(scheduled) :])
+    if lanes:
+        held = len(scheduled) - len(placed)
+        reason = (reason + "; " if reason else "oracle: ") + (
+            f"{len(lanes)} lane(s) at {next(iter(lanes.values()))[0]} sequences"
+            + (f", {held} request(s) held for them" if held else "")
+        )
     stall = sum(m.cost_s for m in migrations)
     pause = max((x.pause_s for x in reshards), default=0.0)
     return ComputePlan(
@@ -405,4 +498,12 @@ def _describe(layout: Mapping[str, Sequence[int]]) -> str:
     return ", ".join(f"{n} x {k}" for k, n in sorted(counts.items()))
 
 
-__all__ = ["OracleConfig", "candidate_layouts", "list_schedule", "move_cost", "oracle_plan"]
+__all__ = [
+    "OracleConfig",
+    "best_lanes",
+    "candidate_layouts",
+    "lane_options",
+    "list_schedule",
+    "move_cost",
+    "oracle_plan",
+]

@@ -13,6 +13,7 @@ from sim_backends.clustersim.generation import simulate_step, uniform_layout
 from sim_backends.clustersim.oracle import (
     OracleConfig,
     Speeds,
+    best_lanes,
     candidate_layouts,
     list_schedule,
     oracle_plan,
@@ -93,3 +94,51 @@ def test_fluid_bound_is_below_every_policy(lengths: list[tuple[int, int]], nodes
     for policy, tp in [*(("static", t) for t in tps), ("oracle", 8), ("adaptive", 4)]:
         res = simulate_step(PERF, reqs, uniform_layout(names, 8, tp), policy=policy)
         assert bound.seconds <= res.seconds * (1 + 1e-9), (policy, tp)
+
+
+def test_a_lane_takes_requests_only_into_slots_free_before_the_horizon() -> None:
+    sp = Speeds(slots={2: 4, 8: 4}, tau={2: 0.03, 8: 0.02}, context=1000.0)
+    insts = [("bulk", 2, 0.0), ("lane", 8, 0.0)]
+    pending = [("long", 1000), ("mid", 500), ("s1", 50), ("s2", 50)]
+    starts: dict[str, float] = {}
+    placed, _ = list_schedule(
+        insts, {}, pending, sp, lanes={"lane": (1, 0.005)}, lane_horizon=1.0, starts=starts
+    )
+    # the lane's one slot takes the longest; it frees at 5 s, after the horizon, so the
+    # rest go to the bulk instance rather than wait for the lane
+    assert placed[0] == ("long", "lane")
+    assert all(iid == "bulk" for _, iid in placed[1:])
+    assert all(starts[rid] == 0.0 for rid, _ in placed)
+
+
+def test_lanes_are_scored_only_in_a_mixed_layout() -> None:
+    sp = Speeds(slots={2: 256, 8: 256}, tau={2: 0.04, 8: 0.015}, context=2000.0)
+    cfg = OracleConfig(tps=(2, 8))
+    pending = [(f"r{i}", 20000 if i < 4 else 500) for i in range(400)]
+    uniform = [(f"n{i}", 8, 0.0) for i in range(3)]
+    lanes, _ = best_lanes(uniform, {}, pending, sp, PERF, cfg)
+    assert lanes == {}
+    mixed = [("n0", 8, 0.0), *((f"n1/{k}", 2, 0.0) for k in range(4))]
+    lanes, makespan = best_lanes(mixed, {}, pending, sp, PERF, cfg)
+    # four very long requests: a TP8 lane at a small batch ends the schedule first
+    assert set(lanes) == {"n0"}
+    slots, tau = lanes["n0"]
+    assert slots in cfg.lane_slots and tau < sp.tau[8]
+    _, full = list_schedule(mixed, {}, pending, sp)
+    assert makespan < full
+
+
+def test_the_oracle_puts_the_longest_requests_on_the_large_instance_of_a_mix() -> None:
+    gpus = tuple(range(8))
+    nodes = (NodeGpus("a", gpus), NodeGpus("b", gpus))
+    insts = (*canonical_instances("a", gpus, (8,)), *canonical_instances("b", gpus, (2, 2, 2, 2)))
+    reqs = tuple(Request(f"r{i}", 100) for i in range(300))
+    lengths = {f"r{i}": 20000 if i < 3 else 300 for i in range(300)}
+    state = ComputeState(nodes, insts, reqs)
+    plan = oracle_plan(state, lengths, PERF, 0.0, OracleConfig(tps=(2, 8)))
+    placed = dict(plan.assignment)
+    # every request is placed or reported; each placed once
+    assert len(placed) == len(plan.assignment)
+    assert set(placed) | set(plan.unplaced) <= set(lengths)
+    # the three long requests run on the TP8 instance
+    assert {placed[f"r{i}"] for i in range(3)} <= {"a/tp8-g0"}
