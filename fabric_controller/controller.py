@@ -14,6 +14,11 @@ testable alone.
 ``Controller`` builds them from one wiring, a store and the switch drivers, shares one
 event hub and one set of metrics among them, hands a wiring reload (SIGHUP) to each,
 and exposes the calls the servicer, the daemon and the compute scheduler make.
+
+``role`` (:mod:`fabric_controller.leadership`): a single controller leads for life
+(token 0). In an HA group the daemon starts it as a standby and calls :meth:`lead` with
+the fenced store and the token of each term it wins; a lost term is logged
+(``stepped down``, WARNING) and published as a ``stepped_down`` event.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from fabric_controller.drivers.electrical import ElectricalDriver
 from fabric_controller.drivers.ocs import OcsDriver
 from fabric_controller.epochs import ROLL_FORWARD_STAGES, EpochManager, PhaseResult
 from fabric_controller.events import Event, EventHub
+from fabric_controller.leadership import Role
 from fabric_controller.liveness import Liveness
 from fabric_controller.metrics import ControllerMetrics
 from fabric_controller.registry import Health, NodeRecord, Registry
@@ -67,13 +73,18 @@ class Controller:
         electrical: Mapping[str, ElectricalDriver] | None = None,
         demand: PhaseDemand | None = None,
         plan_cache_size: int = 16,
+        role: Role | None = None,
     ) -> None:
         self.store = store
+        self.role = role or Role()
+        self.role.on_lost.append(self._stepped_down)
         self.heartbeat_interval_s = heartbeat_interval_s
         self.metrics = metrics or ControllerMetrics()
         self.events = EventHub(wall_clock)
         self._wiring = wiring
-        self.switches = Switches(wiring, ocs, electrical, fault_hook=fault_hook)
+        self.switches = Switches(
+            wiring, ocs, electrical, fault_hook=fault_hook, fencing=self.role.fencing_token
+        )
         self.agents = Agents(
             wiring,
             self.events,
@@ -104,6 +115,7 @@ class Controller:
             fault_hook=fault_hook,
             demand=demand,
             plan_cache_size=plan_cache_size,
+            role=self.role,
         )
 
     # -- life cycle --
@@ -112,6 +124,40 @@ class Controller:
         """Load the committed epoch and converge the switches to it (or roll an
         interrupted epoch forward or back: :mod:`fabric_controller.epochs`)."""
         return await self.epochs.start()
+
+    async def lead(
+        self, store: EpochStore, token: int, alive: Callable[[], bool], address: str
+    ) -> EpochRecord:
+        """Begin a term as the elected leader: write through ``store`` (fenced with this
+        term's lease and token), stamp ``token`` on switch commands while ``alive()``, and
+        run the same start-up as a restart (read the journal and the head, observe the
+        switches, roll forward or back, repair drift, report)."""
+        self.store = store
+        self.epochs.store = store
+        self.epochs.invalidate()
+        # registrations are per term: agents register with each new leader (one left
+        # over from an earlier term would count its node down, and its pod out)
+        self.agents.registry = Registry(self.wiring, self.agents.registry.deadline_s)
+        self.role.lead(token, alive, address)
+        log.info("leading", token=token, address=address, state=store.location)
+        self.events.publish(
+            Event("leader_elected", message=f"{address} leads with fencing token {token}")
+        )
+        record = await self.epochs.start()
+        self.role.serve()
+        return record
+
+    def _stepped_down(self, reason: str) -> None:
+        """The term ended: serve nothing mutating, forget the committed view, say so."""
+        self.epochs.invalidate()
+        in_flight = self.epochs.in_progress
+        msg = f"stepped down: {reason}" + (
+            f"; {in_flight} in flight ends without another switch or store write"
+            if in_flight
+            else ""
+        )
+        log.warning("stepped down", reason=reason, in_flight=in_flight or None, message=msg)
+        self.events.publish(Event("stepped_down", message=msg))
 
     @property
     def wiring(self) -> Wiring:

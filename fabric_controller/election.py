@@ -66,6 +66,7 @@ class Election:
         self._valid_until = 0.0  # monotonic: the lease surely lives until then
         self._leading = False
         self._keepalive: asyncio.Task[None] | None = None
+        self._failing = ""  # why the keepalives since the last good one failed
 
     # -- lifecycle --
 
@@ -196,10 +197,16 @@ class Election:
             now = time.monotonic()
             if now >= self._valid_until:
                 late = now - self._valid_until
-                self._lose(
-                    f"lease {self.lease:x} expired {late:.1f} s ago while this process did "
-                    "not renew it (frozen or starved)"
-                )
+                if self._failing:
+                    self._lose(
+                        f"keepalives failed until lease {self.lease:x} expired "
+                        f"{late:.1f} s ago: {self._failing}"
+                    )
+                else:
+                    self._lose(
+                        f"lease {self.lease:x} expired {late:.1f} s ago while this process "
+                        "did not renew it (frozen or starved)"
+                    )
                 return
             sent = now
             try:
@@ -212,7 +219,9 @@ class Election:
                 if time.monotonic() >= self._valid_until:
                     self._lose(f"keepalive failed until lease {self.lease:x} expired: {exc}")
                     return
+                self._failing = str(exc)
                 continue
+            self._failing = ""
             ttl = 0 if reply is None else int(reply.TTL)
             if ttl <= 0:
                 self._lose(f"lease {self.lease:x} expired (etcd no longer knows it)")

@@ -25,6 +25,16 @@ to change", a gated change and a drift repair on their own), and a retry with th
 id and phase gets it again, never a new change; the same id with another phase is
 refused. A failed attempt changes nothing and records nothing: its retry is fresh.
 
+Outcome unknown: a store that answers Unavailable (a replicated store without a quorum)
+may still apply the write later. The change stops there, and the next one first reads
+the head epoch and the journal again and runs the recovery above.
+
+High availability (:mod:`fabric_controller.leadership`): every change checks that this
+controller leads (``role``); the switch I/O stamps the leader's fencing token on every
+batch and refuses to send one once the leadership is lost. A change that loses the
+leadership midway stops without another switch or store write and leaves its journal to
+the next leader's recovery; its caller gets ``NotLeader`` (the standby answer).
+
 Degraded phases: when OCS ports are down, a phase may get fewer circuits than it would
 with every port up; its epoch records the pod pairs short of circuits (``missing``),
 its answer and event say so, and the drift check re-plans it when ports come back.
@@ -42,6 +52,7 @@ from dataclasses import dataclass, replace
 import structlog
 
 from fabric_controller.events import Event, EventHub
+from fabric_controller.leadership import NotLeader, Role
 from fabric_controller.metrics import ControllerMetrics
 from fabric_controller.reconcile import converge, describe_shortfall, ours, shortfall, steps
 from fabric_controller.store import EpochRecord, EpochStore, Missing, PendingRecord, RequestOutcome
@@ -130,6 +141,7 @@ class EpochManager:
         fault_hook: Callable[[str], None] = lambda _stage: None,
         demand: PhaseDemand | None = None,
         plan_cache_size: int = 16,
+        role: Role | None = None,
     ) -> None:
         if plan_cache_size < 0:
             raise errors.field_error("plan_cache_size", plan_cache_size, "an integer >= 0")
@@ -153,6 +165,8 @@ class EpochManager:
         self._in_progress = ""
         self._current: EpochRecord | None = None
         self._needs_recovery = True
+        self._stale = False  # the head epoch must be read again (outcome of a write unknown)
+        self.role = role or Role()
 
     # -- life cycle --
 
@@ -161,6 +175,7 @@ class EpochManager:
         interrupted epoch, see the module docstring). A switch that cannot be reached
         leaves the controller serving; recovery is retried before the next change."""
         self._current = await self.store.current()
+        self._stale = False
         self.metrics.epoch.set(self._current.epoch)
         log.info(
             "state_loaded",
@@ -170,8 +185,10 @@ class EpochManager:
             state=self.store.location,
         )
         try:
-            async with self._locked("recovery"):
+            async with self._locked("recovery"), self._watched():
                 await self._recover()
+        except NotLeader:
+            raise
         except errors.OrlError as exc:
             log.error(
                 "recovery_incomplete", error=str(exc), note="retried before the next phase change"
@@ -186,9 +203,40 @@ class EpochManager:
         return self._current
 
     @property
+    def in_progress(self) -> str:
+        """What holds the lock ("" when nothing does)."""
+        return self._in_progress if self._reconfig.locked() else ""
+
+    @property
     def busy(self) -> bool:
         """A reconfiguration (or recovery, or drift check) holds the lock."""
         return self._reconfig.locked()
+
+    def invalidate(self) -> None:
+        """Forget what this controller believes is committed: the next change (or drift
+        check) reads the head epoch and the journal again and runs the recovery first.
+        Called when leadership ends, and when a store write's outcome is unknown."""
+        self._stale = True
+        self._needs_recovery = True
+
+    async def quiesce(self) -> None:
+        """Wait until no change, recovery or drift check holds the lock (after a step
+        down: the change in flight ends at its next switch or store write)."""
+        async with self._reconfig:
+            pass
+
+    @contextlib.asynccontextmanager
+    async def _watched(self) -> AsyncIterator[None]:
+        """Around a change: Unavailable (the store's outcome unknown, or a deposed
+        leader's refusal) makes the next change re-read and recover first; NotLeader
+        also ends this controller's term (step down)."""
+        try:
+            yield
+        except errors.Unavailable as exc:
+            self.invalidate()
+            if isinstance(exc, NotLeader):
+                self.role.lose(str(exc))
+            raise
 
     def reload(self, wiring: Wiring) -> None:
         """Adopt a new (already validated) wiring: plans of the old one are dropped."""
@@ -274,6 +322,11 @@ class EpochManager:
         journal stops before ``ocs_programmed`` is rolled forward too when the switches
         hold exactly its circuits and verification passes (the optics need not move
         twice); if that verification fails, it is rolled back."""
+        if self._stale:  # what is committed is read again: a write's outcome was unknown
+            self._current = await self.store.current()
+            self._stale = False
+            self.metrics.epoch.set(self._current.epoch)
+            log.info("state_reloaded", epoch=self._current.epoch, state=self.store.location)
         pending = await self.store.pending()
         current = self.current
         forward = pending is not None and pending.stage in ROLL_FORWARD_STAGES
@@ -353,7 +406,8 @@ class EpochManager:
         ports came back up so that it gets its full circuits again (skips when busy)."""
         if self._reconfig.locked():
             return None
-        async with self._locked("drift check"):
+        async with self._locked("drift check"), self._watched():
+            self.role.check("drift check")
             current = self.current
             observed, down = await self.switches.observe()
             if current.phase is None or self._needs_recovery:
@@ -430,7 +484,11 @@ class EpochManager:
             replay = await self._replay(phase, request_id)
             if replay is not None:
                 return replay
-        async with self._locked(f"epoch {self.current.epoch + 1} ({phase.value})"):
+        async with (
+            self._locked(f"epoch {self.current.epoch + 1} ({phase.value})"),
+            self._watched(),
+        ):
+            self.role.check(f"phase change to {phase.value}")
             if request_id:  # a caller with this id may have finished while this one waited
                 replay = await self._replay(phase, request_id)
                 if replay is not None:
@@ -438,6 +496,8 @@ class EpochManager:
             if self._needs_recovery:
                 try:
                     await self._recover()
+                except NotLeader:
+                    raise
                 except errors.OrlError as exc:
                     raise errors.FailedPrecondition(
                         f"cannot change phase: the switches are not at a known epoch yet "
@@ -529,6 +589,7 @@ class EpochManager:
                 )
             )  # fmt: skip
         self._fault("planned")
+        reached = "planned"  # the journal's stage, for a step-down's account
         try:
             if self.switches.electrical:  # traffic leaves the circuits about to move first
                 with st.stage("drain_routes"):
@@ -540,7 +601,9 @@ class EpochManager:
                     plan_steps, f"epoch-{epoch}-{secrets.token_hex(4)}"
                 )
             with st.stage("journal"):
+                self.role.check(f"journal epoch {epoch}")
                 await self.store.advance("ocs_programmed")
+            reached = "ocs_programmed"
             self._fault("ocs_programmed")
             if self.switches.electrical:
                 with st.stage("program_routes"):
@@ -550,8 +613,17 @@ class EpochManager:
                 if self.switches.electrical:
                     await self.switches.verify_routes(plan.desired)
             self._fault("verified")
+            reached = "verified"
         except StageError as exc:
+            try:  # a deposed leader does not roll back: the next leader's recovery does
+                self.role.check(f"epoch {epoch}: {exc}")
+            except NotLeader as deposed:
+                self._interrupted(epoch, phase, reached, deposed)
+                raise deposed from None
             await self._roll_back(epoch, phase, exc)
+        except NotLeader as exc:
+            self._interrupted(epoch, phase, reached, exc)
+            raise
         record = EpochRecord(
             epoch=epoch,
             phase=phase,
@@ -578,7 +650,12 @@ class EpochManager:
                 request_id, phase, epoch, True, False, message, explanation, record.committed_at
             )
         with st.stage("commit"):
-            await self.store.commit(record, outcome)
+            try:
+                self.role.check(f"commit epoch {epoch}")  # (etcd refuses it too)
+                await self.store.commit(record, outcome)
+            except NotLeader as exc:
+                self._interrupted(epoch, phase, reached, exc)
+                raise
         self._fault("committed")
         # the commit's own duration is known only after it; the caller sees it too
         record = replace(record, stages=dict(st.times))
@@ -603,6 +680,17 @@ class EpochManager:
             )
         )
         return PhaseResult(record, True, message, explanation=explanation)
+
+    def _interrupted(self, epoch: int, phase: Phase, stage: str, exc: NotLeader) -> None:
+        """Account for a change cut short by a step-down: nothing more was written."""
+        msg = (
+            f"epoch {epoch} ({phase.value}) interrupted after stage {stage}: this controller "
+            f"is no longer the leader ({exc}); it sent no further switch command and wrote "
+            "nothing more; the journal is left to the new leader, whose recovery rolls it "
+            "forward or back"
+        )
+        log.warning("phase_interrupted", epoch=epoch, phase=phase.value, stage=stage, error=msg)
+        self.events.publish(Event("phase_interrupted", epoch=epoch, phase=phase, message=msg))
 
     async def _repair(
         self, current: EpochRecord, plan: CircuitPlan, bound: structlog.typing.FilteringBoundLogger
@@ -639,6 +727,8 @@ class EpochManager:
                 f"rolled back ({len(undo.add)} circuit(s) restored, {len(undo.remove)} removed); "
                 f"the fabric is at epoch {current.epoch}"
             )
+        except NotLeader:
+            raise
         except errors.OrlError as undo_exc:
             self._needs_recovery = True
             outcome = (

@@ -39,6 +39,7 @@ import aetcd.client
 import aetcd.exceptions
 import aetcd.rpc
 
+from fabric_controller.leadership import NotLeader
 from fabric_controller.store import (
     GENESIS,
     EpochRecord,
@@ -51,6 +52,8 @@ from fabric_controller.store import (
 )
 from orchestrrl import errors
 from orchestrrl.model import Phase
+
+__all__ = ["DEFAULT_PREFIX", "Etcd", "EtcdStore", "Fence", "NotLeader", "parse_endpoint"]
 
 LAYOUT_VERSION = "1"
 DEFAULT_PREFIX = "/orchestrrl/"
@@ -71,10 +74,6 @@ def _transient(exc: Exception) -> bool:
         return True
     text = str(exc).lower()
     return any(t in text for t in _TRANSIENT_TEXT)
-
-
-class NotLeader(errors.Unavailable):
-    """This controller no longer holds the leadership: its writes are refused (fenced)."""
 
 
 @dataclass(frozen=True)
@@ -312,6 +311,11 @@ class EtcdStore:
     def path(self) -> str:
         """Where the state is, for logs (the SQLite store's file path)."""
         return f"etcd://{','.join(self.etcd.endpoints)}{self.prefix}"
+
+    @property
+    def location(self) -> str:
+        """``EpochStore.location``: the endpoints and the key prefix."""
+        return self.path
 
     def fenced(self, fence: Fence) -> EtcdStore:
         """The same store writing as the leader that holds ``fence``."""

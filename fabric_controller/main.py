@@ -1,4 +1,14 @@
-"""orl-fabric-controller: the central daemon (one per cluster)."""
+"""orl-fabric-controller: the central daemon (one per cluster, or an HA group on etcd).
+
+State: a SQLite file (``--state``, the default: one controller), or an etcd cluster
+(``--etcd host:port,...``: any number of controllers, one elected leader; see
+docs/ha.md and :mod:`fabric_controller.leadership`). With etcd the daemon starts as a
+standby, answering every FabricController call with the standby contract
+(``orchestrrl.leader``), and campaigns; the leader serves, runs the drift check and the
+compute scheduler, and stamps its fencing token on every OCS batch. A leader that loses
+its lease steps down (log ``stepped down``, event ``stepped_down``) and campaigns again
+as a standby: the process does not exit.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +18,24 @@ import contextlib
 import gc
 import math
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fabric_controller import scheduling
 from fabric_controller.controller import Controller
 from fabric_controller.drivers.agents import AgentClients
 from fabric_controller.drivers.electrical import ElectricalDriver, LinuxSwitchDriver
 from fabric_controller.drivers.ocs import GrpcOcsDriver, OcsDriver
+from fabric_controller.leadership import Leadership, Role
 from fabric_controller.scheduler_loop import ComputeScheduler
 from fabric_controller.servicer import FabricControllerServicer
-from fabric_controller.store import Store
-from orchestrrl import add_version_flag, errors, grpcutil
+from fabric_controller.store import EpochStore, Store
+from orchestrrl import add_version_flag, errors, grpcutil, leader
 from orchestrrl import tls as tls_mod
 from orchestrrl import wiring as wiring_mod
 from orchestrrl.logs import get_logger, setup_logging
@@ -30,6 +44,115 @@ from orchestrrl.v1 import fabric_controller_pb2, fabric_controller_pb2_grpc
 from scheduler.network import DEFAULT_MODEL_BYTES, DEFAULT_TRAINING_BYTES, PhaseDemand
 
 log = get_logger("fabric_controller")
+
+DEFAULT_STATE = Path("orchestrrl-state.db")
+DEFAULT_ETCD_PREFIX = "/orchestrrl/"
+DEFAULT_ELECTION_TTL_S = 2
+ELECTION_TTL_BOUNDS = (1, 60)  # whole seconds: etcd leases; above a minute a takeover is slow
+MAX_ETCD_ENDPOINTS = 9  # members of one etcd cluster (etcd recommends 3, 5 or 7)
+_PREFIX_CHARS = re.compile(r"/(?:[A-Za-z0-9._-]+/)*")
+
+
+@dataclass(frozen=True)
+class HaConfig:
+    """Controller HA on etcd (``--etcd`` and the flags that go with it), validated."""
+
+    endpoints: tuple[str, ...]
+    prefix: str = DEFAULT_ETCD_PREFIX
+    election_ttl_s: int = DEFAULT_ELECTION_TTL_S
+    advertise: str | None = None  # None: the address the server is bound to
+
+    @property
+    def election_key(self) -> str:
+        return self.prefix + "leader"
+
+
+def parse_etcd_endpoints(value: str) -> tuple[str, ...]:
+    """``--etcd``: HOST:PORT of etcd members' client URLs, separated by commas."""
+    allowed = "HOST:PORT of etcd members separated by commas, e.g. 10.0.0.1:2379,10.0.0.2:2379"
+    items = [part.strip().removeprefix("http://") for part in value.split(",")]
+    if not value.strip() or any(not item for item in items):
+        raise errors.field_error("--etcd", value, allowed)
+    if len(items) > MAX_ETCD_ENDPOINTS:
+        raise errors.field_error("--etcd", value, f"at most {MAX_ETCD_ENDPOINTS} endpoints")
+    for item in items:
+        _, port = grpcutil.parse_address(item, "--etcd")
+        if port == 0:
+            raise errors.field_error("--etcd", item, "port must be 1..65535")
+    twice = sorted({item for item in items if items.count(item) > 1})
+    if twice:
+        raise errors.field_error(
+            "--etcd", value, f"each endpoint once ({', '.join(twice)} repeated)"
+        )
+    return tuple(items)
+
+
+def check_etcd_prefix(value: str) -> str:
+    if not _PREFIX_CHARS.fullmatch(value) or len(value) > 200:
+        raise errors.field_error(
+            "--etcd-prefix", value,
+            "a key path that starts and ends with /, of letters, digits and . _ - "
+            "(at most 200 characters), e.g. /orchestrrl/ or /prod/orchestrrl/",
+        )  # fmt: skip
+    return value
+
+
+def check_election_ttl(value: str) -> int:
+    lo, hi = ELECTION_TTL_BOUNDS
+    try:
+        ttl = int(value)
+    except ValueError:
+        raise errors.field_error("--election-ttl", value, f"whole seconds {lo}..{hi}") from None
+    if not lo <= ttl <= hi:
+        raise errors.field_error("--election-ttl", value, f"whole seconds {lo}..{hi}")
+    return ttl
+
+
+def ha_config(args: argparse.Namespace) -> HaConfig | None:
+    """The HA settings of the command line (None: SQLite, one controller); FieldError
+    naming the flag, its value and what is allowed."""
+    if args.etcd is None:
+        for flag, given in (
+            ("--advertise", args.advertise),
+            ("--etcd-prefix", args.etcd_prefix),
+            ("--election-ttl", args.election_ttl),
+        ):
+            if given is not None:
+                raise errors.field_error(
+                    flag, given, "only with --etcd (controller HA); without it state is in SQLite"
+                )
+        return None
+    if args.state is not None:
+        raise errors.field_error(
+            "--state", str(args.state), "not with --etcd: the state is in etcd (drop --state)"
+        )
+    advertise = None
+    if args.advertise is not None:
+        advertise = leader.check_address(args.advertise, "--advertise")
+    return HaConfig(
+        parse_etcd_endpoints(args.etcd),
+        check_etcd_prefix(args.etcd_prefix or DEFAULT_ETCD_PREFIX),
+        check_election_ttl(args.election_ttl or str(DEFAULT_ELECTION_TTL_S)),
+        advertise,
+    )
+
+
+_WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+
+
+def advertised(ha: HaConfig, bound: str) -> str:
+    """The address standbys name for this controller: ``--advertise``, else the bound
+    address when clients can dial it (not a wildcard)."""
+    if ha.advertise is not None:
+        return ha.advertise
+    host, _ = grpcutil.parse_address(bound, "--listen")
+    if host in _WILDCARDS:
+        raise errors.field_error(
+            "--listen", bound,
+            "a wildcard address, which clients cannot dial: give --advertise HOST:PORT, the "
+            "address standbys send clients to when this controller leads",
+        )  # fmt: skip
+    return bound
 
 
 def _positive(name: str, lo: float, hi: float) -> Callable[[str], float]:
@@ -100,8 +223,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--state",
         type=Path,
-        default=Path("orchestrrl-state.db"),
-        help="SQLite state file (created if missing)",
+        default=None,
+        help=f"SQLite state file (created if missing; default {DEFAULT_STATE}); not with --etcd",
+    )
+    p.add_argument(
+        "--etcd",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="keep the state in this etcd cluster instead of SQLite and run as one of an "
+        "HA group of controllers: start as a standby, campaign for leadership (an etcd "
+        "lease), serve when elected",
+    )
+    p.add_argument(
+        "--etcd-prefix",
+        metavar="PATH",
+        help=f"key prefix of this cluster's state in etcd (default {DEFAULT_ETCD_PREFIX}); "
+        "with --etcd",
+    )
+    p.add_argument(
+        "--election-ttl",
+        metavar="S",
+        help=f"leader lease TTL in whole seconds, {ELECTION_TTL_BOUNDS[0]}.."
+        f"{ELECTION_TTL_BOUNDS[1]} (default {DEFAULT_ELECTION_TTL_S}): a dead leader is "
+        "replaced after about this long; with --etcd",
+    )
+    p.add_argument(
+        "--advertise",
+        metavar="HOST:PORT",
+        help="the address standbys send clients to when this controller leads (default: "
+        "the listen address; required when listening on a wildcard); with --etcd",
     )
     p.add_argument(
         "--listen",
@@ -213,8 +362,25 @@ async def serve(args: argparse.Namespace) -> int:
     }
     if switches:
         log.info("tor_routes_enabled", tors=sorted(switches))
-    store = Store(args.state)
+    ha: HaConfig | None = args.ha
     interval = float(args.heartbeat_interval)
+    sqlite: Store | None = None
+    etcd: Any = None
+    store: EpochStore
+    if ha is None:
+        sqlite = store = Store(args.state or DEFAULT_STATE)
+        role = Role()
+        log.info("state_store", store="sqlite", path=store.location)
+    else:
+        etcd_store = _etcd_modules()[0]
+        etcd = etcd_store.Etcd(ha.endpoints)
+        store = etcd_store.EtcdStore(etcd, ha.prefix)  # unfenced: a standby writes nothing
+        role = Role.standby()
+        log.info(
+            "state_store", store="etcd", path=store.location, endpoints=list(ha.endpoints),
+            prefix=ha.prefix, election_ttl_s=ha.election_ttl_s,
+            note="standby until elected leader",
+        )  # fmt: skip
     controller = Controller(
         w,
         store,
@@ -222,11 +388,13 @@ async def serve(args: argparse.Namespace) -> int:
         heartbeat_interval_s=interval,
         heartbeat_deadline_s=3 * interval,
         lock_timeout_s=args.lock_timeout,
-        fault_hook=_crash_hook(),
+        fault_hook=_fault_hook(),
         electrical=switches,
         demand=PhaseDemand(args.model_bytes, args.training_bytes),
+        role=role,
     )
-    await controller.start()
+    if ha is None:
+        await controller.start()
     # The wiring, the registry and the committed epoch live as long as the daemon: keep
     # them out of the cyclic collector, whose full passes over a 2048-node wiring would
     # otherwise land inside phase changes (tens of ms each; see bench/phase_switch.py).
@@ -246,8 +414,11 @@ async def serve(args: argparse.Namespace) -> int:
         config=scheduling.SchedulingConfig(interval_s=args.compute_interval),
         enabled=args.compute_scheduling == "on",
     )
+    listen = args.listen or w.controller
+    if ha is not None:
+        advertised(ha, listen)  # refused before binding when it cannot be advertised
     server = await grpcutil.start_server(
-        args.listen or w.controller,
+        listen,
         lambda s: fabric_controller_pb2_grpc.add_FabricControllerServicer_to_server(
             FabricControllerServicer(
                 controller, tls_mod.Authorizer(tls, frozenset(args.operator)), compute
@@ -258,38 +429,53 @@ async def serve(args: argparse.Namespace) -> int:
         tls=tls,
         clients=len(w.nodes),  # every agent's stream at once after a restart
     )
-    log.info(
-        "controller_serving",
-        address=server.address,
-        cluster=w.cluster,
-        nodes=len(w.nodes),
-        ocses=len(w.ocses),
-        state=str(args.state),
-        metrics=metrics_server.address if metrics_server is not None else None,
-    )
-    stop = grpcutil.shutdown_signal()
-    asyncio.get_running_loop().add_signal_handler(
-        signal.SIGHUP, lambda: _reload(controller, args.wiring)
-    )
-    grpcutil.write_ready_file(
-        args.ready_file,
-        server.address,
-        metrics=metrics_server.address if metrics_server is not None else "",
-    )
+    leadership = None
     try:
+        if ha is not None:
+            leadership = _leadership(ha, controller, etcd, advertised(ha, server.address))
+        log.info(
+            "controller_serving",
+            address=server.address,
+            role="standby (campaigning)" if ha is not None else "leader (single controller)",
+            advertise=leadership.address if leadership is not None else None,
+            cluster=w.cluster,
+            nodes=len(w.nodes),
+            ocses=len(w.ocses),
+            state=store.location,
+            metrics=metrics_server.address if metrics_server is not None else None,
+        )
+        stop = grpcutil.shutdown_signal()
+        asyncio.get_running_loop().add_signal_handler(
+            signal.SIGHUP, lambda: _reload(controller, args.wiring)
+        )
+        grpcutil.write_ready_file(
+            args.ready_file,
+            server.address,
+            metrics=metrics_server.address if metrics_server is not None else "",
+        )
+
+        async def fabric_loops() -> None:
+            """What programs the fabric on its own: only where this controller leads."""
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(controller.run_reconcile(args.reconcile_interval))
+                if compute.enabled:
+                    log.info("compute_scheduling_on", interval_s=args.compute_interval)
+                    tg.create_task(compute.run())
+
         async with asyncio.TaskGroup() as tg:
             loops = [
                 tg.create_task(controller.run_liveness()),
-                tg.create_task(controller.run_reconcile(args.reconcile_interval)),
                 tg.create_task(grpcutil.watchdog()),
             ]
-            if compute.enabled:
-                log.info("compute_scheduling_on", interval_s=args.compute_interval)
-                loops.append(tg.create_task(compute.run()))
+            if leadership is None:
+                loops.append(tg.create_task(fabric_loops()))
+            else:
+                leadership.while_leading = fabric_loops
+                loops.append(tg.create_task(leadership.run(), name="leadership"))
             await stop.wait()
             log.info("shutting_down")
             grpcutil.sd_notify("STOPPING=1")
-            for task in loops:
+            for task in loops:  # the leadership first resigns: a standby takes over
                 task.cancel()
     finally:
         await server.stop(grace=5.0)
@@ -300,8 +486,37 @@ async def serve(args: argparse.Namespace) -> int:
         await agents.close()
         for e in switches.values():
             await e.close()
-        store.close()
+        if sqlite is not None:
+            sqlite.close()
+        if etcd is not None:
+            await etcd.close()
     return 0
+
+
+def _etcd_modules() -> tuple[Any, Any]:
+    """The etcd store and election modules (the etcd client is an optional extra)."""
+    try:
+        from fabric_controller import election, etcd_store
+    except ImportError as exc:
+        raise errors.FailedPrecondition(
+            f"--etcd needs the etcd client library: pip install 'orchestrrl[etcd]' ({exc})"
+        ) from None
+    return etcd_store, election
+
+
+def _leadership(ha: HaConfig, controller: Controller, etcd: Any, address: str) -> Leadership:
+    etcd_store, election = _etcd_modules()
+
+    def new_election(on_lost: Callable[[str], None]) -> Any:
+        return election.Election(
+            etcd, address, key=ha.election_key, ttl_s=ha.election_ttl_s, on_lost=on_lost
+        )
+
+    async def open_store(fence: Any) -> EpochStore:
+        store: EpochStore = await etcd_store.EtcdStore.open(etcd, ha.prefix, fence)
+        return store
+
+    return Leadership(controller, address, new_election, open_store)
 
 
 def _reload(controller: Controller, path: Path) -> None:
@@ -316,17 +531,28 @@ def _reload(controller: Controller, path: Path) -> None:
         log.error("wiring_reload_rejected", error=str(exc), note="keeping the last good wiring")
 
 
-def _crash_hook() -> Callable[[str], None]:
+def _fault_hook() -> Callable[[str], None]:
     """Fault injection for crash-recovery tests: ORL_FAULT_CRASH_AT=STAGE makes the
-    controller SIGKILL itself right after that stage (as `kill -9` would)."""
-    stage = os.environ.get("ORL_FAULT_CRASH_AT", "")
-    if not stage:
+    controller SIGKILL itself right after that stage (as `kill -9` would);
+    ORL_FAULT_STOP_AT=STAGE makes it SIGSTOP itself there, once (frozen until SIGCONT,
+    as a stalled leader whose lease runs out)."""
+    crash = os.environ.get("ORL_FAULT_CRASH_AT", "")
+    freeze = os.environ.get("ORL_FAULT_STOP_AT", "")
+    if not crash and not freeze:
         return lambda _stage: None
-    log.warning("fault_injection_armed", stage=stage, note="will SIGKILL itself")
+    if crash:
+        log.warning("fault_injection_armed", stage=crash, note="will SIGKILL itself")
+    if freeze:
+        log.warning("fault_injection_armed", stage=freeze, note="will SIGSTOP itself once")
+    frozen: list[str] = []
 
     def hook(reached: str) -> None:
-        if reached == stage:
+        if reached == crash:
             os.kill(os.getpid(), signal.SIGKILL)
+        if reached == freeze and not frozen:
+            frozen.append(reached)
+            log.warning("fault_injection_stopping", stage=reached)
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     return hook
 
@@ -358,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     try:
+        args.ha = ha_config(args)
         return grpcutil.run(lambda: serve(args))
     except errors.OrlError as exc:
         print(f"orl-fabric-controller: error: {exc}", file=sys.stderr)

@@ -1,21 +1,33 @@
-"""gRPC FabricController servicer: translation between protobuf and the Controller only."""
+"""gRPC FabricController servicer: translation between protobuf and the Controller only.
+
+A controller that does not lead (a standby of an HA group, or a leader that just stepped
+down) answers every FabricController call with the standby contract of
+:mod:`orchestrrl.leader` (UNAVAILABLE, ``not the leader; the leader is at HOST:PORT``,
+trailing metadata ``orl-leader``): agents' registrations, heartbeats and telemetry go to
+the leader too. Streams are checked at every message, so a stream open on a leader that
+steps down ends with that answer (a WatchEvents stream after the ``stepped_down`` event).
+The health service is separate and keeps answering.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
-from collections.abc import AsyncIterator
-from typing import Any, TypeAlias
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from fabric_controller.controller import Controller
 from fabric_controller.events import Event
+from fabric_controller.leadership import NotLeader
 from fabric_controller.registry import Health
 from fabric_controller.scheduler_loop import ComputeScheduler, ScheduleView
 from fabric_controller.scheduling import after_index, layouts_after
 from fabric_controller.store import EpochRecord
-from orchestrrl import errors, limits
+from orchestrrl import errors, leader, limits
 from orchestrrl.convert import (
     circuit_to_pb,
     phase_from_pb,
@@ -33,6 +45,44 @@ from orchestrrl.v1 import fabric_controller_pb2_grpc as pb_grpc
 Ctx: TypeAlias = grpc.aio.ServicerContext
 
 log = get_logger("fabric_controller.servicer")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def leader_only(func: F) -> F:
+    """Decorate a servicer method (under ``domain_errors_to_status``): a controller that
+    does not lead, or stops leading during the call, answers with the standby contract
+    (``orchestrrl.leader.abort_not_leader``) naming the leader when it knows it."""
+
+    if inspect.isasyncgenfunction(func):
+
+        @functools.wraps(func)
+        async def gen_wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
+            role = self.c.role
+            if not role.serves:
+                await leader.abort_not_leader(context, role.redirect)
+            try:
+                async for item in func(self, request, context):
+                    yield item
+                    if not role.serves:  # stepped down while the stream was open
+                        await leader.abort_not_leader(context, role.redirect)
+            except NotLeader:
+                await leader.abort_not_leader(context, role.redirect)
+
+        return gen_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(func)
+    async def wrapper(self: Any, request: Any, context: Any) -> Any:
+        role = self.c.role
+        if not role.serves:
+            await leader.abort_not_leader(context, role.redirect)
+        try:
+            return await func(self, request, context)
+        except NotLeader:
+            await leader.abort_not_leader(context, role.redirect)
+
+    return wrapper  # type: ignore[return-value]
+
 
 _HEALTH = {
     Health.UP: pb.NODE_HEALTH_UP,
@@ -66,6 +116,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
         return [circuit_to_pb(x, self.c.wiring.circuit_pods(x)) for x in sorted(circuits)]
 
     @domain_errors_to_status
+    @leader_only
     async def Register(self, request: pb.RegisterRequest, context: Ctx) -> pb.RegisterResponse:
         if not request.node:
             raise errors.field_error("node", request.node, "the node's name from the wiring file")
@@ -90,6 +141,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
         )
 
     @domain_errors_to_status
+    @leader_only
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Ctx) -> pb.HeartbeatResponse:
         self.auth.node(context, request.node)
         self.c.heartbeat(request.node, request.session_id)
@@ -97,6 +149,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
         return pb.HeartbeatResponse(epoch=cur.epoch, phase=phase_to_pb(cur.phase))
 
     @domain_errors_to_status
+    @leader_only
     async def ReportTelemetry(
         self,
         request_iterator: AsyncIterator[node_agent_pb2.TelemetrySample],
@@ -104,12 +157,14 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
     ) -> pb.ReportTelemetryResponse:
         accepted = 0
         async for sample in request_iterator:
+            self.c.role.check("ReportTelemetry")  # stepped down: the agent moves on
             self.auth.node(context, sample.node)
             self.c.telemetry(sample)
             accepted += 1
         return pb.ReportTelemetryResponse(accepted=accepted)
 
     @domain_errors_to_status
+    @leader_only
     async def ReportTelemetryBatch(
         self,
         request_iterator: AsyncIterator[node_agent_pb2.TelemetryBatch],
@@ -122,6 +177,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
         full = node_agent_pb2.TelemetrySample.FromString
         accepted = 0
         async for batch in request_iterator:
+            self.c.role.check("ReportTelemetryBatch")
             raw = batch.samples
             if not raw:
                 continue
@@ -209,6 +265,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
         return r
 
     @domain_errors_to_status
+    @leader_only
     async def SetPhase(self, request: pb.SetPhaseRequest, context: Ctx) -> pb.SetPhaseResponse:
         self.auth.operator(context)
         phase = phase_from_pb(request.phase)
@@ -223,6 +280,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
         )
 
     @domain_errors_to_status
+    @leader_only
     async def GetPhase(self, request: pb.GetPhaseRequest, context: Ctx) -> pb.GetPhaseResponse:
         self.auth.operator(context)
         cur = self.c.current
@@ -234,6 +292,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
         )
 
     @domain_errors_to_status
+    @leader_only
     async def PlanPhase(self, request: pb.PlanPhaseRequest, context: Ctx) -> pb.PlanPhaseResponse:
         self.auth.operator(context)
         phase = phase_from_pb(request.phase)
@@ -244,6 +303,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
         return r
 
     @domain_errors_to_status
+    @leader_only
     async def GetTopology(self, request: pb.GetTopologyRequest, context: Ctx) -> pb.Topology:
         self.auth.operator(context)
         w = self.c.wiring
@@ -295,6 +355,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
         )
 
     @domain_errors_to_status
+    @leader_only
     async def ListNodes(self, request: pb.ListNodesRequest, context: Ctx) -> pb.ListNodesResponse:
         self.auth.operator(context)
         out = []
@@ -317,6 +378,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
         return pb.ListNodesResponse(nodes=out)
 
     @domain_errors_to_status
+    @leader_only
     async def GetSchedule(
         self, request: pb.GetScheduleRequest, context: Ctx
     ) -> pb.GetScheduleResponse:
@@ -326,6 +388,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
         return schedule_to_pb(self.scheduler.view())
 
     @domain_errors_to_status
+    @leader_only
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, context: Ctx
     ) -> AsyncIterator[pb.Event]:

@@ -10,6 +10,13 @@ Latency: one ListCrossConnects per OCS observes it (table and failed ports), the
 batches of one step go to all OCSes at once, and verification reads the table each
 switch returned for its last batch (the switch's own read-back, taken atomically with
 the batch) instead of listing it again.
+
+Fencing (controller HA, docs/ha.md): ``fencing(what)`` gives the leader's fencing token
+to stamp on every OCS batch (0 without HA: the batch is sent as before, without one) and
+raises ``NotLeader`` once this controller no longer leads, before any batch or route
+change is sent. The switches refuse a token older than the newest they have seen; ToR
+routes go through netlink, which carries no token, so for them this local check is the
+fence.
 """
 
 from __future__ import annotations
@@ -62,12 +69,14 @@ class Switches:
         electrical: Mapping[str, ElectricalDriver] | None = None,
         *,
         fault_hook: Callable[[str], None] = lambda _stage: None,
+        fencing: Callable[[str], int] = lambda _what: 0,
     ) -> None:
         self.ocs = dict(ocs)
         self.electrical = dict(electrical or {})
         check_drivers(wiring, self.ocs, self.electrical)
         self.wiring = wiring
         self._fault = fault_hook
+        self._fencing = fencing
         self._interned: dict[str, dict[PortPair, Circuit]] = {}
 
     def reload(self, wiring: Wiring) -> None:
@@ -118,6 +127,7 @@ class Switches:
         Returns each programmed switch's table as it answered its last batch."""
         tables: dict[str, frozenset[PortPair]] = {}
         for i, step in enumerate(plan_steps):
+            self._fencing(f"OCS batches {tag}-{i}")  # a deposed leader sends no batch
             results = await asyncio.gather(
                 *(self.apply(b, f"{tag}-{i}-{b.ocs}") for b in step), return_exceptions=True
             )
@@ -132,7 +142,12 @@ class Switches:
         """One batch on its switch; the switch's table after it. A lost answer is
         settled by the switch's table (``landed``); a refusal is a ``StageError``."""
         driver = self.ocs[batch.ocs]
+        token = self._fencing(f"OCS {batch.ocs!r} batch {request_id}")
         try:
+            if token:
+                return await driver.apply(
+                    batch.disconnect, batch.connect, request_id=request_id, fencing_token=token
+                )
             return await driver.apply(batch.disconnect, batch.connect, request_id=request_id)
         except errors.Unavailable as exc:
             # a timeout leaves the outcome unknown: the switch's own table decides
@@ -173,6 +188,7 @@ class Switches:
     async def program_routes(self, circuits: frozenset[Circuit], stage: str) -> None:
         """Every programmed ToR gets exactly the routes over ``circuits`` (ours pruned)."""
         want = tor_routes(self.wiring, circuits)
+        self._fencing(f"ToR routes ({stage})")  # netlink carries no token: fenced here
 
         async def one(name: str) -> None:
             try:

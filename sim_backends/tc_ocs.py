@@ -308,9 +308,15 @@ class NetnsOcsDriver:
         return ocs.cross_connects(), down
 
     async def apply(
-        self, disconnect: Iterable[Pair], connect: Iterable[Pair], request_id: str = ""
+        self,
+        disconnect: Iterable[Pair],
+        connect: Iterable[Pair],
+        request_id: str = "",
+        fencing_token: int = 0,
     ) -> frozenset[Pair]:
-        result = await self._backend.apply(disconnect, connect, request_id=request_id)
+        result = await self._backend.apply(
+            disconnect, connect, request_id=request_id, fencing_token=fencing_token
+        )
         if result.changed and self._backend.ocs.switching_time_s:
             await asyncio.sleep(self._backend.ocs.switching_time_s)
         return result.cross_connects

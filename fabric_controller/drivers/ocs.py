@@ -42,9 +42,15 @@ class OcsDriver(Protocol):
         ...
 
     async def apply(
-        self, disconnect: Iterable[PortPair], connect: Iterable[PortPair], request_id: str = ""
+        self,
+        disconnect: Iterable[PortPair],
+        connect: Iterable[PortPair],
+        request_id: str = "",
+        fencing_token: int = 0,
     ) -> frozenset[PortPair]:
-        """Apply a batch atomically (disconnects, then connects); return the new table."""
+        """Apply a batch atomically (disconnects, then connects); return the new table.
+        ``fencing_token``: the leader's (controller HA); the switch refuses one older
+        than the newest it has seen (FailedPrecondition); 0: no HA."""
         ...
 
     async def close(self) -> None: ...
@@ -126,10 +132,15 @@ class GrpcOcsDriver:
         return _table(r), frozenset(r.down_ports)
 
     async def apply(
-        self, disconnect: Iterable[PortPair], connect: Iterable[PortPair], request_id: str = ""
+        self,
+        disconnect: Iterable[PortPair],
+        connect: Iterable[PortPair],
+        request_id: str = "",
+        fencing_token: int = 0,
     ) -> frozenset[PortPair]:
         req = pb.ApplyCrossConnectsRequest(
             request_id=request_id,
+            fencing_token=fencing_token,
             disconnect_pairs=list(chain.from_iterable(disconnect)),  # packed: no message
             connect_pairs=list(chain.from_iterable(connect)),  # per circuit, both ways
             packed=True,

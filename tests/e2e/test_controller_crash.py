@@ -39,15 +39,24 @@ async def start_controller(
     crash_at: str = "",
     wiring: Path | None = None,
     extra: list[str] | None = None,
+    *,
+    name: str = "controller",
+    state: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> ControllerProcess:
-    ready = tmp / "controller.addr"
+    """The controller daemon as a subprocess, once it serves. ``name``: its ready and log
+    files (``tmp/NAME.addr``, ``tmp/NAME.log``); ``state``: the state flags (default
+    ``--state tmp/state.db``); ``env``: more environment (fault injection)."""
+    ready = tmp / f"{name}.addr"
     ready.unlink(missing_ok=True)
-    env = {**os.environ, "ORL_FAULT_CRASH_AT": crash_at}
-    log_fd = os.open(tmp / "controller.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    env = {**os.environ, "ORL_FAULT_CRASH_AT": crash_at, **(env or {})}
+    log_path = tmp / f"{name}.log"
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    state = ["--state", str(tmp / "state.db")] if state is None else state
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "fabric_controller.main",
         "--wiring", str(wiring or wiring_mod.default_wiring_path()),
-        "--state", str(tmp / "state.db"), "--listen", "127.0.0.1:0",
+        *state, "--listen", "127.0.0.1:0",
         "--ocs-address", f"ocs0={ocs_address}", "--ready-file", str(ready),
         "--log-format", "json", "--plaintext", *(extra or []),
         stdout=asyncio.subprocess.DEVNULL, stderr=log_fd, env=env,
@@ -55,7 +64,7 @@ async def start_controller(
     os.close(log_fd)
     async with asyncio.timeout(30):
         while not ready.exists():
-            assert proc.returncode is None, (tmp / "controller.log").read_text()[-2000:]
+            assert proc.returncode is None, log_path.read_text()[-2000:]
             await asyncio.sleep(0.02)
     return ControllerProcess(proc, ready.read_text().strip())
 
