@@ -166,6 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="bind every daemon to a free port instead of the wiring's",
             )
+            lp.add_argument(
+                "--ha",
+                type=int,
+                nargs="?",
+                const=2,
+                default=0,
+                metavar="N",
+                help="high availability: N controllers (2 or 3; default 2) on a local "
+                "3-member etcd cluster instead of one controller on SQLite",
+            )
             add_local_engine_arguments(lp)
 
     certs = add(sub, "certs", "certificates for trying mutual TLS")
@@ -528,6 +538,7 @@ def cmd_local(args: argparse.Namespace) -> int:
             ephemeral_ports=args.ephemeral_ports,
             progress=(lambda m: None) if as_json else (lambda m: print(m, flush=True)),
             engine=local_engine(args),
+            ha=args.ha,
         )
         _print(
             args,
@@ -551,7 +562,12 @@ def cmd_local(args: argparse.Namespace) -> int:
         if found is None:
             _print(args, {"running": False}, lambda: f"no local cluster in {args.run_dir}")
             return 1
-        rows = [{**to_json(p), "alive": alive[p.pid]} for p in found.procs]
+        roles = local.controller_roles(found)
+        rows = [
+            {**to_json(p), "alive": alive[p.pid], **({"ha_role": roles[p.name]} if ha else {})}
+            for p in found.procs
+            for ha in [p.role == "controller" and "," in found.controller]
+        ]
         _print(
             args,
             {"running": any(alive.values()), "controller": found.controller, "procs": rows},
@@ -561,6 +577,7 @@ def cmd_local(args: argparse.Namespace) -> int:
                     f"  {r['role']:<10} {r['name']:<14} pid {r['pid']:<8} "
                     f"{'running' if r['alive'] else 'EXITED':<8} {r['address']:<21}"
                     + (f" metrics http://{r['metrics']}/metrics" if r["metrics"] else "")
+                    + (f" {r['ha_role']}" if "ha_role" in r else "")
                     for r in rows
                 ]
             ),

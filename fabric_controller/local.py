@@ -6,6 +6,11 @@ ready file; everything about the run (pids, addresses, logs, state) lives in a r
 directory so that `down` and `status` work from any later shell. The controller and
 every agent serve Prometheus /metrics on an ephemeral loopback port (the simulated OCS
 has no metrics), listed by `status`.
+
+With ``ha`` (`orlctl local up --ha`) the controller's state lives in a 3-member etcd
+cluster on loopback (``python -m sim_backends.etcd_cluster``, Debian's etcd-server) and
+several controllers run against it: one leads, the others stand by; the agents and
+``ORL_CONTROLLER`` get every controller's address and follow the leader.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,7 +38,7 @@ STATE_FILE = "cluster.json"
 
 @dataclass(frozen=True)
 class Proc:
-    role: str  # "ocs", "controller" or "agent"
+    role: str  # "etcd", "ocs", "controller" or "agent"
     name: str
     pid: int
     address: str
@@ -41,6 +47,8 @@ class Proc:
 
 
 METRICS_LISTEN = "127.0.0.1:0"  # every daemon that has metrics: an ephemeral port
+HA_ETCD_MEMBERS = 3
+HA_CONTROLLERS = (2, 3)  # allowed numbers of controllers with ``ha``
 
 ENGINES_DIR = Path(".engines")  # what `make engines` installs (scripts/install-engines.sh)
 INSTALLED = {
@@ -156,9 +164,14 @@ def up(
     heartbeat_interval_s: float = 0.5,
     progress: Callable[[str], None] = lambda _msg: None,
     engine: LocalEngine | None = None,
+    ha: int = 0,
 ) -> LocalCluster:
     """Start the cluster; on any failure stop what was started and raise. ``engine``:
-    the generation nodes run that real engine (the default: every node simulated)."""
+    the generation nodes run that real engine (the default: every node simulated).
+    ``ha``: that many controllers (2 or 3) on a local etcd cluster, 0 for one
+    controller on SQLite."""
+    if ha and ha not in HA_CONTROLLERS:
+        raise errors.field_error("--ha", ha, "2 or 3 controllers")
     w = wiring_mod.load(wiring_path)
     existing, alive = status(run_dir)
     if existing is not None and any(alive.values()):
@@ -173,6 +186,7 @@ def up(
     state_db = run_dir / "state.db"
     for suffix in ("", "-wal", "-shm"):  # a fresh simulated OCS needs a fresh epoch history
         Path(f"{state_db}{suffix}").unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "etcd", ignore_errors=True)  # likewise for an HA cluster
 
     procs: list[Proc] = []
     try:
@@ -201,30 +215,53 @@ def up(
         overrides = [
             arg for name, a in ocs_addr.items() for arg in ("--ocs-address", f"{name}={a}")
         ]
-        proc, controller = _spawn(
-            run_dir,
-            "controller",
-            "controller",
-            [
-                "fabric_controller.main",
-                "--wiring",
-                str(Path(wiring_path).resolve()),
-                "--state",
-                str(state_db.resolve()),
-                "--listen",
-                _listen(w.controller, ephemeral_ports),
-                "--heartbeat-interval",
-                str(heartbeat_interval_s),
-                "--compute-scheduling",
-                "on",  # the local cluster shows the compute-scheduling loop at work
-                "--plaintext",  # loopback only
-                *overrides,
-            ],
-            timeout_s,
-            metrics=True,
-        )
-        procs.append(proc)
-        progress(f"controller serving on {controller}")
+        store = ["--state", str(state_db.resolve())]
+        if ha:
+            proc, endpoints = _spawn(
+                run_dir,
+                "etcd",
+                "etcd",
+                [
+                    "sim_backends.etcd_cluster",
+                    "--size",
+                    str(HA_ETCD_MEMBERS),
+                    "--data-dir",
+                    str((run_dir / "etcd").resolve()),
+                ],
+                timeout_s,
+            )
+            procs.append(proc)
+            progress(f"etcd: {HA_ETCD_MEMBERS} members at {endpoints}")
+            store = ["--etcd", endpoints, "--election-ttl", "2"]
+        addresses = []
+        for i in range(max(ha, 1)):
+            name = "controller" if not ha else f"controller-{i}"
+            proc, address = _spawn(
+                run_dir,
+                "controller",
+                name,
+                [
+                    "fabric_controller.main",
+                    "--wiring",
+                    str(Path(wiring_path).resolve()),
+                    *store,
+                    "--listen",
+                    # the wiring names one controller address: the others take a free port
+                    _listen(w.controller, ephemeral_ports or i > 0),
+                    "--heartbeat-interval",
+                    str(heartbeat_interval_s),
+                    "--compute-scheduling",
+                    "on",  # the local cluster shows the compute-scheduling loop at work
+                    "--plaintext",  # loopback only
+                    *overrides,
+                ],
+                timeout_s,
+                metrics=True,
+            )
+            procs.append(proc)
+            addresses.append(address)
+            progress(f"{name} serving on {address}")
+        controller = ",".join(addresses)
         cores = 0  # generation agents share this host's cores in wiring order
         for n in w.nodes:
             real = engine is not None and n.role is Role.GEN
@@ -312,8 +349,11 @@ def _wait_registered(w: Wiring, controller: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     with Client(controller, timeout_s=5.0) as client:
         while True:
-            nodes = client.nodes()
-            missing = [n.node for n in nodes if n.health != "up"]
+            try:
+                nodes = client.nodes()
+                missing = [n.node for n in nodes if n.health != "up"]
+            except errors.Unavailable as exc:  # an HA group still electing its leader
+                missing = [f"(no controller answers: {exc})"]
             if not missing:
                 return
             if time.monotonic() > deadline:
@@ -321,6 +361,39 @@ def _wait_registered(w: Wiring, controller: str, timeout_s: float) -> None:
                     f"nodes not registered after {timeout_s:.0f} s: {', '.join(missing)}"
                 )
             time.sleep(0.05)
+
+
+async def _role(address: str, timeout_s: float) -> str:
+    import grpc
+
+    from orchestrrl import leader
+    from orchestrrl.grpcutil import insecure_channel
+    from orchestrrl.v1 import fabric_controller_pb2 as pb
+    from orchestrrl.v1 import fabric_controller_pb2_grpc as pb_grpc
+
+    async with insecure_channel(address) as channel:
+        try:
+            await pb_grpc.FabricControllerStub(channel).GetPhase(
+                pb.GetPhaseRequest(), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            if leader.is_not_leader(exc):
+                return f"standby (leader {leader.leader_of(exc) or 'not elected yet'})"
+            return f"not answering ({exc.code().name})"
+    return "leader"
+
+
+def controller_roles(cluster: LocalCluster, timeout_s: float = 2.0) -> dict[str, str]:
+    """Each controller's role as it answers now: leader, standby (naming the leader it
+    knows) or not answering; asked one by one, never redirected."""
+    import asyncio
+
+    async def ask() -> dict[str, str]:
+        controllers = [p for p in cluster.procs if p.role == "controller"]
+        roles = await asyncio.gather(*(_role(p.address, timeout_s) for p in controllers))
+        return {p.name: r for p, r in zip(controllers, roles, strict=True)}
+
+    return asyncio.run(ask())
 
 
 def _stop(procs: list[Proc], marker: str, grace_s: float = 10.0) -> list[str]:

@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -229,3 +230,47 @@ class EtcdCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sim_backends.etcd_cluster``: run a cluster until SIGTERM or SIGINT (what
+    ``orlctl local up --ha`` starts). The ready file gets the members' client endpoints,
+    separated by commas, once every member is healthy."""
+    import argparse
+
+    from orchestrrl.grpcutil import write_ready_file
+
+    p = argparse.ArgumentParser(
+        prog="python -m sim_backends.etcd_cluster",
+        description="Real etcd members on loopback, stopped together on SIGTERM/SIGINT.",
+    )
+    p.add_argument("--size", type=int, default=3, help="members: 1, 3 or 5 (default 3)")
+    p.add_argument("--data-dir", type=Path, required=True, help="the members' data")
+    p.add_argument("--ready-file", type=Path, help="write the client endpoints here")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to become healthy")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
+    cluster = EtcdCluster(args.data_dir, args.size)
+    try:
+        cluster.start(args.timeout)
+        write_ready_file(args.ready_file, ",".join(cluster.endpoints))
+        print(f"etcd: {args.size} members at {','.join(cluster.endpoints)}", flush=True)
+        reported: set[str] = set()
+        while not stopping.wait(1.0):
+            for m in cluster.members:
+                if not m.running and m.name not in reported:
+                    reported.add(m.name)
+                    print(f"etcd: member {m.name} exited:\n{m.log_tail(5)}", flush=True)
+    except errors.OrlError as exc:
+        print(f"etcd: {exc}", flush=True)
+        return 1
+    finally:
+        cluster.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
