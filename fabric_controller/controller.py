@@ -18,7 +18,7 @@ and exposes the calls the servicer, the daemon and the compute scheduler make.
 ``role`` (:mod:`fabric_controller.leadership`): a single controller leads for life
 (token 0). In an HA group the daemon starts it as a standby and calls :meth:`lead` with
 the fenced store and the token of each term it wins; a lost term is logged
-(``stepped down``, WARNING) and published as a ``stepped_down`` event.
+(``stepped_down``, WARNING) and published as an event of that name.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ class Controller:
             if in_flight
             else ""
         )
-        log.warning("stepped down", reason=reason, in_flight=in_flight or None, message=msg)
+        log.warning("stepped_down", reason=reason, in_flight=in_flight or None, message=msg)
         self.events.publish(Event("stepped_down", message=msg))
 
     @property

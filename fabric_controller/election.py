@@ -98,7 +98,7 @@ class Election:
                     "revoke the lease", lambda c: c.revoke_lease(self.lease), deadline_s=1.0
                 )
         if self._leading:
-            log.info("leader resigned", token=self.token, address=self.address)
+            log.info("leader_resigned", token=self.token, address=self.address)
         self._leading = False
         self.token = 0
 
@@ -148,7 +148,7 @@ class Election:
             if won is not None:
                 self.token = won
                 self._leading = True
-                log.info("leader elected", token=won, address=self.address, lease=f"{self.lease:x}")
+                log.info("leader_elected", token=won, address=self.address, lease=f"{self.lease:x}")
                 return Fence(self.key, self.lease, won)
             await asyncio.sleep(POLL_S)
 
@@ -186,7 +186,7 @@ class Election:
         was_leader = self._leading
         self._leading = False
         if was_leader:
-            log.warning("leadership lost", reason=reason, token=self.token, address=self.address)
+            log.warning("leadership_lost", reason=reason, token=self.token, address=self.address)
         if self.on_lost is not None:
             self.on_lost(reason)
 

@@ -56,7 +56,7 @@ class Role:
 
     ``Role()`` leads for life with fencing token 0 (one controller, no HA);
     ``Role.standby()`` waits for :meth:`lead`. ``on_lost`` callbacks run synchronously
-    when leadership ends (the controller logs ``stepped down`` and publishes an event)."""
+    when leadership ends (the controller logs and publishes ``stepped_down``)."""
 
     def __init__(self, *, leading: bool = True) -> None:
         self._leading = leading

@@ -6,7 +6,7 @@ docs/ha.md and :mod:`fabric_controller.leadership`). With etcd the daemon starts
 standby, answering every FabricController call with the standby contract
 (``orchestrrl.leader``), and campaigns; the leader serves, runs the drift check and the
 compute scheduler, and stamps its fencing token on every OCS batch. A leader that loses
-its lease steps down (log ``stepped down``, event ``stepped_down``) and campaigns again
+its lease steps down (log and event ``stepped_down``) and campaigns again
 as a standby: the process does not exit.
 """
 

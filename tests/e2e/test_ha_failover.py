@@ -286,7 +286,7 @@ async def test_frozen_leader_programs_nothing_and_steps_down(
     # it says so, in its events and its log, and serves as a standby naming b
     kinds = [e.kind for e in events]
     assert "stepped_down" in kinds and "epoch_committed" not in kinds
-    down = [e for e in group.log("a") if e.get("event") == "stepped down"]
+    down = [e for e in group.log("a") if e.get("event") == "stepped_down"]
     assert down and down[0]["level"] == "warning" and down[0]["reason"]
     await until_names(a, b.address)
     assert a.proc.returncode is None
@@ -355,6 +355,6 @@ async def test_etcd_quorum_lost_and_regained(
             (2, "weight-sync", "w-1"),
             (3, "generation", "g-1"),
         ]
-        assert any(e.get("event") == "stepped down" for e in g.log("a"))
+        assert any(e.get("event") == "stepped_down" for e in g.log("a"))
     finally:
         await g.close()
