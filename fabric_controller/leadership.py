@@ -220,5 +220,8 @@ class Leadership:
             except (errors.OrlError, TimeoutError):
                 found = None
             if not self.role.is_leader:
-                self.role.leader = found if found != self.address else None
+                leader = found if found != self.address else None
+                if leader != self.role.leader:
+                    log.info("standing_by", leader=leader or "not elected yet")
+                self.role.leader = leader
             await asyncio.sleep(LEADER_POLL_S)

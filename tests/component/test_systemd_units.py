@@ -22,6 +22,7 @@ pytestmark = pytest.mark.component
 UNITS = Path(__file__).parents[2] / "systemd"
 PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "orl-fabric-controller.service": controller_parser,
+    "orl-fabric-controller-ha.service": controller_parser,
     "orl-node-agent.service": agent_parser,
     "orl-sim-ocs.service": ocs_parser,
 }
@@ -64,6 +65,7 @@ def test_systemd_analyze_verify_accepts_the_unit(unit: str, tmp_path: Path) -> N
 # only with the reason in the unit's comments. Issue 16's targets: agent <= 4.5, OCS <= 2.5.
 EXPOSURE_LIMITS = {
     "orl-fabric-controller.service": 3.8,
+    "orl-fabric-controller-ha.service": 3.8,
     "orl-node-agent.service": 2.4,
     "orl-sim-ocs.service": 1.1,
 }
