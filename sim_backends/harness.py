@@ -152,3 +152,119 @@ async def start_fabric(
         servers,
         proc,
     )
+
+
+@dataclass
+class EtcdFabric:
+    """A fabric whose controller keeps its state in etcd and leads by election (the HA
+    path of ``orl-fabric-controller --etcd``, in-process: one controller, elected)."""
+
+    wiring: Wiring
+    ocs: dict[str, SimulatedOcs]
+    ocs_addresses: dict[str, str]
+    controller: Controller
+    token: int  # the fencing token of the controller's term
+    _server: grpcutil.RunningServer
+    _ocs_servers: list[grpcutil.RunningServer]
+    _drivers: list[OcsDriver]
+    _liveness: asyncio.Task[None]
+    _election: Any
+    _etcd: Any
+
+    @property
+    def address(self) -> str:
+        return self._server.address
+
+    async def stop(self) -> None:
+        """Stop serving and resign (the lease is revoked: the election key goes with it)."""
+        self._liveness.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._liveness
+        await self._server.stop(0.1)
+        await self._election.close()
+        for d in self._drivers:
+            await d.close()
+        await self._etcd.close()
+        for server in self._ocs_servers:
+            await server.stop(0.1)
+
+
+async def start_etcd_fabric(
+    wiring: Wiring,
+    endpoints: list[str],
+    *,
+    prefix: str = "/orchestrrl/",
+    election_key: str = "/orchestrrl/leader",
+    election_ttl_s: int = 2,
+    switching_time_s: float | None = None,
+    heartbeat_interval_s: float = 1.0,
+    deadline_s: float = 3.0,
+    **controller_options: Any,
+) -> EtcdFabric:
+    """Start the simulated OCSes of ``wiring`` and a controller on the etcd cluster at
+    ``endpoints`` (state under ``prefix``): it starts as a standby, wins the election at
+    ``election_key`` (waiting for another holder's lease to end), opens the store fenced
+    with its lease and token and runs the start-up recovery, as the daemon does. Needs
+    the etcd client extra (``orchestrrl[etcd]``)."""
+    from fabric_controller.election import Election
+    from fabric_controller.etcd_store import Etcd, EtcdStore
+    from fabric_controller.leadership import Role
+
+    servers: list[grpcutil.RunningServer] = []
+    switches: dict[str, SimulatedOcs] = {}
+    addresses: dict[str, str] = {}
+    for o in wiring.ocses:
+        running, sim = await serve_ocs(
+            "127.0.0.1:0",
+            name=o.name,
+            port_count=o.ports,
+            switching_time_s=o.switching_time_s if switching_time_s is None else switching_time_s,
+        )
+        servers.append(running)
+        switches[o.name] = sim
+        addresses[o.name] = running.address
+    options = dict(controller_options)
+    timeout_s = float(options.pop("ocs_timeout_s", 10.0))
+    drivers: dict[str, OcsDriver] = {
+        name: GrpcOcsDriver(name, addr, timeout_s=timeout_s) for name, addr in addresses.items()
+    }
+    etcd = Etcd(endpoints)
+    controller = Controller(
+        wiring,
+        EtcdStore(etcd, prefix),  # unfenced: a standby writes nothing
+        drivers,
+        heartbeat_interval_s=heartbeat_interval_s,
+        heartbeat_deadline_s=deadline_s,
+        role=Role.standby(),
+        **options,
+    )
+    server = await grpcutil.start_server(
+        "127.0.0.1:0",
+        lambda s: fabric_controller_pb2_grpc.add_FabricControllerServicer_to_server(
+            FabricControllerServicer(controller), s
+        ),
+        [SERVICE],
+    )
+
+    def lost(reason: str) -> None:
+        controller.role.lose(reason)
+
+    election = Election(etcd, server.address, key=election_key, ttl_s=election_ttl_s, on_lost=lost)
+    await election.start()
+    fence = await election.campaign()
+    store = await EtcdStore.open(etcd, prefix, fence)
+    await controller.lead(store, fence.token, lambda: election.is_leader, server.address)
+    liveness = asyncio.create_task(controller.run_liveness())
+    return EtcdFabric(
+        wiring,
+        switches,
+        addresses,
+        controller,
+        fence.token,
+        server,
+        servers,
+        list(drivers.values()),
+        liveness,
+        election,
+        etcd,
+    )
