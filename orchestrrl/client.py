@@ -39,7 +39,7 @@ T = TypeVar("T")
 
 
 BACKOFF_INITIAL_S = 0.05  # before a second round through the controllers' addresses
-BACKOFF_MAX_S = 1.0
+BACKOFF_MAX_S = 0.25  # a takeover lasts about one lease (2 s): see the new leader promptly
 
 
 def controller_address(explicit: str | None = None) -> str:
