@@ -30,6 +30,31 @@ win on per-token latency (see DESIGN.md, "Performance model"):
 - host work per sequence, which grows with the batch of one instance and not with TP;
 - the KV-cache capacity per instance, which limits the batch a small-TP instance can hold.
 
+MoE decode (``model.experts`` > 0; Qwen3-235B-A22B, Qwen3-30B-A3B). An instance of ``n``
+GPUs is one node (``n`` dividing its GPUs) or ``N = n / g`` whole nodes of ``g`` GPUs:
+attention tensor-parallel over each node's ``t = min(n, g)`` GPUs and data-parallel across
+its nodes (each node holds ``b / N`` of the sequences and their KV); the ``E`` experts
+split evenly over all ``n`` GPUs (expert parallelism, ``n`` divides ``E``). Per iteration::
+
+    touched  = E (1 - (1 - k/E)^b)          # expected distinct experts per layer, top-k
+    compute  = b (2 active params + attention FLOPs) / (n * peak * gemm_efficiency)
+    memory   = ((attention + router + LM head) / t + layers * touched * expert / n
+                + norms) * bytes + b/N * ctx * KV per token / min(t, kv_heads)
+               all / (HBM bandwidth * hbm_efficiency)
+    kernels  = layers * (kernels_per_layer - 3 + moe_kernels_per_layer + q/k norms) * fixed
+    allreduce= 2 * layers * allreduce(t, b/N * hidden * 2 B)   # NVLink: attention, and the
+               # sum of the node's experts (tokens are replicated in the node: no dispatch)
+    network  = layers * 2 * (latency + (b/n) k hidden 2 B (N-1)/N / (bw * network_eff))
+               # dispatch + combine across nodes over each GPU's NIC (0 when N = 1)
+    time     = max(max(compute, memory) + kernels + allreduce + network, host) + overhead
+
+``bw`` is the NIC (or what a fabric gives each GPU; the simulator passes it) and the
+latency and efficiency are the dense model's network ones. Stated simplifications: the
+expert reads are the mean over GPUs (the most loaded GPU reads more), routing is uniform,
+a token sent to several experts of one node is sent once per expert (no de-duplication),
+the expert GEMMs get ``gemm_efficiency`` without shape quantisation, the embedding rows
+read are ignored, and nothing overlaps the dispatch/combine with compute.
+
 Units: seconds, bytes, FLOP, bytes per second. Token counts are plain ints.
 """
 
@@ -148,6 +173,12 @@ class ModelShape:
     qkv_bias: bool = True
     dtype_bytes: int = 2  # BF16 weights
     kv_dtype_bytes: int = 2  # BF16 KV cache
+    # mixture of experts (0: dense): every block's MLP is ``experts`` SwiGLU experts of
+    # width ``expert_ffn`` plus a router, of which each token uses ``active_experts``
+    experts: int = 0
+    active_experts: int = 0
+    expert_ffn: int = 0
+    qk_norm: bool = False  # per-head q/k RMSNorm (Qwen3)
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -155,6 +186,15 @@ class ModelShape:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise errors.field_error(f"model.{name}", value, "a positive integer")
+        if self.experts < 0:
+            raise errors.field_error("model.experts", self.experts, "0 (dense) or >= 1")
+        if self.experts:
+            if not 1 <= self.active_experts <= self.experts:
+                raise errors.field_error(
+                    "model.active_experts", self.active_experts, f"1..experts ({self.experts})"
+                )
+            if self.expert_ffn < 1:
+                raise errors.field_error("model.expert_ffn", self.expert_ffn, "an integer >= 1")
         if self.heads % self.kv_heads:
             raise errors.field_error(
                 "model.kv_heads", self.kv_heads, f"a divisor of heads ({self.heads})"
@@ -179,10 +219,47 @@ class ModelShape:
     @cached_property
     def layer_params(self) -> int:
         """Parameters of one transformer block (attention, MLP, norms, QKV bias)."""
+        if self.moe:
+            return (
+                self.attn_params
+                + self.experts * self.expert_params
+                + self.router_params
+                + (2 * self.hidden)
+            )
         attn = self.hidden * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.hidden
         bias = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
         mlp = 3 * self.hidden * self.ffn
         return attn + bias + mlp + 2 * self.hidden
+
+    # -- mixture of experts --
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def attn_params(self) -> int:
+        """Attention of one block: projections, QKV bias, per-head q/k norms."""
+        proj = self.hidden * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.hidden
+        bias = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
+        norm = 2 * self.head_dim if self.qk_norm else 0
+        return proj + bias + norm
+
+    @property
+    def expert_params(self) -> int:
+        """One SwiGLU expert of one block (0 for a dense model)."""
+        return 3 * self.hidden * self.expert_ffn if self.moe else 0
+
+    @property
+    def router_params(self) -> int:
+        return self.hidden * self.experts
+
+    @cached_property
+    def active_params(self) -> int:
+        """Parameters a token's FLOPs count: all but the experts it does not use
+        (embeddings included, as the dense 6 x params x tokens; = params if dense)."""
+        unused = self.layers * (self.experts - self.active_experts) * self.expert_params
+        return self.params - unused
 
     @property
     def embedding_params(self) -> int:
@@ -285,8 +362,58 @@ LLAMA3_70B = ModelShape(
     source=_LLAMA_SOURCE.format(name="Meta-Llama-3-70B-Instruct"),
 )
 
+# Qwen3 MoE: every layer MoE, no shared expert, no QKV bias, per-head q/k RMSNorm.
+# Hugging Face Qwen/Qwen3-235B-A22B config.json: num_hidden_layers 94, hidden_size 4096,
+# num_attention_heads 64, num_key_value_heads 4, head_dim 128, num_experts 128,
+# num_experts_per_tok 8, moe_intermediate_size 1536, intermediate_size 12288 (unused:
+# decoder_sparse_step 1, no mlp_only_layers), vocab_size 151936, tie_word_embeddings
+# false. Qwen/Qwen3-30B-A3B: 48 layers, hidden 2048, 32 heads, 4 KV heads, head_dim 128,
+# 128 experts, 8 per token, moe_intermediate_size 768, intermediate_size 6144.
+_QWEN3_MOE_SOURCE = "Hugging Face config.json of Qwen/{name} (values quoted above)"
+QWEN3_235B_A22B = ModelShape(
+    "Qwen3-235B-A22B",
+    94,
+    4096,
+    64,
+    4,
+    12288,
+    151936,
+    head_dim=128,
+    qkv_bias=False,
+    experts=128,
+    active_experts=8,
+    expert_ffn=1536,
+    qk_norm=True,
+    source=_QWEN3_MOE_SOURCE.format(name="Qwen3-235B-A22B"),
+)
+QWEN3_30B_A3B = ModelShape(
+    "Qwen3-30B-A3B",
+    48,
+    2048,
+    32,
+    4,
+    6144,
+    151936,
+    head_dim=128,
+    qkv_bias=False,
+    experts=128,
+    active_experts=8,
+    expert_ffn=768,
+    qk_norm=True,
+    source=_QWEN3_MOE_SOURCE.format(name="Qwen3-30B-A3B"),
+)
+
 MODELS: dict[str, ModelShape] = {
-    m.name: m for m in (QWEN25_14B, QWEN25_32B, QWEN25_72B, LLAMA3_8B, LLAMA3_70B)
+    m.name: m
+    for m in (
+        QWEN25_14B,
+        QWEN25_32B,
+        QWEN25_72B,
+        LLAMA3_8B,
+        LLAMA3_70B,
+        QWEN3_235B_A22B,
+        QWEN3_30B_A3B,
+    )
 }
 
 
@@ -323,6 +450,7 @@ class Efficiency:
     # per-TP overrides ((tp, cap), ...); see PerfModel.max_num_seqs
     max_num_seqs: int = 256
     max_num_seqs_by_tp: tuple[tuple[int, int], ...] = ()
+    moe_kernels_per_layer: int = 7
 
     def __post_init__(self) -> None:
         for name in (
@@ -349,6 +477,10 @@ class Efficiency:
             value = getattr(self, name)
             if value < 0:
                 raise errors.field_error(f"efficiency.{name}", value, "a number >= 0")
+        if not isinstance(self.moe_kernels_per_layer, int) or self.moe_kernels_per_layer < 1:
+            raise errors.field_error(
+                "efficiency.moe_kernels_per_layer", self.moe_kernels_per_layer, ">= 1"
+            )
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise errors.field_error("efficiency.max_num_seqs", self.max_num_seqs, ">= 1")
         for pair in self.max_num_seqs_by_tp:
@@ -408,6 +540,12 @@ SOURCES: dict[str, str] = {
         "GPU terms TP1 is matched within 6% while TP2/4/8 leave 0.80/0.84/0.64 ms per step; "
         "0.6 ms is the smallest of those, rounded down. Llama-3-70B (TP2/4/8) is the "
         "independent check (tests/unit/test_perf_model_calibration.py)"
+    ),
+    "moe_kernels_per_layer": (
+        "vLLM's fused-MoE path replaces the dense MLP's 3 kernels (gate_up GEMM, "
+        "SiLU-and-mul, down GEMM) by 7: router GEMM, topk_softmax, moe_align_block_size, "
+        "fused_moe (w13), silu_and_mul, fused_moe (w2), moe_sum "
+        "(vllm/model_executor/layers/fused_moe/fused_moe.py); Qwen3's q/k RMSNorm adds 2"
     ),
     "max_num_seqs/max_num_seqs_by_tp": (
         "vLLM's default EngineArgs.max_num_seqs = 256 (also Lambda's benchmark setting, "
@@ -482,6 +620,46 @@ class DecodeBreakdown:
         return _total_s(self.gpu_s, self.host_s, self.overhead_s, self.calibration)
 
 
+@dataclass(frozen=True)
+class MoEDecodeBreakdown:
+    """One decode iteration of a MoE instance (see the module doc, "MoE decode").
+    ``allreduce_s``: the intra-node (NVLink) all-reduces; ``network_a2a_s``: the expert
+    dispatch + combine over the scale-out network (0 on one node); ``experts_touched``:
+    distinct experts per layer the batch routes to (expected value)."""
+
+    compute_s: float
+    memory_s: float
+    kernels_s: float
+    allreduce_s: float
+    network_a2a_s: float
+    host_s: float
+    overhead_s: float
+    experts_touched: float
+
+    @property
+    def gpu_s(self) -> float:
+        return _gpu_s(self.compute_s, self.memory_s, self.kernels_s, self.allreduce_s) + (
+            self.network_a2a_s
+        )
+
+    @property
+    def total_s(self) -> float:
+        return _total_s(self.gpu_s, self.host_s, self.overhead_s, 1.0)
+
+
+def experts_touched(experts: int, active: int, tokens: float) -> float:
+    """Expected distinct experts one layer routes a batch of ``tokens`` tokens to, each
+    picking ``active`` of ``experts`` (uniform, independent tokens):
+    ``E x (1 - (1 - k/E)^B)``: each expert is missed by a token with probability
+    ``1 - k/E``."""
+    if experts < 1 or not 1 <= active <= experts:
+        raise errors.field_error("active", active, f"1..experts ({experts})")
+    if tokens <= 0:
+        return 0.0
+    miss: float = (1.0 - active / experts) ** tokens
+    return experts * (1.0 - miss)
+
+
 def _gpu_s(compute: float, memory: float, kernels: float, allreduce: float) -> float:
     """The GPU's part of a decode iteration: the slower of compute and memory, then the
     kernel launches and the all-reduce."""
@@ -516,9 +694,12 @@ class PerfModel:
     # -- sizes --
 
     def weight_bytes_per_shard(self, tp: int) -> float:
-        """Weights one GPU of a TP group holds: layers and embeddings split, norms replicated."""
+        """Weights one GPU of a TP group holds: layers and embeddings split, norms replicated
+        (MoE: :meth:`moe_weight_bytes_per_gpu` of an instance of ``tp`` GPUs)."""
         self._check_tp(tp)
         m = self.model
+        if m.moe:
+            return self.moe_weight_bytes_per_gpu(tp)
         split = m.layers * (m.layer_params - 2 * m.hidden) + m.embedding_params + m.lm_head_params
         replicated = m.layers * 2 * m.hidden + m.hidden
         return (split / tp + replicated) * m.dtype_bytes
@@ -527,7 +708,10 @@ class PerfModel:
         return self.model.kv_bytes_per_token
 
     def kv_bytes_per_token_per_gpu(self, tp: int) -> float:
-        """KV heads split across the group; beyond kv_heads they are replicated."""
+        """KV heads split across the group; beyond kv_heads they are replicated (MoE: the
+        attention group is one node's part of the instance)."""
+        if self.model.moe:
+            tp = self.moe_instance(tp)[1]
         return self.model.kv_bytes_per_token / min(tp, self.model.kv_heads)
 
     def kv_capacity_tokens(self, tp: int) -> int:
@@ -537,7 +721,8 @@ class PerfModel:
         free = budget - self.weight_bytes_per_shard(tp) - e.activation_reserve_bytes
         if free <= 0:
             return 0
-        return int(free / self.kv_bytes_per_token_per_gpu(tp))
+        nodes = self.moe_instance(tp)[0] if self.model.moe else 1  # attention DP over nodes
+        return int(nodes * free / self.kv_bytes_per_token_per_gpu(tp))
 
     def max_num_seqs(self, tp: int) -> int:
         """The engine's cap on running sequences of one TP ``tp`` instance (the per-TP
@@ -569,6 +754,11 @@ class PerfModel:
         self._check_tp(tp)
         if batch <= 0:
             return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0
+        if self.model.moe:
+            b = self.moe_decode_breakdown(tp, batch, context_tokens)
+            comm = b.allreduce_s + b.network_a2a_s
+            calibration = self._calibration(tp, batch)
+            return b.compute_s, b.memory_s, b.kernels_s, comm, b.host_s, b.overhead_s, calibration
         m, h, e = self.model, self.hardware, self.efficiency
         ctx = max(0.0, float(context_tokens))
         dense = m.layers * (m.layer_params - 2 * m.hidden) + m.lm_head_params
@@ -608,6 +798,8 @@ class PerfModel:
         self._check_tp(tp)
         if tokens <= 0:
             return 0.0
+        if self.model.moe:
+            return self.moe_prefill_time(tp, tokens, cached_tokens)
         m, h, e = self.model, self.hardware, self.efficiency
         dense = m.layers * (m.layer_params - 2 * m.hidden)
         mean_ctx = cached_tokens + tokens / 2.0  # causal attention
@@ -647,6 +839,130 @@ class PerfModel:
             self._gemm_memo.clear()
         hit = self._gemm_memo[(tp, tokens)] = weighted / total
         return hit
+
+    # -- mixture of experts (see the module doc, "MoE decode") --
+
+    def moe_instance(self, gpus: int) -> tuple[int, int]:
+        """(nodes, attention TP degree) of a MoE instance of ``gpus`` GPUs: one node
+        (``gpus`` dividing the node's GPUs) or ``gpus / gpus_per_node`` whole nodes,
+        attention tensor-parallel over each node's GPUs and data-parallel across nodes;
+        experts split evenly over every GPU (``gpus`` must divide the experts)."""
+        self._check_tp(gpus)
+        m, g = self.model, self.hardware.gpus_per_node
+        if not m.moe:
+            raise errors.field_error("model", m.name, "a mixture-of-experts model")
+        if (gpus <= g and g % gpus) or (gpus > g and gpus % g):
+            raise errors.field_error(
+                "gpus", gpus, f"a divisor of gpus_per_node ({g}) or a multiple of it"
+            )
+        if m.experts % gpus:
+            raise errors.field_error(
+                "gpus", gpus, f"a divisor of the experts ({m.experts}): expert parallelism"
+            )
+        return (1, gpus) if gpus <= g else (gpus // g, g)
+
+    def moe_weight_bytes_per_gpu(self, gpus: int) -> float:
+        """Weights one GPU of a MoE instance holds: its ``experts / gpus`` experts of
+        every layer, and a ``1 / attention TP`` shard of the rest (attention, router,
+        embeddings, LM head); norms replicated."""
+        _, t_a = self.moe_instance(gpus)
+        m = self.model
+        experts = m.layers * m.experts * m.expert_params
+        rest = m.layers * (m.attn_params + m.router_params) + m.embedding_params
+        rest += m.lm_head_params
+        replicated = m.layers * 2 * m.hidden + m.hidden
+        return (experts / gpus + rest / t_a + replicated) * m.dtype_bytes
+
+    def moe_a2a_network_bytes(self, gpus: int, tokens: float) -> float:
+        """Bytes one GPU sends over its NIC in one layer's expert dispatch (the combine
+        returns as many): its ``tokens / gpus`` tokens, each to ``active_experts``
+        experts, ``hidden x dtype`` bytes each, of which the share ``(nodes - 1) / nodes``
+        held on other nodes (uniform routing; no per-node de-duplication). 0 on one node."""
+        nodes, _ = self.moe_instance(gpus)
+        if nodes == 1:
+            return 0.0
+        m = self.model
+        per_gpu = tokens / gpus * m.active_experts * m.hidden * m.dtype_bytes
+        return per_gpu * (nodes - 1) / nodes
+
+    def moe_a2a_time(
+        self, gpus: int, tokens: float, network_bandwidth: float | None = None
+    ) -> float:
+        """Dispatch + combine of one layer over the scale-out network (0 on one node):
+        ``2 x (network latency + bytes / (bandwidth x network efficiency))`` with
+        :meth:`moe_a2a_network_bytes`; ``network_bandwidth`` (B/s per GPU) is what the
+        fabric gives each GPU, None: its NIC."""
+        nbytes = self.moe_a2a_network_bytes(gpus, tokens)
+        if nbytes <= 0:
+            return 0.0
+        bw = self.hardware.nic_bandwidth if network_bandwidth is None else network_bandwidth
+        return 2.0 * self.network_transfer_time(nbytes, bandwidth=bw)
+
+    def moe_decode_breakdown(
+        self,
+        gpus: int,
+        batch: int,
+        context_tokens: float,
+        network_bandwidth: float | None = None,
+    ) -> MoEDecodeBreakdown:
+        """The terms of one decode iteration of a MoE instance of ``gpus`` GPUs running
+        ``batch`` sequences of ``context_tokens`` mean context (module doc, "MoE decode")."""
+        nodes, t_a = self.moe_instance(gpus)
+        if batch <= 0:
+            return MoEDecodeBreakdown(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        m, h, e = self.model, self.hardware, self.efficiency
+        ctx = max(0.0, float(context_tokens))
+        dense = m.layers * (m.attn_params + m.router_params) + m.lm_head_params
+        active = dense + m.layers * m.active_experts * m.expert_params
+        flops = batch * (2.0 * active + 4.0 * m.layers * m.q_dim * ctx)
+        compute = flops / (gpus * h.peak_flops * e.gemm_efficiency)
+        touched = experts_touched(m.experts, m.active_experts, batch)
+        weights = (dense / t_a + m.layers * touched * m.expert_params / gpus) * m.dtype_bytes + (
+            m.layers * 2 * m.hidden + m.hidden
+        ) * m.dtype_bytes
+        kv = batch / nodes * ctx * m.kv_bytes_per_token / min(t_a, m.kv_heads)
+        memory = (weights + kv) / (h.hbm_bandwidth * h.hbm_efficiency)
+        per_layer = e.kernels_per_layer - 3 + e.moe_kernels_per_layer + (2 if m.qk_norm else 0)
+        kernels = m.layers * per_layer * e.kernel_fixed_s
+        node_tokens = batch / nodes
+        allreduce = 2 * m.layers * self.allreduce_time(t_a, node_tokens * m.hidden * m.dtype_bytes)
+        network = m.layers * self.moe_a2a_time(gpus, batch, network_bandwidth)
+        host = e.host_per_sequence_s * batch
+        overhead = e.iteration_overhead_s + (e.tp_iteration_overhead_s if gpus > 1 else 0.0)
+        return MoEDecodeBreakdown(
+            compute, memory, kernels, allreduce, network, host, overhead, touched
+        )
+
+    def moe_prefill_time(
+        self,
+        gpus: int,
+        tokens: int,
+        cached_tokens: int = 0,
+        network_bandwidth: float | None = None,
+    ) -> float:
+        """Prefill of ``tokens`` new tokens (one chunk, spread over the instance's nodes)
+        after ``cached_tokens`` of context on a MoE instance: active-parameter FLOPs,
+        the touched experts read once, the all-reduces and the dispatch/combine as in
+        decode."""
+        nodes, t_a = self.moe_instance(gpus)
+        if tokens <= 0:
+            return 0.0
+        m, h, e = self.model, self.hardware, self.efficiency
+        dense = m.layers * (m.attn_params + m.router_params)
+        active = dense + m.layers * m.active_experts * m.expert_params
+        mean_ctx = cached_tokens + tokens / 2.0
+        flops = tokens * (2.0 * active + 4.0 * m.layers * m.q_dim * mean_ctx)
+        flops += 2.0 * m.vocab * m.hidden
+        compute = flops / (gpus * h.peak_flops * e.gemm_efficiency)
+        touched = experts_touched(m.experts, m.active_experts, tokens)
+        weights = (dense / t_a + m.layers * touched * m.expert_params / gpus) * m.dtype_bytes
+        memory = weights / (h.hbm_bandwidth * h.hbm_efficiency)
+        per_layer = e.kernels_per_layer - 3 + e.moe_kernels_per_layer + (2 if m.qk_norm else 0)
+        kernels = m.layers * per_layer * e.kernel_fixed_s
+        node_tokens = tokens / nodes
+        allreduce = 2 * m.layers * self.allreduce_time(t_a, node_tokens * m.hidden * m.dtype_bytes)
+        network = m.layers * self.moe_a2a_time(gpus, tokens, network_bandwidth)
+        return max(compute, memory) + kernels + allreduce + network + e.iteration_overhead_s
 
     # -- collectives and transfers --
 
@@ -767,7 +1083,8 @@ class PerfModel:
         if gpus <= 0:
             raise errors.field_error("gpus", gpus, "a positive integer")
         m, h, e = self.model, self.hardware, self.efficiency
-        compute = 6.0 * m.params * tokens / (gpus * h.peak_flops * e.training_mfu)
+        counted = m.active_params if m.moe else m.params
+        compute = 6.0 * counted * tokens / (gpus * h.peak_flops * e.training_mfu)
         if dp_degree <= 1:
             return compute
         replica_gpus = max(1, gpus // dp_degree)

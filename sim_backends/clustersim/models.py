@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 from orchestrrl import errors
 from scheduler.perf_model import MODELS as PERF_MODELS
+from scheduler.perf_model import QWEN3_30B_A3B as PERF_QWEN3_30B_A3B
+from scheduler.perf_model import QWEN3_235B_A22B as PERF_QWEN3_235B_A22B
 from scheduler.perf_model import ModelShape
 
 
@@ -146,7 +148,8 @@ class TrainShape:
 
 
 def from_perf_model(m: ModelShape) -> TrainShape:
-    """A dense ``scheduler.perf_model`` shape as a :class:`TrainShape` (same params)."""
+    """A ``scheduler.perf_model`` shape (dense or MoE) as a :class:`TrainShape` (same
+    params: the generation side's decode model and the training side share one shape)."""
     return TrainShape(
         m.name,
         m.layers,
@@ -156,58 +159,25 @@ def from_perf_model(m: ModelShape) -> TrainShape:
         m.head_dim,
         m.ffn,
         m.vocab,
+        experts=m.experts,
+        active_experts=m.active_experts,
+        expert_ffn=m.expert_ffn,
         qkv_bias=m.qkv_bias,
+        qk_norm=m.qk_norm,
         tied_embeddings=m.tied_embeddings,
         dtype_bytes=m.dtype_bytes,
         source=m.source,
     )
 
 
-# Hugging Face Qwen/Qwen3-235B-A22B config.json: num_hidden_layers 94, hidden_size 4096,
-# num_attention_heads 64, num_key_value_heads 4, head_dim 128, num_experts 128,
-# num_experts_per_tok 8, moe_intermediate_size 1536, decoder_sparse_step 1 with no
-# mlp_only_layers (every layer MoE, no shared expert), vocab_size 151936,
-# tie_word_embeddings false, attention_bias false (q/k RMSNorm per head).
-QWEN3_235B_A22B = TrainShape(
-    "Qwen3-235B-A22B",
-    layers=94,
-    hidden=4096,
-    heads=64,
-    kv_heads=4,
-    head_dim=128,
-    ffn=12288,
-    vocab=151936,
-    experts=128,
-    active_experts=8,
-    expert_ffn=1536,
-    qk_norm=True,
-    source="Hugging Face config.json of Qwen/Qwen3-235B-A22B (values quoted above)",
-)
-# Hugging Face Qwen/Qwen3-30B-A3B config.json: num_hidden_layers 48, hidden_size 2048,
-# num_attention_heads 32, num_key_value_heads 4, head_dim 128, num_experts 128,
-# num_experts_per_tok 8, moe_intermediate_size 768, vocab_size 151936,
-# tie_word_embeddings false, attention_bias false.
-QWEN3_30B_A3B = TrainShape(
-    "Qwen3-30B-A3B",
-    layers=48,
-    hidden=2048,
-    heads=32,
-    kv_heads=4,
-    head_dim=128,
-    ffn=6144,
-    vocab=151936,
-    experts=128,
-    active_experts=8,
-    expert_ffn=768,
-    qk_norm=True,
-    source="Hugging Face config.json of Qwen/Qwen3-30B-A3B (values quoted above)",
-)
+# Qwen3-235B-A22B and Qwen3-30B-A3B: the shapes of ``scheduler.perf_model`` (values from
+# their Hugging Face config.json, quoted there: 94/48 layers, hidden 4096/2048, 64/32
+# heads, 4 KV heads, head_dim 128, 128 experts of width 1536/768, 8 per token, every layer
+# MoE with no shared expert, vocab 151936, untied, q/k RMSNorm per head, no QKV bias).
+QWEN3_235B_A22B = from_perf_model(PERF_QWEN3_235B_A22B)
+QWEN3_30B_A3B = from_perf_model(PERF_QWEN3_30B_A3B)
 
-SHAPES: dict[str, TrainShape] = {
-    **{name: from_perf_model(m) for name, m in PERF_MODELS.items()},
-    QWEN3_235B_A22B.name: QWEN3_235B_A22B,
-    QWEN3_30B_A3B.name: QWEN3_30B_A3B,
-}
+SHAPES: dict[str, TrainShape] = {name: from_perf_model(m) for name, m in PERF_MODELS.items()}
 
 
 def shape(name: str, field_name: str = "training.model") -> TrainShape:

@@ -459,6 +459,7 @@ REGIME_HEADER = (
     "step s",
     "compute s",
     "comm s",
+    "generation s (network s)",
     "exposed comm + sync share",
     "cost MUSD (no host links)",
     "perf/cost vs fat-tree",
@@ -478,6 +479,7 @@ def regime_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[object]]:
             r["step_s"],
             r["compute_s"],
             r["comm_s"],
+            _gen_cell(r),
             f"{r['exposed_share']:.0%}",
             f"{r['cost_usd'] / 1e6:.2f} ({r['cost_above_hosts_usd'] / 1e6:.2f})",
             f"{r['perf_per_cost_norm']:.2f}",
@@ -485,6 +487,15 @@ def regime_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[object]]:
         ]
         for r in rows
     ]
+
+
+def _gen_cell(r: Mapping[str, Any]) -> str:
+    """A MoE row's generation time and its network all-to-all part; '-' where the map
+    does not time generation (dense workloads)."""
+    if r.get("gen_s") is None:
+        return "-"
+    bound = " (bound)" if r.get("bound") == "generation" else ""
+    return f"{r['gen_s']:.1f} ({r['gen_net_s']:.1f}){bound}"
 
 
 def _x(value: float | None, suffix: str = "x") -> str:
@@ -529,12 +540,27 @@ def regime_section(regime: Mapping[str, Any]) -> list[str]:
         return []
     st = regime.get("settings", {})
     md = ["## 2b. Regime map: when does the fabric matter, and does RFabric pay off?", ""]
+    gen_rows = [r for r in rows if r.get("gen_s") is not None]
+    gen_ep = gen_rows[0].get("gen_ep_gpus", 0) if gen_rows else 0
     md.append(
-        "One RL step's training (4 mini-batches and the log-prob pass) plus the weight "
-        "sync, timed on each fabric with the closed form (busiest link's bytes / capacity; "
-        "tests hold it to the flow simulation), i.e. the step of a training-bound pipeline: "
-        "the most a fabric can change (when generation is longer, only the sync depends on "
-        f"the fabric). Training pool {st.get('train_share', 0.5):.0%} of the GPUs; "
+        "Dense workloads: one RL step's training (4 mini-batches and the log-prob pass) "
+        "plus the weight sync, timed on each fabric with the closed form (busiest link's "
+        "bytes / capacity; tests hold it to the flow simulation), i.e. the step of a "
+        "training-bound pipeline: the most a fabric can change (when generation is longer, "
+        "only the sync depends on the fabric). MoE workload: the pipeline's step, "
+        "max(generation, training) + sync, with generation timed too: instances of "
+        f"{gen_ep} GPUs (experts over all of them, attention per node), the step's requests "
+        "dealt round-robin and continuously batched, each decode iteration from the "
+        "performance model's MoE decode (experts touched by the batch, KV reads, NVLink "
+        "all-reduces, and the per-layer expert dispatch + combine over the network, not "
+        "overlapped) at the bandwidth per GPU the fabric gives all instances' all-to-all "
+        "together; that network time is the generation side's exposed communication. "
+        "`contiguous`: an instance's nodes are consecutive (inside a pod); `scattered`: "
+        "dealt over the pods, so its all-to-all crosses them. The generation all-to-all is "
+        "timed alone (not contending with training's collectives) and is part of the "
+        "optical fabrics' circuit demand (RFabric plans one set of circuits for training "
+        "and generation, which run together). "
+        f"Training pool {st.get('train_share', 0.5):.0%} of the GPUs; "
         f"communication hidden behind up to {st.get('overlap', 0):.0%} of the compute "
         "(exposed = max(0, comm - overlap x compute)); Megatron TP8 in a node + ZeRO-1 data "
         "parallelism; FSDP over every training GPU, 16,384 tokens per GPU per micro-batch; "
@@ -606,13 +632,35 @@ def regime_discussion(
                 f"({r['step_norm']:.2f}x the step)"
                 for r in slow
             )
-            + ": there the training collectives cross pods; elsewhere they stay under the "
-            "ToRs and every fabric gives the same step."
+            + ": there the training collectives (MoE: the generation all-to-all, when "
+            "generation bounds the step) cross pods; elsewhere they stay under the ToRs and "
+            "every fabric gives the same step."
         )
     else:
         lines.append(
             "The 3:1 oversubscribed fat-tree gives the same step as the non-blocking one in "
             "every cell: the training collectives never load its core beyond its uplinks."
+        )
+    gen = [r for r in rows if r.get("gen_s") is not None]
+    if gen:
+        bound = [r for r in gen if r.get("bound") == "generation"]
+        net = [r["gen_net_s"] / r["gen_s"] for r in gen if r["gen_s"] > 0]
+        ref = {
+            (r["workload"], r["gpus"], r["placement"]): r["gen_s"]
+            for r in gen
+            if r["fabric"] == "fat-tree"
+        }
+        spread = [
+            r["gen_s"] / ref[(r["workload"], r["gpus"], r["placement"])]
+            for r in gen
+            if ref.get((r["workload"], r["gpus"], r["placement"]))
+        ]
+        lines.append(
+            f"MoE generation bounds the step in {len(bound)} of {len(gen)} MoE rows; its "
+            f"expert all-to-all over the network is {min(net):.0%}-{max(net):.0%} of the "
+            f"generation time, and the fabric changes generation by "
+            f"{min(spread):.2f}-{max(spread):.2f}x of the fat-tree's (the all-to-all crosses "
+            "pods only when an instance's nodes are scattered over them)."
         )
     exposed = max(rows, key=lambda r: r["exposed_share"])
     lines.append(

@@ -19,7 +19,7 @@ A scenario (every key optional except ``cluster.nodes``; defaults below)::
     hardware = "H800-SXM"          # scheduler.perf_model.HARDWARE
 
     [model]
-    name = "Qwen2.5-14B"           # scheduler.perf_model.MODELS
+    name = "Qwen2.5-14B"           # scheduler.perf_model.MODELS (MoE: "Qwen3-235B-A22B")
 
     [split]                        # disaggregation: whole nodes per pool
     train_gpus = 16
@@ -174,10 +174,13 @@ class TrainingConfig:
     2 x params x tokens to recompute the old policy's log-probabilities (plus as much
     again for a reference model when ``reference_model``; MoE: active parameters).
     ``model``: the shape trained (``sim_backends.clustersim.models.SHAPES``, which adds
-    Qwen3-235B-A22B and Qwen3-30B-A3B); empty: ``model.name``. Generation is always
-    timed with ``model.name``'s performance model (it has no MoE decode yet), so a MoE
-    here sizes the training traffic and the weight sync only. The parallelism layout and
-    its collectives are the ``[parallelism]`` table's."""
+    Qwen3-235B-A22B and Qwen3-30B-A3B); empty: ``model.name``. Generation is timed with
+    ``model.name``'s performance model, which has a MoE decode: with ``model.name`` =
+    Qwen3-235B-A22B the instances are one node each (experts over the node's GPUs, on
+    NVLink; the regime map of ``orl-sim reproduce`` also times instances spanning nodes).
+    A MoE ``training.model`` with a dense ``model.name`` sizes the training traffic and
+    the weight sync only. The parallelism layout and its collectives are the
+    ``[parallelism]`` table's."""
 
     mini_batches: int = 4
     reference_model: bool = False

@@ -114,7 +114,12 @@ def test_reproduce_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     cells = {(r["workload"], r["placement"], r["fabric"]) for r in regime["rows"]}
     assert len(cells) == len(regime["rows"]) == 3 * 2 * 5
     for r in regime["rows"]:
-        assert r["step_s"] == pytest.approx(r["compute_s"] + r["exposed_s"] + r["sync_s"])
+        # MoE rows time generation too: the pipeline's max(generation, training) + sync
+        gen = r["gen_s"] or 0.0
+        assert r["step_s"] == pytest.approx(max(gen, r["train_s"]) + r["sync_s"])
+        if r["bound"] == "training":
+            assert r["step_s"] == pytest.approx(r["compute_s"] + r["exposed_s"] + r["sync_s"])
+        assert (r["gen_s"] is not None) == r["workload"].startswith("MoE")
         assert r["algorithm"] in {"ring", "tree", "hierarchical"}
     assert len(regime["verdicts"]) == 6
     assert "## 2b. Regime map" in report and "RFabric / best static" in report
