@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 from node_agent.routes import HostRoutes, request_from_pb, response_to_pb
 from orchestrrl.logs import setup_logging
@@ -38,6 +39,7 @@ from orchestrrl.netlink import OWNER_PROTO, Netlink
 from orchestrrl.v1 import node_agent_pb2
 from sim_backends import netns
 
+T = TypeVar("T")
 BASE = (10 << 24) | (128 << 16)  # 10.128.0.0, room for 8M /32s
 
 
@@ -79,10 +81,11 @@ async def prepare(bed: netns.Testbed) -> str:
     return name
 
 
-async def timed(action: Callable[[], Awaitable[object]]) -> float:
+async def timed(action: Callable[[], Awaitable[T]]) -> tuple[float, T]:
+    """Seconds the action took, and its result."""
     start = time.perf_counter()
-    await action()
-    return time.perf_counter() - start
+    result = await action()
+    return time.perf_counter() - start, result
 
 
 async def count_owned(name: str) -> int:
@@ -101,25 +104,29 @@ async def run_one(count: int, ecmp: int, repeat: int) -> dict[str, object]:
         ours, theirs = await prepare(bed), await prepare(bed)
         add, remove = decoded_request(ours, dsts, hops), decoded_request(ours, [], hops)
 
-        async def apply(request: node_agent_pb2.ApplyRoutesRequest) -> None:
-            result = await host.apply(request_from_pb(request))
+        async def apply(request: node_agent_pb2.ApplyRoutesRequest) -> float:
+            """The agent's path, timed up to the verified kernel state; the response it
+            then builds is timed on its own."""
+            seconds, result = await timed(lambda: host.apply(request_from_pb(request)))
             if request.routes:
                 start = time.perf_counter()
                 response_to_pb(request.command_id, result)
                 response.append(time.perf_counter() - start)
+            return seconds
+
+        async def ip_batch(text: str) -> float:
+            return (
+                await timed(lambda: netns.run(["ip", "-n", theirs, "-batch", "-"], stdin=text))
+            )[0]
 
         for _ in range(repeat):
-            agent["add"].append(await timed(lambda: apply(add)))
-            agent["reapply"].append(await timed(lambda: apply(add)))
+            agent["add"].append(await apply(add))
+            agent["reapply"].append(await apply(add))
             assert await count_owned(ours) == count
-            agent["delete"].append(await timed(lambda: apply(remove)))
-            ip["add"].append(
-                await timed(lambda: netns.run(["ip", "-n", theirs, "-batch", "-"], stdin=add_text))
-            )
+            agent["delete"].append(await apply(remove))
+            ip["add"].append(await ip_batch(add_text))
             assert await count_owned(theirs) == count
-            ip["delete"].append(
-                await timed(lambda: netns.run(["ip", "-n", theirs, "-batch", "-"], stdin=del_text))
-            )
+            ip["delete"].append(await ip_batch(del_text))
             assert await count_owned(ours) == await count_owned(theirs) == 0
 
     def figures(op: str) -> dict[str, float]:

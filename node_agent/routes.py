@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from orchestrrl import errors
@@ -26,6 +26,7 @@ from orchestrrl.routing import (
     RouteSpec,
     RuleChange,
     RuleSpec,
+    collector_paused,
     route_sort_key,
     rule_sort_key,
 )
@@ -49,24 +50,33 @@ class RoutesResult:
 def request_from_pb(request: node_agent_pb2.ApplyRoutesRequest) -> RoutesRequest:
     """Validate every field; errors name the entry, e.g. ``routes[2].destination=...``."""
     return RoutesRequest(
-        routes=tuple(_route(i, r) for i, r in enumerate(request.routes)),
+        routes=_routes(request.routes),
         rules=tuple(_rule(i, r) for i, r in enumerate(request.rules)),
         netns=check_netns(request.netns),
         prune=request.prune,
     )
 
 
-def _route(index: int, route: node_agent_pb2.Route) -> RouteSpec:
-    try:
-        return RouteSpec(
-            destination=route.destination,
-            gateways=tuple(route.gateways),
-            device=route.device or None,
-            table=route.table,
-            metric=route.metric,
-        )
-    except errors.InvalidArgument as exc:
-        raise errors.InvalidArgument(f"routes[{index}].{exc}") from None
+def _routes(routes: Iterable[node_agent_pb2.Route]) -> tuple[RouteSpec, ...]:
+    """A request carries up to tens of thousands of routes over a few gateway sets:
+    ``RouteSpec.simple`` checks each set once."""
+    simple = RouteSpec.simple
+    specs = []
+    with collector_paused():
+        for index, route in enumerate(routes):
+            try:
+                specs.append(
+                    simple(
+                        route.destination,
+                        tuple(route.gateways[:]),  # a slice is read in one go
+                        route.device or None,
+                        route.table,
+                        route.metric,
+                    )
+                )
+            except errors.InvalidArgument as exc:
+                raise errors.InvalidArgument(f"routes[{index}].{exc}") from None
+    return tuple(specs)
 
 
 def _rule(index: int, rule: node_agent_pb2.PolicyRule) -> RuleSpec:

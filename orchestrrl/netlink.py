@@ -6,13 +6,14 @@ pyroute2 object or ``**kwargs`` escape.
 
 Where pyroute2 is used, and where not:
 
-- Routes and links go through our own codec (``orchestrrl.rtnl``) on a plain rtnetlink
-  socket: routes are the bulk object (thousands per switch at a phase change), sent in
-  batches of hundreds of messages per ``send``; link listings are small but frequent and
-  pyroute2 decodes every attribute of every link. See ``orchestrrl.rtnl`` for the
-  measurements behind that choice and ``bench/routes.py`` for the comparison with
-  ``ip -batch``.
-- Policy rules and link changes (MTU) go through pyroute2's ``IPRoute`` here; traffic
+- Routes, links and rule listings go through our own codec (``orchestrrl.rtnl``) on a
+  plain rtnetlink socket: routes are the bulk object (thousands per switch at a phase
+  change), sent in batches of hundreds of messages per ``send``; link and rule listings
+  are small but read at every ApplyRoutes, and pyroute2 decodes every attribute of
+  every message. See ``orchestrrl.rtnl`` for the measurements behind that choice and
+  ``bench/routes.py`` for the comparison with ``ip -batch``.
+- Rule and link changes (add/delete a rule, MTU) go through pyroute2's ``IPRoute``,
+  opened on first use (an ApplyRoutes that changes no rule never starts it); traffic
   control (``orchestrrl.tc``) uses it too, through the same :class:`PyrouteThread`; and
   :func:`netlink_socket` (like ``sim_backends.netns``) uses ``pyroute2.netns.setns`` to
   create sockets inside a namespace (in a short-lived thread; no fork).
@@ -53,7 +54,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
@@ -72,11 +73,13 @@ from orchestrrl.routing import (
     RouteSpec,
     RuleChange,
     RuleSpec,
+    collector_paused,
     diff_indexed,
     diff_routes,
     diff_rules,
     foreign_conflicts,
     index_routes,
+    kernel_routes,
     unknown_devices,
 )
 
@@ -100,19 +103,8 @@ DUMP_RETRIES = 5
 EXCHANGE_TIMEOUT_S = 60.0
 FR_ACT_TO_TBL = 1
 FIB_RULE_INVERT = 2
-OTHER_RULE_MATCHES = (
-    "FRA_FWMARK",
-    "FRA_OIFNAME",
-    "FRA_UID_RANGE",
-    "FRA_IP_PROTO",
-    "FRA_SPORT_RANGE",
-    "FRA_DPORT_RANGE",
-    "FRA_L3MDEV",
-    "FRA_TUN_ID",
-    "FRA_GOTO",
-)
 FAMILY_OF = {4: socket.AF_INET, 6: socket.AF_INET6}
-VERSION_OF = {socket.AF_INET: 4, socket.AF_INET6: 6}
+VERSION_OF: dict[int, int] = {socket.AF_INET: 4, socket.AF_INET6: 6}
 NETNS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,62}$")
 TOLERATED_ON_DELETE = frozenset({errno.ENOENT, errno.ESRCH})
 
@@ -263,14 +255,21 @@ class _RouteSocket:
         return chunks
 
     async def request(
-        self, ops: Sequence[tuple[rtnl.RouteOp, RouteSpec]], encoder: rtnl.RouteEncoder
+        self,
+        kinds: Sequence[rtnl.RouteOp],
+        routes: Sequence[RouteSpec],
+        encoder: rtnl.RouteEncoder,
     ) -> list[tuple[int, str]]:
-        """Send route messages in batches; (errno, text) of each, 0 for success."""
+        """Send route messages (``kinds[i]`` of ``routes[i]``) in batches; (errno, text) of
+        each, 0 for success."""
         async with self._lock, self._exchange("route changes"):
-            return await self._request(ops, encoder)
+            return await self._request(kinds, routes, encoder)
 
     async def _request(
-        self, ops: Sequence[tuple[rtnl.RouteOp, RouteSpec]], encoder: rtnl.RouteEncoder
+        self,
+        kinds: Sequence[rtnl.RouteOp],
+        routes: Sequence[RouteSpec],
+        encoder: rtnl.RouteEncoder,
     ) -> list[tuple[int, str]]:
         """Each batch goes out in one ``send``; only its last message asks for an ACK. The
         kernel handles the messages of a send in order, before the send returns, and
@@ -278,26 +277,31 @@ class _RouteSocket:
         ACK is read every error of the batch has been read before it: one answer per batch
         instead of one per route, with the same per-message outcome."""
         results: list[tuple[int, str]] = []
-        encode = encoder.encode
+        template, pack_seq = encoder.template, rtnl.U32.pack
+        count, limit, batch = len(routes), self.batch_bytes, self.batch
         start = 0
-        while start < len(ops):
+        while start < count:
             seqs: dict[int, int] = {}
-            payload = bytearray()
-            last = 0  # offset of the batch's last message
-            while start < len(ops) and len(seqs) < self.batch:
-                seq = self._next_seq()
-                op, route = ops[start]
-                message = encode(seq, op, route, ack=False)
-                if seqs and len(payload) + len(message) > self.batch_bytes:
+            parts: list[bytes] = []
+            size = last = 0  # of the batch; offset of its last message
+            seq = self._seq
+            for index in range(start, min(count, start + batch)):
+                route = routes[index]
+                before_seq, before_dst, after_dst, length = template(kinds[index], route)
+                if seqs and size + length > limit:
                     break
-                last = len(payload)
-                payload += message
-                seqs[seq] = start
-                start += 1
+                seq = (seq + 1) & 0xFFFF_FFFF or 1
+                parts += (before_seq, pack_seq(seq), before_dst, route.order[2], after_dst)
+                seqs[seq] = index
+                last = size
+                size += length
+            self._seq = seq
+            start += len(seqs)
+            payload = bytearray(b"".join(parts))
             header = rtnl.nlmsghdr(payload, last)
             _FLAGS_AT.pack_into(payload, last + _FLAGS_OFFSET, header.flags | rtnl.NLM_F_ACK)
             failed: dict[int, tuple[int, str]] = {}
-            await asyncio.get_running_loop().sock_sendall(self._sock, bytes(payload))
+            await asyncio.get_running_loop().sock_sendall(self._sock, payload)
             while header.seq not in failed:
                 for chunk in await self._recv(drain=True):
                     for frame in rtnl.frames(chunk, strict=True):
@@ -311,8 +315,12 @@ class _RouteSocket:
                                     chunk[frame.start : frame.end],
                                 )
                             )
-            ok = (0, "")
-            results.extend(failed.get(seq, ok) for seq in seqs)
+            ok = _OK
+            if len(failed) == 1:  # only the answer to the last message: no other failed
+                results += [ok] * (len(seqs) - 1)
+                results.append(failed[header.seq])
+            else:
+                results.extend(failed.get(seq, ok) for seq in seqs)
             # The kernel answers synchronously, so nothing above ever waits: give the
             # event loop a turn per batch (gRPC, telemetry, timeouts, cancellation).
             await asyncio.sleep(0)
@@ -355,35 +363,66 @@ class _RouteSocket:
     async def dump(
         self,
         version: int,
-        decoder: rtnl.RouteDecoder,
+        take: Callable[[bytes, int, int], T | None],
         table: int = 0,
         proto: int = 0,
-        skip_proto: int = -1,
-    ) -> list[rtnl.WireRoute]:
-        """Routes of one family, filtered by the kernel on ``table`` and ``proto`` (0: any);
-        routes of ``skip_proto`` are dropped before they are decoded."""
-        async with self._lock, self._exchange(f"IPv{version} route dump"):
+    ) -> list[T]:
+        """Routes of one family, filtered by the kernel on ``table`` and ``proto`` (0: any):
+        what ``take(datagram, start, end)`` makes of each RTM_NEWROUTE body
+        ``datagram[start:end]``, None ones left out."""
+        return await self._dump(
+            lambda seq: rtnl.encode_dump(seq, version, table, proto),
+            rtnl.RTM_NEWROUTE,
+            take,
+            f"IPv{version} route",
+            f"dump IPv{version} routes",
+            missing=errno.ENOENT,  # IPv4: the table does not exist yet
+        )
+
+    async def rules(self, version: int, what: str) -> list[rtnl.WireRule]:
+        """The policy rules of one family; kernel errors say ``what``."""
+        return await self._dump(
+            lambda seq: rtnl.rule_dump_request(seq, version),
+            rtnl.RTM_NEWRULE,
+            rtnl.decode_rule,
+            f"IPv{version} rule",
+            what,
+        )
+
+    async def _dump(
+        self,
+        request: Callable[[int], bytes],
+        answer: int,
+        take: Callable[[bytes, int, int], T | None],
+        name: str,
+        what: str,
+        missing: int = 0,
+    ) -> list[T]:
+        async with self._lock, self._exchange(f"{name} dump"):
             for _ in range(DUMP_RETRIES):
-                routes, interrupted = await self._dump_once(
-                    version, decoder, table, proto, skip_proto
-                )
+                found, interrupted = await self._dump_once(request, answer, take, what, missing)
                 if not interrupted:
-                    return routes
+                    return found
         raise errors.Aborted(
-            f"route dump kept being interrupted by concurrent changes ({DUMP_RETRIES} tries)"
+            f"{name.split()[-1]} dump kept being interrupted by concurrent changes "
+            f"({DUMP_RETRIES} tries)"
         )
 
     async def _dump_once(
-        self, version: int, decoder: rtnl.RouteDecoder, table: int, proto: int, skip_proto: int
-    ) -> tuple[list[rtnl.WireRoute], bool]:
-        """One dump. The message walk is rtnl.frames written out (tens of thousands of
-        routes per dump: no tuple per message)."""
+        self,
+        request: Callable[[int], bytes],
+        answer: int,
+        take: Callable[[bytes, int, int], T | None],
+        what: str,
+        missing: int,
+    ) -> tuple[list[T], bool]:
+        """One dump: what ``take`` makes of each ``answer`` message; an error ``missing``
+        is an empty answer. The message walk is rtnl.frames written out (tens of
+        thousands of routes per dump: no tuple per message)."""
         seq = self._next_seq()
-        await asyncio.get_running_loop().sock_sendall(
-            self._sock, rtnl.encode_dump(seq, version, table, proto)
-        )
-        routes: list[rtnl.WireRoute] = []
-        decode, add = decoder.decode, routes.append
+        await asyncio.get_running_loop().sock_sendall(self._sock, request(seq))
+        found: list[T] = []
+        add = found.append
         unpack_header, head = rtnl.NLMSGHDR.unpack_from, rtnl.NLMSGHDR.size
         interrupted = False
         while True:
@@ -402,24 +441,97 @@ class _RouteSocket:
                         continue  # a late ACK of a cancelled request
                     if flags & rtnl.NLM_F_DUMP_INTR:
                         interrupted = True
-                    if kind == rtnl.RTM_NEWROUTE:
-                        if chunk[start + 5] == skip_proto:  # rtm_protocol
-                            continue
-                        route = decode(chunk[start:end])
-                        if route is not None:
-                            add(route)
+                    if kind == answer:
+                        item = take(chunk, start, end)
+                        if item is not None:
+                            add(item)
                     elif kind == rtnl.NLMSG_DONE:
-                        return routes, interrupted
+                        return found, interrupted
                     elif kind == rtnl.NLMSG_ERROR:
                         code, text = rtnl.decode_error(
                             rtnl.Message(kind, flags, mseq, chunk[start:end])
                         )
-                        if code == errno.ENOENT:  # IPv4: the table does not exist yet
+                        if code and code == missing:
                             return [], False
-                        raise kernel_error(code, f"dump IPv{version} routes", text)
+                        raise kernel_error(code, what, text)
+
+
+_DST_AT = 24  # offset of the destination address in an RTM_NEWROUTE body laid out as
+# rtmsg (12 bytes), RTA_TABLE (8), RTA_DST (4 + address): how the kernel writes them
+_DST_END: dict[int, int] = {socket.AF_INET: _DST_AT + 4, socket.AF_INET6: _DST_AT + 16}
+# family, "/length", length, maker of RouteSpecs (see _OwnedReader)
+_Shape = tuple[int, str, int, Callable[[str, bytes, int], RouteSpec]]
+_LAYOUT = struct.Struct("=HHIHH")  # RTA_TABLE (len, type, u32), RTA_DST (len, type)
+
+
+class _OwnedReader:
+    """OrchestrRL's routes (protocol ``OWNER_PROTO``, unicast) as RouteSpecs, from the
+    RTM_NEWROUTE bodies of dumps, for :meth:`_RouteSocket.dump`.
+
+    Routes that differ only in their destination (the bulk of a dump: a fabric has many
+    routes over a few hop sets) have the same bytes but for the address: the first route
+    of each such shape is decoded in full, the others only to their address."""
+
+    def __init__(self, names: dict[int, str], netns: str | None) -> None:
+        self._names = names
+        self._netns = netns
+        self._decoder = rtnl.RouteDecoder()
+        # body without the address -> (family, "/length", length, maker); None: skip it
+        self._shapes: dict[bytes, _Shape | None] = {}
+
+    def __call__(self, chunk: bytes, start: int, end: int) -> RouteSpec | None:
+        if end - start < _DST_AT:
+            return self._first(chunk, start, end, start, b"")
+        dst_end = start + _DST_END.get(chunk[start], 0)  # rtm_family
+        key = chunk[start : _DST_AT + start] + chunk[dst_end:end]
+        shape = self._shapes.get(key, _UNKNOWN)
+        if shape is None:
+            return None
+        if shape is _UNKNOWN:
+            return self._first(chunk, start, end, dst_end, key)
+        family, suffix, length, make = shape
+        packed = chunk[_DST_AT + start : dst_end]
+        return make(socket.inet_ntop(family, packed) + suffix, packed, length)
+
+    def _first(
+        self, chunk: bytes, start: int, end: int, dst_end: int, key: bytes
+    ) -> RouteSpec | None:
+        """Decode in full; remember the shape if the body has the usual layout."""
+        wire = self._decoder.decode(chunk[start:end])
+        usual = start < dst_end <= end and len(self._shapes) < rtnl.HOP_CACHE
+        if usual:
+            table_len, table_type, _, dst_len, dst_type = _LAYOUT.unpack_from(chunk, start + 12)
+            usual = (table_len, table_type, dst_len, dst_type) == (
+                8,
+                rtnl.RTA_TABLE,
+                dst_end - start - 20,
+                rtnl.RTA_DST,
+            )
+        if wire is None or wire.proto != OWNER_PROTO or wire.kind != rtnl.RTN_UNICAST:
+            if usual:
+                self._shapes[key] = None
+            return None
+        hops = _kernel_hops(wire.nexthops, self._names)
+        if not hops:  # not remembered: warned about every time
+            log.warning("owned_route_unreadable", route=repr(wire), netns=self._netns)
+            return None
+        make = kernel_routes(wire.version, hops, wire.table, wire.metric)
+        address, _, length_text = wire.destination.partition("/")
+        family, length = rtnl.AF_OF[wire.version], int(length_text)
+        if usual:
+            self._shapes[key] = (family, f"/{length}", length, make)
+        return make(wire.destination, socket.inet_pton(family, address), length)
+
+
+def _unknown(destination: str, packed: bytes, length: int) -> RouteSpec:
+    raise AssertionError("never called: marks a shape not seen yet")
+
+
+_UNKNOWN: _Shape = (-1, "", -1, _unknown)
 
 
 _FLAGS_AT, _FLAGS_OFFSET = struct.Struct("=H"), 6  # nlmsghdr.nlmsg_flags
+_OK = (0, "")  # the answer to a message the kernel accepted
 
 
 def netlink_socket(netns: str | None) -> socket.socket:
@@ -507,6 +619,12 @@ class PyrouteThread:
             self._thread = None
 
 
+_NEEDS = (
+    "entering a named network namespace needs CAP_SYS_ADMIN (and changing it "
+    "CAP_NET_ADMIN); run as root or grant both"
+)
+
+
 class Netlink:
     """Routes, rules and links of one network namespace (None: the agent's own).
 
@@ -522,6 +640,7 @@ class Netlink:
         self._py: PyrouteThread | None = None
         self._routes: _RouteSocket | None = None
         self._lock = asyncio.Lock()
+        self._py_lock = asyncio.Lock()
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a blocking pyroute2 call on this adapter's own thread."""
@@ -530,25 +649,36 @@ class Netlink:
         return await self._py.call(fn, *args, **kwargs)
 
     async def open(self) -> Netlink:
-        if self._py is not None:
+        """Open the route socket (routes, links and rule listings); pyroute2, for rule
+        and link changes, is opened at its first use."""
+        if self._routes is not None:
             return self
-        needs = (
-            "entering a named network namespace needs CAP_SYS_ADMIN (and changing it "
-            "CAP_NET_ADMIN); run as root or grant both"
-        )
         try:
-            with namespace_errors(self.netns, self.where, needs):
-                self._py = PyrouteThread(self.netns, "nl")
+            with namespace_errors(self.netns, self.where, _NEEDS):
                 self._routes = await asyncio.to_thread(_RouteSocket.open, self.netns)
-                await self._py.open()
                 await self.links()  # fail now, not at first use
-        except NetlinkError as exc:
-            await self.close()
-            raise kernel_error(exc.code, f"open {self.where}") from None
         except BaseException:
             await self.close()
             raise
         return self
+
+    async def _ipr(self) -> Any:
+        """pyroute2's ``IPRoute`` in the namespace, opened on first use."""
+        await self._require()
+        async with self._py_lock:
+            if self._py is None:
+                py = PyrouteThread(self.netns, "nl")
+                try:
+                    with namespace_errors(self.netns, self.where, _NEEDS):
+                        await py.open()
+                except NetlinkError as exc:
+                    await py.close()
+                    raise kernel_error(exc.code, f"open {self.where}") from None
+                except BaseException:
+                    await py.close()
+                    raise
+                self._py = py
+            return self._py.ipr
 
     async def close(self) -> None:
         if self._py is not None:
@@ -569,19 +699,19 @@ class Netlink:
     ) -> None:
         await self.close()
 
-    async def _require(self) -> tuple[Any, _RouteSocket]:
-        """The open sockets; a route socket abandoned mid-exchange is replaced first."""
-        if self._py is None or self._py.ipr is None or self._routes is None:
+    async def _require(self) -> _RouteSocket:
+        """The open route socket; one abandoned mid-exchange is replaced first."""
+        if self._routes is None:
             raise errors.FailedPrecondition(f"netlink adapter for {self.where} is not open")
         if self._routes.broken:
             self._routes.close()
             self._routes = await asyncio.to_thread(_RouteSocket.open, self.netns)
-        return self._py.ipr, self._routes
+        return self._routes
 
     # -- links ------------------------------------------------------------------------
 
     async def links(self) -> dict[str, LinkInfo]:
-        _, sock = await self._require()
+        sock = await self._require()
         return {
             link.name: LinkInfo(
                 name=link.name,
@@ -597,7 +727,7 @@ class Netlink:
 
     async def set_mtu(self, name: str, mtu: int) -> LinkInfo:
         """Set an interface's MTU (``ip link set NAME mtu MTU``) and return it read back."""
-        ipr, _ = await self._require()
+        ipr = await self._ipr()
         async with self._lock:
             link = (await self.links()).get(name)
             if link is None:
@@ -630,43 +760,31 @@ class Netlink:
 
     async def routes(self) -> frozenset[RouteSpec]:
         """The routes OrchestrRL installed (protocol ``OWNER_PROTO``), in every table."""
-        _, sock = await self._require()
+        sock = await self._require()
         names = {link.index: link.name for link in (await self.links()).values()}
         return frozenset(await self._owned_routes(sock, names))
 
     async def _owned_routes(self, sock: _RouteSocket, names: dict[int, str]) -> list[RouteSpec]:
+        reader = _OwnedReader(names, self.netns)
         owned = []
-        decoder = rtnl.RouteDecoder()
-        # id(wire hops) -> (wire hops, kept so that the id stays theirs; kernel hops): the
-        # decoder hands routes with the same hops one shared tuple
-        hop_sets: dict[int, tuple[tuple[rtnl.WireHop, ...], tuple[KernelHop, ...]]] = {}
-        from_kernel = RouteSpec.from_kernel
-        for version in (4, 6):
-            for wire in await sock.dump(version, decoder, proto=OWNER_PROTO):
-                if wire.proto != OWNER_PROTO or wire.kind != rtnl.RTN_UNICAST:
-                    continue
-                known = hop_sets.get(id(wire.nexthops))
-                if known is None:
-                    known = hop_sets[id(wire.nexthops)] = (
-                        wire.nexthops,
-                        _kernel_hops(wire.nexthops, names),
-                    )
-                hops = known[1]
-                if not hops:
-                    log.warning("owned_route_unreadable", route=repr(wire), netns=self.netns)
-                else:
-                    owned.append(
-                        from_kernel(wire.version, wire.destination, hops, wire.table, wire.metric)
-                    )
+        with collector_paused():
+            for version in (4, 6):
+                owned += await sock.dump(version, reader, proto=OWNER_PROTO)
         return owned
 
     async def _foreign_keys(
         self, sock: _RouteSocket, desired: Iterable[RouteSpec]
     ) -> set[RouteKey]:
         keys: set[RouteKey] = set()
-        decoder = rtnl.RouteDecoder()
+        decode = rtnl.RouteDecoder().decode
+
+        def foreign(chunk: bytes, start: int, end: int) -> rtnl.WireRoute | None:
+            if chunk[start + 5] == OWNER_PROTO:  # rtm_protocol: ours are never foreign
+                return None
+            return decode(chunk[start:end])
+
         for version, table in sorted({(r.family, r.table) for r in desired}):
-            for wire in await sock.dump(version, decoder, table=table, skip_proto=OWNER_PROTO):
+            for wire in await sock.dump(version, foreign, table=table):
                 if wire.table == table:
                     keys.add((version, wire.table, wire.destination, wire.metric))
         return keys
@@ -679,7 +797,7 @@ class Netlink:
         """Everything that can be known before touching the kernel (syntax, devices,
         conflicts with routes OrchestrRL did not install), and what an ensure would change;
         raises, changes nothing. :meth:`apply_routes` carries the plan out."""
-        _, sock = await self._require()
+        sock = await self._require()
         async with self._lock:
             return await self._prepare(sock, list(desired), prune, sorted_conflicts=False)
 
@@ -696,8 +814,11 @@ class Netlink:
         observed = await self._owned_routes(sock, names)
         have = {r.key: r for r in observed}
         diff = diff_indexed(have, keys, prune)
-        new = diff.add if sorted_conflicts else [r for r in want if r.key not in have]
-        await self._check_conflicts(sock, new)
+        if sorted_conflicts:
+            new: Sequence[RouteSpec] = diff.add
+        else:
+            new = [r for r in want if r.key not in have] if have else want
+        await self._check_conflicts(sock, new, keys)
         return RoutePlan(
             want=keys,
             prune=prune,
@@ -722,12 +843,16 @@ class Netlink:
                 f"in route {first.route.describe()}{also}",
             )
 
-    async def _check_conflicts(self, sock: _RouteSocket, new: Sequence[RouteSpec]) -> None:
+    async def _check_conflicts(
+        self, sock: _RouteSocket, new: Sequence[RouteSpec], keys: Container[RouteKey]
+    ) -> None:
         """Refuse routes whose key someone else's route holds (only keys not yet ours can
-        be held by someone else, so only those tables are read)."""
+        be held by someone else, so only those tables are read). ``keys`` holds the keys
+        of ``new`` (and may hold more): the few foreign keys are looked up there first."""
         if not new:
             return
-        taken = foreign_conflicts(new, await self._foreign_keys(sock, new))
+        held = [key for key in await self._foreign_keys(sock, new) if key in keys]
+        taken = foreign_conflicts(new, held) if held else ()
         if taken:
             more = f" and {len(taken) - 1} more" if len(taken) > 1 else ""
             raise errors.FailedPrecondition(
@@ -738,7 +863,7 @@ class Netlink:
 
     async def ensure_routes(self, desired: Iterable[RouteSpec], prune: bool) -> RouteChange:
         """Make OrchestrRL's routes match ``desired``; remove others of ours only if prune."""
-        _, sock = await self._require()
+        sock = await self._require()
         async with self._lock:
             plan = await self._prepare(sock, list(desired), prune, sorted_conflicts=True)
             return await self._carry_out(sock, plan)
@@ -748,7 +873,7 @@ class Netlink:
         it observed the kernel when the plan was made): write, then read back and verify.
         A change made meanwhile by someone else is caught by the kernel (an add whose key
         appeared fails, and everything is rolled back) or by the verification."""
-        _, sock = await self._require()
+        sock = await self._require()
         async with self._lock:
             return await self._carry_out(sock, plan)
 
@@ -779,7 +904,7 @@ class Netlink:
 
     async def verify_routes(self, desired: Iterable[RouteSpec], prune: bool) -> RouteDiff:
         """What an ensure would still change now (empty: the kernel matches ``desired``)."""
-        _, sock = await self._require()
+        sock = await self._require()
         names = {link.index: link.name for link in (await self.links()).values()}
         return diff_routes(await self._owned_routes(sock, names), desired, prune)
 
@@ -791,13 +916,14 @@ class Netlink:
         links: dict[str, LinkInfo],
     ) -> None:
         encoder = rtnl.RouteEncoder(OWNER_PROTO, {name: link.index for name, link in links.items()})
-        before = {r.key: r for r in observed}
-        ops: list[tuple[rtnl.RouteOp, RouteSpec]] = [
-            *(("add", r) for r in plan.add),
-            *(("replace", r) for r in plan.replace),
-            *(("delete", r) for r in plan.remove),
-        ]
-        acks = await sock.request(ops, encoder)
+        routes = [*plan.add, *plan.replace, *plan.remove]
+        kinds: list[rtnl.RouteOp] = ["add"] * len(plan.add)
+        kinds += ["replace"] * len(plan.replace)
+        kinds += ["delete"] * len(plan.remove)
+        acks = await sock.request(kinds, routes, encoder)
+        if acks.count(_OK) == len(acks):  # in C: the usual case, every message accepted
+            return
+        ops = list(zip(kinds, routes, strict=True))
         failed = [
             (op, route, code, text)
             for (op, route), (code, text) in zip(ops, acks, strict=True)
@@ -806,6 +932,7 @@ class Netlink:
         if not failed:
             return
         done = [op_route for op_route, (code, _) in zip(ops, acks, strict=True) if not code]
+        before = {r.key: r for r in observed}
         undo: list[tuple[rtnl.RouteOp, RouteSpec]] = []
         for op, route in reversed(done):
             if op == "add":
@@ -814,7 +941,7 @@ class Netlink:
                 undo.append(("replace", before[route.key]))
             else:
                 undo.append(("replace", route))
-        undo_acks = await sock.request(undo, encoder)
+        undo_acks = await sock.request([op for op, _ in undo], [r for _, r in undo], encoder)
         undo_failed = [
             r.describe() for (_, r), (code, _) in zip(undo, undo_acks, strict=True) if code
         ]
@@ -859,18 +986,14 @@ class Netlink:
 
     async def _all_rules(self) -> tuple[list[RuleSpec], list[RuleSpec]]:
         """(ours, everyone else's) rules that select a table."""
-        ipr, _ = await self._require()
+        sock = await self._require()
         ours: list[RuleSpec] = []
         theirs: list[RuleSpec] = []
-        try:
-            for family in (socket.AF_INET, socket.AF_INET6):
-                for msg in await self._call(lambda f=family: list(ipr.get_rules(family=f))):
-                    spec = _rule_from_msg(msg)
-                    if spec is not None:
-                        owned = msg.get_attr("FRA_PROTOCOL") == OWNER_PROTO
-                        (ours if owned else theirs).append(spec)
-        except NetlinkError as exc:
-            raise kernel_error(exc.code, f"list rules in {self.where}") from None
+        for version in (4, 6):
+            for wire in await sock.rules(version, f"list rules in {self.where}"):
+                spec = _rule_from_wire(wire)
+                if spec is not None:
+                    (ours if wire.protocol == OWNER_PROTO else theirs).append(spec)
         return ours, theirs
 
     async def rules(self) -> frozenset[RuleSpec]:
@@ -910,7 +1033,10 @@ class Netlink:
                         f"{error}; the {len(done)} rule changes already made were rolled back"
                     ) from None
                 done.append((op, rule))
-            final = await self._settle_rules(want, prune)
+            if plan.add or plan.remove:
+                final = await self._settle_rules(want, prune)
+            else:  # nothing changed: what was just read is the state
+                final = frozenset(ours)
         if plan.add or plan.remove:
             log.info(
                 "rules_ensured", netns=self.netns, added=len(plan.add), removed=len(plan.remove)
@@ -923,7 +1049,7 @@ class Netlink:
         )
 
     async def _rule(self, op: str, rule: RuleSpec) -> None:
-        ipr, _ = await self._require()
+        ipr = await self._ipr()
         family = FAMILY_OF[rule.family or 4]
         args: dict[str, Any] = {
             "family": family,
@@ -977,28 +1103,26 @@ def _kernel_hops(hops: tuple[rtnl.WireHop, ...], names: dict[int, str]) -> tuple
     return kernel
 
 
-def _rule_from_msg(msg: Any) -> RuleSpec | None:
+def _rule_from_wire(rule: rtnl.WireRule) -> RuleSpec | None:
     """A RuleSpec for a rule that selects a table by the matches RuleSpec knows (source,
     destination, input interface); None for any other rule, so it is never confused
     with one of ours."""
-    if msg["action"] != FR_ACT_TO_TBL or msg["tos"] or msg["flags"] & FIB_RULE_INVERT:
+    if rule.action != FR_ACT_TO_TBL or rule.tos or rule.flags & FIB_RULE_INVERT:
         return None
-    if any(msg.get_attr(name) is not None for name in OTHER_RULE_MATCHES):
+    if rule.other_matches:
         return None
-    version = VERSION_OF.get(msg["family"])
-    table = msg.get_attr("FRA_TABLE") or msg["table"]
-    priority = msg.get_attr("FRA_PRIORITY") or 0
-    if version is None or not priority or not table:
+    version = VERSION_OF.get(rule.family)
+    if version is None or not rule.priority or not rule.table:
         return None
-    source = f"{msg.get_attr('FRA_SRC')}/{msg['src_len']}" if msg.get_attr("FRA_SRC") else None
-    dest = f"{msg.get_attr('FRA_DST')}/{msg['dst_len']}" if msg.get_attr("FRA_DST") else None
+    source = f"{rule.source}/{rule.src_len}" if rule.source else None
+    dest = f"{rule.destination}/{rule.dst_len}" if rule.destination else None
     try:
         return RuleSpec(
-            priority=priority,
-            table=table,
+            priority=rule.priority,
+            table=rule.table,
             source=source,
             destination=dest,
-            input_interface=msg.get_attr("FRA_IIFNAME"),
+            input_interface=rule.input_interface,
             family=version,
         )
     except errors.InvalidArgument:

@@ -1,9 +1,9 @@
 """orchestrrl.rtnl against pyroute2's message classes: the same bytes, decoded both ways.
 
 pyroute2 (a dependency) has its own, independent codec of the same ABI: messages built
-and encoded with its ``rtmsg`` / ``ifinfmsg`` / ``tcmsg`` classes must decode with ours
-to the same fields, and what we encode must decode with pyroute2 to what we meant. No
-kernel and no root needed.
+and encoded with its ``rtmsg`` / ``ifinfmsg`` / ``tcmsg`` / ``fibmsg`` classes must decode
+with ours to the same fields, and what we encode must decode with pyroute2 to what we
+meant. No kernel and no root needed.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pyroute2.netlink.rtnl.fibmsg import fibmsg
 from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
 from pyroute2.netlink.rtnl.rtmsg import rtmsg
 from pyroute2.netlink.rtnl.tcmsg import tcmsg
@@ -300,3 +301,95 @@ def test_an_onlink_multipath_route_reads_the_same_both_ways() -> None:
     wire = rtnl.decode_route(data[rtnl.NLMSGHDR.size :])
     assert wire is not None
     assert wire.nexthops == (("172.16.0.9", 11, rtnl.RTNH_F_ONLINK), ("172.16.0.10", 12, 0))
+
+
+OTHER_RULE_ATTRS = [
+    ("FRA_FWMARK", 7),
+    ("FRA_OIFNAME", "p9"),
+    ("FRA_GOTO", 300),
+    ("FRA_IP_PROTO", 6),
+    ("FRA_L3MDEV", 1),
+    ("FRA_TUN_ID", 5),
+]
+
+
+@given(
+    st.sampled_from([4, 6]),
+    st.integers(0, 2**128 - 1),
+    st.integers(0, 2**128 - 1),
+    st.booleans(),
+    st.booleans(),
+    u8,
+    u8,
+    u8,
+    u32,
+    st.one_of(st.none(), u32),
+    st.one_of(st.none(), u8),
+    st.one_of(st.none(), st.sampled_from(["p0", "up1"])),
+    st.one_of(st.none(), st.sampled_from(OTHER_RULE_ATTRS)),
+)
+def test_rules_pyroute2_encodes_decode_with_ours(
+    version: int,
+    src: int,
+    dst: int,
+    with_src: bool,
+    with_dst: bool,
+    tos: int,
+    table: int,
+    action: int,
+    flags: int,
+    priority: int | None,
+    protocol: int | None,
+    iifname: str | None,
+    other: tuple[str, Any] | None,
+) -> None:
+    bits = 32 if version == 4 else 128
+    source = _address(version, src % 2**bits) if with_src else None
+    destination = _address(version, dst % 2**bits) if with_dst else None
+    msg = fibmsg()
+    msg["family"] = rtnl.AF_OF[version]
+    msg["src_len"], msg["dst_len"] = src % (bits + 1), dst % (bits + 1)
+    msg["tos"], msg["table"], msg["action"], msg["flags"] = tos, table, action, flags
+    attrs: list[tuple[str, Any]] = [("FRA_TABLE", table + 1000)]
+    for name, value in (
+        ("FRA_SRC", source),
+        ("FRA_DST", destination),
+        ("FRA_PRIORITY", priority),
+        ("FRA_PROTOCOL", protocol),
+        ("FRA_IIFNAME", iifname),
+    ):
+        if value is not None:
+            attrs.append((name, value))
+    if other is not None:
+        attrs.append(other)
+    msg["attrs"] = attrs
+    _header(msg, rtnl.RTM_NEWRULE, rtnl.NLM_F_MULTI, 1)
+    msg.encode()
+    data = bytes(msg.data)
+    ((header, start, end),) = list(rtnl.frames(data, strict=True))
+    assert header.type == rtnl.RTM_NEWRULE
+    assert rtnl.decode_rule(data, start, end) == rtnl.WireRule(
+        rtnl.AF_OF[version],
+        dst % (bits + 1),
+        src % (bits + 1),
+        tos,
+        table + 1000,
+        action,
+        flags,
+        priority or 0,
+        source,
+        destination,
+        iifname,
+        protocol,
+        other is not None,
+    )
+
+
+def test_the_rule_dump_request_decodes_with_pyroute2() -> None:
+    msg = fibmsg(rtnl.rule_dump_request(5, 6))
+    msg.decode()
+    assert msg["header"]["type"] == rtnl.RTM_GETRULE
+    assert msg["header"]["flags"] == rtnl.NLM_F_REQUEST | rtnl.NLM_F_DUMP
+    assert msg["header"]["sequence_number"] == 5
+    assert msg["family"] == socket.AF_INET6
+    assert (msg["table"], msg["action"], msg["flags"]) == (0, 0, 0)
