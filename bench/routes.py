@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import statistics
@@ -100,6 +101,7 @@ async def run_one(count: int, ecmp: int, repeat: int) -> dict[str, object]:
     response: list[float] = []
     ip: dict[str, list[float]] = {"add": [], "delete": []}
     host = HostRoutes()
+    gc.freeze()  # as orl-node-agent does once started
     async with netns.Testbed() as bed:
         ours, theirs = await prepare(bed), await prepare(bed)
         add, remove = decoded_request(ours, dsts, hops), decoded_request(ours, [], hops)

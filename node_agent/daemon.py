@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib
 import signal
 import socket
@@ -321,6 +322,9 @@ async def _serve_with(
         # signal handlers go in before readiness is announced, so no SIGTERM is missed
         wait_stop = stop if stop is not None else shutdown_signal().wait
         wait_hangup = shell.hangup if shell.hangup is not None else hangup_signal()
+        # what start-up built lives as long as the daemon: out of the cyclic collector,
+        # whose full passes would otherwise walk it again inside every large route apply
+        gc.freeze()
         write_ready_file(config.ready_file, server.address, metrics=metrics_address)
         agent_address = advertised_address(server.address, config.advertise_host)
         log.info(
