@@ -40,6 +40,7 @@ from orchestrrl import errors
 from orchestrrl.model import Nic, Node, Ocs, Pod, Role, Tor, Uplink, Wiring
 from scheduler.circuits import allocate
 from scheduler.network import Workload, demand_matrix
+from scheduler.weight_sync import Transfer as WsTransfer
 from scheduler.weight_sync import WeightSyncPlan, plan_weight_sync
 from sim_backends.clustersim.fabrics import ClusterSpec, FabricKind, Transfer
 
@@ -214,7 +215,38 @@ def weight_sync_plan(
     ratio = 1.0
     if fabric_hint is not None and fabric_hint.kind is FabricKind.OVERSUBSCRIBED:
         ratio = fabric_hint.options.oversubscription
-    return _plan(tuple(train), tuple(gen), float(nbytes), cluster, ratio)
+    plan = _plan(tuple(train), tuple(gen), float(nbytes), cluster, ratio)
+    if plan.transfers:
+        return plan
+    if fabric_hint is not None and fabric_hint.kind in (
+        FabricKind.STATIC_OPTICAL,
+        FabricKind.RFABRIC,
+    ):
+        raise errors.FailedPrecondition(f"weight sync cannot be planned: {plan.explanation}")
+    # An electrical fabric connects every pair of nodes, but the planning wiring gives
+    # each pod part only its NICs (its share of the uplinks when oversubscribed) as
+    # circuit ports: too few to reach every other part when parts are small (a training
+    # pool scattered over the pods). Every sender then writes its shard to every
+    # receiver over the fabric's own links, whose flow simulation charges the time.
+    return _p2p_plan(train, gen, float(nbytes), plan.explanation)
+
+
+def _p2p_plan(train: Sequence[int], gen: Sequence[int], nbytes: float, why: str) -> WeightSyncPlan:
+    shard = nbytes / len(train)
+    transfers = tuple(
+        WsTransfer(1, f"n{s:06d}", f"n{r:06d}", i * shard, shard)
+        for i, s in enumerate(train)
+        for r in gen
+    )
+    return WeightSyncPlan(
+        "p2p",
+        transfers,
+        math.inf,
+        math.inf,
+        math.inf,
+        len(train),
+        f"p2p over the fabric's own links (the planning circuits could not: {why})",
+    )
 
 
 @lru_cache(maxsize=64)

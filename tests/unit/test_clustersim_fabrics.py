@@ -255,3 +255,23 @@ def test_a_2048_gpu_weight_sync_is_deterministic() -> None:
         results.append(fabric.run_phase("weight-sync", ws, idle_window_s=1.0))
     assert results[0] == results[1]
     assert results[0].seconds >= 145 * GB / cluster.node_bytes_per_s * (1 - 1e-9)
+
+
+def test_weight_sync_of_a_scattered_pool_on_an_oversubscribed_fabric_is_charged() -> None:
+    # One training and one generation node per pod (8 nodes, 2 per pod, one NIC each):
+    # the planning wiring's share of the 3:1 uplinks is too few circuit ports to reach
+    # every other pod part, but the fat-tree connects every pair: the sync is planned on
+    # the full uplinks and charged on the real links, never skipped (it once took 0 s).
+    cluster = ClusterSpec(nodes=8, gpus_per_node=8, nics_per_node=1, nic_gbps=100.0,
+                          nodes_per_pod=2)  # fmt: skip
+    train, gen = [0, 2, 4, 6], [1, 3, 5, 7]
+    model = 10 * GB
+    thin = build_fabric(
+        FabricKind.OVERSUBSCRIBED, cluster, FabricOptions(oversubscription=3.0), train, gen
+    )
+    full = build_fabric(FabricKind.FAT_TREE, cluster, FabricOptions(), train, gen)
+    transfers = weight_sync_transfers(train, gen, model, cluster, thin)
+    assert transfers and _received(transfers) == pytest.approx({g: model for g in gen})
+    slow = thin.run_phase("weight-sync", transfers).seconds
+    fast = full.run_phase("weight-sync", transfers).seconds
+    assert slow > fast >= model / (100 * GB / 8)  # a receiver's NIC bounds it from below
