@@ -45,6 +45,7 @@ by ``exp(d_p)`` (:func:`predict_remaining_groups`).
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -402,31 +403,25 @@ class _PastSteps:
     drift: Drift
 
 
-# The history of past steps does not change during a step, while the forecast is built at
-# every re-plan: its summary is kept (a memo of pure values, bounded).
-_PAST: dict[tuple[object, ...], _PastSteps] = {}
-_PAST_MAX = 16
-
-
 def forget_past_steps() -> None:
     """Empty the memo of past steps' summaries (benchmarks time a step's first forecast)."""
-    _PAST.clear()
+    _past_summary.cache_clear()
 
 
 def _past_steps(history: Sequence[Sequence[int]], config: ForecastConfig) -> _PastSteps:
-    steps = tuple(tuple(s) for s in history if len(s) > 0)  # tuples stay the same objects
-    key = (steps, config.holt_alpha, config.holt_beta, config.max_points_per_step)
-    hit = _PAST.get(key)
-    if hit is None:
-        log_means = tuple(log_mean(s) for s in steps)
-        points = tuple(
-            _thin(np.sort(np.asarray(s, dtype=np.int64)), config.max_points_per_step) for s in steps
-        )
-        hit = _PastSteps(log_means, points, holt(log_means, config.holt_alpha, config.holt_beta))
-        if len(_PAST) >= _PAST_MAX:
-            _PAST.clear()
-        _PAST[key] = hit
-    return hit
+    steps = tuple(tuple(s) for s in history if len(s) > 0)
+    return _past_summary(steps, config.holt_alpha, config.holt_beta, config.max_points_per_step)
+
+
+# The history of past steps does not change during a step, while the forecast is built at
+# every re-plan: its summary is kept.
+@functools.lru_cache(maxsize=16)
+def _past_summary(
+    steps: tuple[tuple[int, ...], ...], alpha: float, beta: float, max_points: int
+) -> _PastSteps:
+    log_means = tuple(log_mean(s) for s in steps)
+    points = tuple(_thin(np.sort(np.asarray(s, dtype=np.int64)), max_points) for s in steps)
+    return _PastSteps(log_means, points, holt(log_means, alpha, beta))
 
 
 def _thin(values: np.ndarray, limit: int) -> np.ndarray:

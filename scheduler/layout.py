@@ -14,6 +14,7 @@ one is never below the chosen layout's own makespan: re-planning keeps it.
 
 from __future__ import annotations
 
+import functools
 import math
 from array import array
 from bisect import insort
@@ -25,8 +26,17 @@ from itertools import combinations, combinations_with_replacement, product
 import numpy as np
 
 from orchestrrl import errors
-from scheduler.compute_problem import EPS, SCALE, Pattern, Problem, TpCost, pattern_label
+from scheduler.compute_problem import (
+    EPS,
+    SCALE,
+    Pattern,
+    Problem,
+    TpCost,
+    node_pause,
+    pattern_label,
+)
 from scheduler.compute_state import Instance
+from scheduler.perf_model import PerfModel
 from scheduler.placement import Placement
 
 
@@ -544,41 +554,37 @@ class LayoutChoice:
         return self.makespan_s + self.switching_s
 
 
-def _profiles(prob: Problem) -> list[dict[int, Counter[Pattern]]]:
-    """Candidate profiles: per GPU count, how many nodes take each pattern."""
-    classes: dict[int, list[str]] = {}
-    for n in prob.nodes:
-        classes.setdefault(len(prob.node_gpus[n]), []).append(n)
-    cur = {g: Counter(prob.current_pattern[n] for n in ns) for g, ns in classes.items()}
-    pats = {
-        g: sorted({p for n in ns for p in prob.options[n]}, reverse=True)
-        for g, ns in classes.items()
-    }
+def _profiles(
+    cur_key: ProfileKey, pats: Mapping[int, Sequence[Pattern]], enumerate_limit: int
+) -> list[dict[int, Counter[Pattern]]]:
+    """Candidate profiles: per GPU count, how many nodes take each pattern, from the
+    current profile and the patterns each class of nodes may take."""
+    cur = {g: Counter(dict(c)) for g, c in cur_key}
+    sizes = {g: sum(c.values()) for g, c in cur.items()}
     out: list[dict[int, Counter[Pattern]]] = [cur]
     # exhaustive when small
     total = 1
-    for g, ns in classes.items():
-        total *= math.comb(len(ns) + len(pats[g]) - 1, len(pats[g]) - 1)
-        if total > prob.config.enumerate_limit:
+    for g, size in sizes.items():
+        total *= math.comb(size + len(pats[g]) - 1, len(pats[g]) - 1)
+        if total > enumerate_limit:
             break
-    if total <= prob.config.enumerate_limit:
+    if total <= enumerate_limit:
         per_class = [
-            [Counter(c) for c in combinations_with_replacement(pats[g], len(ns))]
-            for g, ns in sorted(classes.items())
+            [Counter(c) for c in combinations_with_replacement(pats[g], size)]
+            for g, size in sorted(sizes.items())
         ]
-        keys = sorted(classes)
+        keys = sorted(sizes)
         for combo in product(*per_class):
             out.append(dict(zip(keys, combo, strict=True)))
         return out
     # grid: two uniform patterns mixed in fixed fractions, the same rule for every class
-    tps = sorted({t for g in classes for p in pats[g] if len(set(p)) == 1 for t in p})
+    tps = sorted({t for g in sizes for p in pats[g] if len(set(p)) == 1 for t in p})
     for lo, hi in combinations_with_replacement(tps, 2):
-        fractions = _fraction_grid(max(len(ns) for ns in classes.values()))
+        fractions = _fraction_grid(max(sizes.values()))
         for f in fractions:
             prof: dict[int, Counter[Pattern]] = {}
             ok = True
-            for g, ns in classes.items():
-                size = len(ns)
+            for g, size in sizes.items():
                 if g % lo or g % hi:
                     ok = False
                     break
@@ -626,30 +632,42 @@ class _Candidate:
     patterns: int  # distinct (GPU count, pattern) pairs
 
 
-# Candidates and their switching costs depend only on the performance model, the
-# configuration and the current profile, not on the requests: re-plans between layout
-# changes (the usual case) reuse them. A memo of pure values, bounded.
-_CANDIDATES: dict[tuple[object, ...], tuple[_Candidate, ...]] = {}
-_CANDIDATES_MAX = 64
 # how many candidates a plan reports (best first); the fluid scoring may skip the others
 REPORTED = 8
 
 
 def forget_candidates() -> None:
     """Empty the memo of candidate layouts (benchmarks time the first plan at a layout)."""
-    _CANDIDATES.clear()
+    _candidates_for.cache_clear()
 
 
 def _candidates(prob: Problem, cur_key: ProfileKey) -> tuple[_Candidate, ...]:
-    memo_key = (prob.perf, prob.config, cur_key)
-    hit = _CANDIDATES.get(memo_key)
-    if hit is not None:
-        return hit
+    classes: dict[int, set[Pattern]] = {}
+    for n in prob.nodes:
+        classes.setdefault(len(prob.node_gpus[n]), set()).update(prob.options[n])
+    pats = tuple((g, tuple(sorted(ps, reverse=True))) for g, ps in sorted(classes.items()))
+    return _candidates_for(prob.perf, prob.config.enumerate_limit, cur_key, pats)
+
+
+# Candidates and their switching costs depend only on the performance model, the
+# current profile and the patterns each class of nodes may take, not on the requests:
+# re-plans between layout changes (the usual case) reuse them.
+@functools.lru_cache(maxsize=64)
+def _candidates_for(
+    perf: PerfModel,
+    enumerate_limit: int,
+    cur_key: ProfileKey,
+    pats: tuple[tuple[int, tuple[Pattern, ...]], ...],
+) -> tuple[_Candidate, ...]:
     supplies = {g: dict(c) for g, c in cur_key}
-    pair_cost = prob.node_cost
+
+    def pair_cost(old: Pattern, new: Pattern) -> float:  # as Problem.node_cost
+        a, b = tuple(sorted(old)), tuple(sorted(new))
+        return 0.0 if a == b else node_pause(perf, a, b)
+
     seen: set[ProfileKey] = set()
     out: list[_Candidate] = []
-    for prof in _profiles(prob):
+    for prof in _profiles(cur_key, dict(pats), enumerate_limit):
         key = _profile_key(prof)
         if key in seen:
             continue
@@ -663,10 +681,7 @@ def _candidates(prob: Problem, cur_key: ProfileKey) -> tuple[_Candidate, ...]:
         for g, supply in supplies.items():
             sw = max(sw, _bottleneck_transport(supply, prof[g], pair_cost))
         out.append(_Candidate(key, counts, sw, sum(len(c) for _, c in key)))
-    if len(_CANDIDATES) >= _CANDIDATES_MAX:
-        _CANDIDATES.clear()
-    _CANDIDATES[memo_key] = hit = tuple(out)
-    return hit
+    return tuple(out)
 
 
 def choose_layout(
