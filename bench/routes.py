@@ -15,7 +15,9 @@ the same N host routes (default 10,000) with K next hops each (default: K = 1, t
   protocol 77); it only writes.
 
 Each figure is the median of --repeat runs; the ratio is ip -batch's time over the
-agent's (1.0: as fast as ip -batch). Needs root; the namespaces are deleted at the end.
+agent's (1.0: as fast as ip -batch). CPU seconds are shown too (the agent's process,
+user + system, and the ``ip`` child's): on a shared, loaded machine they vary less than
+elapsed time. Needs root; the namespaces are deleted at the end.
 
     python bench/routes.py [--routes 10000] [--ecmp 1 4] [--repeat 3] [--json out.json]
 """
@@ -27,6 +29,7 @@ import asyncio
 import gc
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -89,6 +92,12 @@ async def timed(action: Callable[[], Awaitable[T]]) -> tuple[float, T]:
     return time.perf_counter() - start, result
 
 
+def children_cpu() -> float:
+    """CPU seconds (user + system) of the child processes waited for so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 async def count_owned(name: str) -> int:
     async with Netlink(name) as nl:
         return len(await nl.routes())
@@ -100,16 +109,20 @@ async def run_one(count: int, ecmp: int, repeat: int) -> dict[str, object]:
     agent: dict[str, list[float]] = {"add": [], "delete": [], "reapply": []}
     response: list[float] = []
     ip: dict[str, list[float]] = {"add": [], "delete": []}
+    agent_cpu: dict[str, list[float]] = {"add": [], "delete": []}
+    ip_cpu: dict[str, list[float]] = {"add": [], "delete": []}
     host = HostRoutes()
     gc.freeze()  # as orl-node-agent does once started
     async with netns.Testbed() as bed:
         ours, theirs = await prepare(bed), await prepare(bed)
         add, remove = decoded_request(ours, dsts, hops), decoded_request(ours, [], hops)
 
-        async def apply(request: node_agent_pb2.ApplyRoutesRequest) -> float:
+        async def apply(request: node_agent_pb2.ApplyRoutesRequest, op: str) -> float:
             """The agent's path, timed up to the verified kernel state; the response it
             then builds is timed on its own."""
+            cpu = time.process_time()
             seconds, result = await timed(lambda: host.apply(request_from_pb(request)))
+            agent_cpu.setdefault(op, []).append(time.process_time() - cpu)
             if request.routes:
                 start = time.perf_counter()
                 response_to_pb(request.command_id, result)
@@ -117,15 +130,18 @@ async def run_one(count: int, ecmp: int, repeat: int) -> dict[str, object]:
             return seconds
 
         async def ip_batch(text: str) -> float:
-            return (
+            cpu = children_cpu()
+            seconds = (
                 await timed(lambda: netns.run(["ip", "-n", theirs, "-batch", "-"], stdin=text))
             )[0]
+            ip_cpu["delete" if text.startswith("route del") else "add"].append(children_cpu() - cpu)
+            return seconds
 
         for _ in range(repeat):
-            agent["add"].append(await apply(add))
-            agent["reapply"].append(await apply(add))
+            agent["add"].append(await apply(add, "add"))
+            agent["reapply"].append(await apply(add, "reapply"))
             assert await count_owned(ours) == count
-            agent["delete"].append(await apply(remove))
+            agent["delete"].append(await apply(remove, "delete"))
             ip["add"].append(await ip_batch(add_text))
             assert await count_owned(theirs) == count
             ip["delete"].append(await ip_batch(del_text))
@@ -139,6 +155,10 @@ async def run_one(count: int, ecmp: int, repeat: int) -> dict[str, object]:
             "ip_batch_s": ip_s,
             "ip_batch_routes_per_s": count / ip_s,
             "agent_over_ip_batch": ip_s / agent_s,
+            "agent_cpu_s": statistics.median(agent_cpu[op]),
+            "ip_batch_cpu_s": statistics.median(ip_cpu[op]),
+            "agent_over_ip_batch_cpu": statistics.median(ip_cpu[op])
+            / statistics.median(agent_cpu[op]),
         }
 
     return {
@@ -161,7 +181,7 @@ def print_table(results: list[dict[str, object]]) -> None:
     )
     print(
         f"{'hops':>4} {'operation':<9} {'agent s':>8} {'routes/s':>9} {'ip -batch s':>11} "
-        f"{'routes/s':>9} {'agent/ip':>9}"
+        f"{'routes/s':>9} {'agent/ip':>9} {'agent cpu':>9} {'ip cpu':>7} {'cpu ratio':>9}"
     )
     for res in results:
         for op in ("add", "delete"):
@@ -170,7 +190,9 @@ def print_table(results: list[dict[str, object]]) -> None:
             print(
                 f"{res['next_hops_per_route']:>4} {op:<9} {f['agent_s']:>8.3f} "
                 f"{f['agent_routes_per_s']:>9,.0f} {f['ip_batch_s']:>11.3f} "
-                f"{f['ip_batch_routes_per_s']:>9,.0f} {f['agent_over_ip_batch']:>9.2f}"
+                f"{f['ip_batch_routes_per_s']:>9,.0f} {f['agent_over_ip_batch']:>9.2f} "
+                f"{f['agent_cpu_s']:>9.3f} {f['ip_batch_cpu_s']:>7.3f} "
+                f"{f['agent_over_ip_batch_cpu']:>9.2f}"
             )
     for res in results:
         print(

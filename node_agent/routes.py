@@ -26,9 +26,9 @@ from orchestrrl.routing import (
     RouteSpec,
     RuleChange,
     RuleSpec,
-    collector_paused,
     route_sort_key,
     rule_sort_key,
+    simple_routes,
 )
 from orchestrrl.v1 import node_agent_pb2
 
@@ -59,24 +59,8 @@ def request_from_pb(request: node_agent_pb2.ApplyRoutesRequest) -> RoutesRequest
 
 def _routes(routes: Iterable[node_agent_pb2.Route]) -> tuple[RouteSpec, ...]:
     """A request carries up to tens of thousands of routes over a few gateway sets:
-    ``RouteSpec.simple`` checks each set once."""
-    simple = RouteSpec.simple
-    specs = []
-    with collector_paused():
-        for index, route in enumerate(routes):
-            try:
-                specs.append(
-                    simple(
-                        route.destination,
-                        tuple(route.gateways[:]),  # a slice is read in one go
-                        route.device or None,
-                        route.table,
-                        route.metric,
-                    )
-                )
-            except errors.InvalidArgument as exc:
-                raise errors.InvalidArgument(f"routes[{index}].{exc}") from None
-    return tuple(specs)
+    ``simple_routes`` checks each set once."""
+    return tuple(simple_routes(routes, "routes"))
 
 
 def _rule(index: int, rule: node_agent_pb2.PolicyRule) -> RuleSpec:

@@ -45,18 +45,29 @@ then read back and poll briefly until the kernel shows the desired state.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import errno
 import functools
+import operator
 import os
 import re
 import socket
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Container, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Collection,
+    Container,
+    Iterable,
+    Iterator,
+    Sequence,
+)
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import accumulate, chain, groupby, repeat
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -73,6 +84,7 @@ from orchestrrl.routing import (
     RouteSpec,
     RuleChange,
     RuleSpec,
+    by_key,
     collector_paused,
     diff_indexed,
     diff_routes,
@@ -280,51 +292,100 @@ class _RouteSocket:
         template, pack_seq = encoder.template, rtnl.U32.pack
         count, limit, batch = len(routes), self.batch_bytes, self.batch
         start = 0
+        # Consecutive routes usually share their template (same operation, hop set,
+        # family, table, prefix length and metric): the last one is tried first.
+        last_kind: object = None
+        last_hops: object = None
+        last_order: tuple[object, ...] = ()
+        before_seq = before_dst = after_dst = b""
+        length = 0
+        ends = _template_runs(kinds, routes)
         while start < count:
+            run_end = ends[bisect.bisect_right(ends, start)]
+            if run_end - start >= _RUN:
+                # A long run of one template: the batch is assembled in C.
+                head, middle, tail, message = template(kinds[start], routes[start])
+                size = min(run_end - start, batch, max(1, limit // message))
+                first = self._seq + 1 if self._seq + size < 0xFFFF_FFFF else 1
+                numbers = range(first, first + size)
+                self._seq = first + size - 1
+                payload = bytearray(
+                    b"".join(
+                        chain.from_iterable(
+                            zip(
+                                repeat(head, size),
+                                map(pack_seq, numbers),
+                                repeat(middle, size),
+                                map(_destination_of, map(_order_of, routes[start : start + size])),
+                                repeat(tail, size),
+                                strict=True,
+                            )
+                        )
+                    )
+                )
+                start += size
+                await self._send_batch(payload, (size - 1) * message, numbers, results)
+                continue
             seqs: dict[int, int] = {}
             parts: list[bytes] = []
             size = last = 0  # of the batch; offset of its last message
             seq = self._seq
             for index in range(start, min(count, start + batch)):
                 route = routes[index]
-                before_seq, before_dst, after_dst, length = template(kinds[index], route)
+                kind, order = kinds[index], route.order
+                if (
+                    kind is not last_kind
+                    or route.nexthops is not last_hops
+                    or order[1] != last_order[1]
+                    or order[3] != last_order[3]
+                    or order[4] != last_order[4]
+                    or order[0] != last_order[0]
+                ):
+                    before_seq, before_dst, after_dst, length = template(kind, route)
+                    last_kind, last_hops, last_order = kind, route.nexthops, order
                 if seqs and size + length > limit:
                     break
                 seq = (seq + 1) & 0xFFFF_FFFF or 1
-                parts += (before_seq, pack_seq(seq), before_dst, route.order[2], after_dst)
+                parts += (before_seq, pack_seq(seq), before_dst, order[2], after_dst)
                 seqs[seq] = index
                 last = size
                 size += length
             self._seq = seq
             start += len(seqs)
-            payload = bytearray(b"".join(parts))
-            header = rtnl.nlmsghdr(payload, last)
-            _FLAGS_AT.pack_into(payload, last + _FLAGS_OFFSET, header.flags | rtnl.NLM_F_ACK)
-            failed: dict[int, tuple[int, str]] = {}
-            await asyncio.get_running_loop().sock_sendall(self._sock, payload)
-            while header.seq not in failed:
-                for chunk in await self._recv(drain=True):
-                    for frame in rtnl.frames(chunk, strict=True):
-                        reply = frame.header
-                        if reply.type == rtnl.NLMSG_ERROR and reply.seq in seqs:
-                            failed[reply.seq] = rtnl.decode_error(
-                                rtnl.Message(
-                                    reply.type,
-                                    reply.flags,
-                                    reply.seq,
-                                    chunk[frame.start : frame.end],
-                                )
-                            )
-            ok = _OK
-            if len(failed) == 1:  # only the answer to the last message: no other failed
-                results += [ok] * (len(seqs) - 1)
-                results.append(failed[header.seq])
-            else:
-                results.extend(failed.get(seq, ok) for seq in seqs)
-            # The kernel answers synchronously, so nothing above ever waits: give the
-            # event loop a turn per batch (gRPC, telemetry, timeouts, cancellation).
-            await asyncio.sleep(0)
+            await self._send_batch(bytearray(b"".join(parts)), last, seqs, results)
         return results
+
+    async def _send_batch(
+        self, payload: bytearray, last: int, seqs: Collection[int], results: list[tuple[int, str]]
+    ) -> None:
+        """Send one batch (its last message at offset ``last``, asked for an ACK) and add
+        the outcome of each of its messages (sequence numbers ``seqs``) to ``results``."""
+        header = rtnl.nlmsghdr(payload, last)
+        _FLAGS_AT.pack_into(payload, last + _FLAGS_OFFSET, header.flags | rtnl.NLM_F_ACK)
+        failed: dict[int, tuple[int, str]] = {}
+        await asyncio.get_running_loop().sock_sendall(self._sock, payload)
+        while header.seq not in failed:
+            for chunk in await self._recv(drain=True):
+                for frame in rtnl.frames(chunk, strict=True):
+                    reply = frame.header
+                    if reply.type == rtnl.NLMSG_ERROR and reply.seq in seqs:
+                        failed[reply.seq] = rtnl.decode_error(
+                            rtnl.Message(
+                                reply.type,
+                                reply.flags,
+                                reply.seq,
+                                chunk[frame.start : frame.end],
+                            )
+                        )
+        ok = _OK
+        if len(failed) == 1:  # only the answer to the last message: no other failed
+            results += [ok] * (len(seqs) - 1)
+            results.append(failed[header.seq])
+        else:
+            results.extend(failed.get(seq, ok) for seq in seqs)
+        # The kernel answers synchronously, so nothing above ever waits: give the
+        # event loop a turn per batch (gRPC, telemetry, timeouts, cancellation).
+        await asyncio.sleep(0)
 
     async def links(self) -> list[rtnl.Link]:
         """Every link of the namespace (an RTM_GETLINK dump without statistics)."""
@@ -366,10 +427,13 @@ class _RouteSocket:
         take: Callable[[bytes, int, int], T | None],
         table: int = 0,
         proto: int = 0,
+        bulk: Callable[[bytes, int], list[T] | None] | None = None,
     ) -> list[T]:
         """Routes of one family, filtered by the kernel on ``table`` and ``proto`` (0: any):
         what ``take(datagram, start, end)`` makes of each RTM_NEWROUTE body
-        ``datagram[start:end]``, None ones left out."""
+        ``datagram[start:end]``, None ones left out. ``bulk(datagram, seq)``, if given,
+        is offered each datagram first: what ``take`` would make of all its messages, or
+        None when it cannot tell (the datagram is then read message by message)."""
         return await self._dump(
             lambda seq: rtnl.encode_dump(seq, version, table, proto),
             rtnl.RTM_NEWROUTE,
@@ -377,6 +441,7 @@ class _RouteSocket:
             f"IPv{version} route",
             f"dump IPv{version} routes",
             missing=errno.ENOENT,  # IPv4: the table does not exist yet
+            bulk=bulk,
         )
 
     async def rules(self, version: int, what: str) -> list[rtnl.WireRule]:
@@ -397,10 +462,13 @@ class _RouteSocket:
         name: str,
         what: str,
         missing: int = 0,
+        bulk: Callable[[bytes, int], list[T] | None] | None = None,
     ) -> list[T]:
         async with self._lock, self._exchange(f"{name} dump"):
             for _ in range(DUMP_RETRIES):
-                found, interrupted = await self._dump_once(request, answer, take, what, missing)
+                found, interrupted = await self._dump_once(
+                    request, answer, take, what, missing, bulk
+                )
                 if not interrupted:
                     return found
         raise errors.Aborted(
@@ -415,10 +483,12 @@ class _RouteSocket:
         take: Callable[[bytes, int, int], T | None],
         what: str,
         missing: int,
+        bulk: Callable[[bytes, int], list[T] | None] | None = None,
     ) -> tuple[list[T], bool]:
-        """One dump: what ``take`` makes of each ``answer`` message; an error ``missing``
-        is an empty answer. The message walk is rtnl.frames written out (tens of
-        thousands of routes per dump: no tuple per message)."""
+        """One dump: what ``take`` makes of each ``answer`` message (or ``bulk`` of a whole
+        datagram, see :meth:`dump`); an error ``missing`` is an empty answer. The message
+        walk is rtnl.frames written out (tens of thousands of routes per dump: no tuple
+        per message)."""
         seq = self._next_seq()
         await asyncio.get_running_loop().sock_sendall(self._sock, request(seq))
         found: list[T] = []
@@ -428,6 +498,11 @@ class _RouteSocket:
         while True:
             await asyncio.sleep(0)  # as in _request: let the loop run between chunks
             for chunk in await self._recv(drain=False):
+                if bulk is not None:
+                    items = bulk(chunk, seq)
+                    if items is not None:
+                        found += items
+                        continue
                 offset, size = 0, len(chunk)
                 while offset + head <= size:
                     length, kind, flags, mseq, _ = unpack_header(chunk, offset)
@@ -478,6 +553,8 @@ class _OwnedReader:
         self._decoder = rtnl.RouteDecoder()
         # body without the address -> (family, "/length", length, maker); None: skip it
         self._shapes: dict[bytes, _Shape | None] = {}
+        # (message length, end of the address in the body) -> layout, see bulk()
+        self._layouts: dict[tuple[int, int], struct.Struct] = {}
 
     def __call__(self, chunk: bytes, start: int, end: int) -> RouteSpec | None:
         if end - start < _DST_AT:
@@ -492,6 +569,59 @@ class _OwnedReader:
         family, suffix, length, make = shape
         packed = chunk[_DST_AT + start : dst_end]
         return make(socket.inet_ntop(family, packed) + suffix, packed, length)
+
+    def bulk(self, chunk: bytes, seq: int) -> list[RouteSpec] | None:
+        """The routes of a whole datagram (for :meth:`_RouteSocket.dump`), when it holds
+        only RTM_NEWROUTE messages of dump ``seq``, uninterrupted, all of one length and
+        family with the usual layout (the bulk of a dump): the messages are cut apart in
+        C (``struct.iter_unpack``). None otherwise: read them one by one."""
+        size = len(chunk)
+        if size < rtnl.NLMSGHDR.size + _DST_AT:
+            return None
+        length = rtnl.U32.unpack_from(chunk, 0)[0]
+        dst_end = _DST_END.get(chunk[rtnl.NLMSGHDR.size], 0)  # rtm_family
+        if length & 3 or not dst_end or length < rtnl.NLMSGHDR.size + dst_end or size % length:
+            return None
+        layout = self._layouts.get((length, dst_end))
+        if layout is None:
+            tail = length - rtnl.NLMSGHDR.size - dst_end
+            layout = struct.Struct(f"=IHHII{_DST_AT}s{dst_end - _DST_AT}s{tail}s")
+            self._layouts[length, dst_end] = layout
+        lengths, kinds, flags, seqs, _, heads, addresses, tails = zip(
+            *layout.iter_unpack(chunk), strict=True
+        )
+        if (
+            set(lengths) != {length}
+            or set(kinds) != {rtnl.RTM_NEWROUTE}
+            or set(seqs) != {seq}
+            or any(f & rtnl.NLM_F_DUMP_INTR for f in set(flags))
+        ):
+            return None
+        found: list[RouteSpec] = []
+        add, shapes, ntop = found.append, self._shapes, socket.inet_ntop
+        last_head = last_tail = b""
+        shape: _Shape | None = _UNKNOWN
+        start = rtnl.NLMSGHDR.size
+        for head, packed, tail in zip(heads, addresses, tails, strict=True):
+            if head != last_head or tail != last_tail or shape is _UNKNOWN:
+                last_head, last_tail = head, tail
+                shape = shapes.get(head + tail, _UNKNOWN)
+            if shape is not None:
+                if shape is _UNKNOWN:
+                    route = self._first(
+                        chunk,
+                        start,
+                        start + length - rtnl.NLMSGHDR.size,
+                        start + dst_end,
+                        head + tail,
+                    )
+                    if route is not None:
+                        add(route)
+                else:
+                    family, suffix, prefix_length, make = shape
+                    add(make(ntop(family, packed) + suffix, packed, prefix_length))
+            start += length
+        return found
 
     def _first(
         self, chunk: bytes, start: int, end: int, dst_end: int, key: bytes
@@ -528,6 +658,44 @@ def _unknown(destination: str, packed: bytes, length: int) -> RouteSpec:
 
 
 _UNKNOWN: _Shape = (-1, "", -1, _unknown)
+
+
+_family_table = operator.attrgetter("family", "table")
+_order_of = operator.attrgetter("order")
+_family_of = operator.attrgetter("family")
+_table_of = operator.attrgetter("table")
+
+
+def _families_tables(routes: Iterable[RouteSpec]) -> list[tuple[int, int]]:
+    """The distinct (family, table) of routes, sorted; gathered in C without a tuple per
+    route when they are of one family (the usual case)."""
+    routes = routes if isinstance(routes, (list, tuple)) else list(routes)
+    families = set(map(_family_of, routes))
+    if len(families) == 1:
+        family = families.pop()
+        return [(family, table) for table in sorted(set(map(_table_of, routes)))]
+    return sorted(set(map(_family_table, routes)))
+
+
+_hops_of = operator.attrgetter("nexthops")
+_destination_of = operator.itemgetter(2)  # of an order: the packed destination
+_shape_of = operator.itemgetter(0, 1, 3, 4)  # of an order: all but the destination
+_RUN = 32  # routes of one template from which a batch is assembled in C
+
+
+def _template_runs(kinds: Sequence[rtnl.RouteOp], routes: Sequence[RouteSpec]) -> list[int]:
+    """Where each run of consecutive messages that share a template (operation, hop set,
+    family, table, prefix length, metric) ends, ascending; grouped in C. The collector is
+    paused: a run's keys are all alive at once, and would otherwise set off collections
+    that walk every route of the request, again and again."""
+    keys = zip(
+        kinds,
+        map(id, map(_hops_of, routes)),  # the routes keep their hop sets alive
+        map(_shape_of, map(_order_of, routes)),
+        strict=True,
+    )
+    with collector_paused():
+        return list(accumulate(len(list(group)) for _, group in groupby(keys)))
 
 
 _FLAGS_AT, _FLAGS_OFFSET = struct.Struct("=H"), 6  # nlmsghdr.nlmsg_flags
@@ -769,7 +937,7 @@ class Netlink:
         owned = []
         with collector_paused():
             for version in (4, 6):
-                owned += await sock.dump(version, reader, proto=OWNER_PROTO)
+                owned += await sock.dump(version, reader, proto=OWNER_PROTO, bulk=reader.bulk)
         return owned
 
     async def _foreign_keys(
@@ -783,7 +951,7 @@ class Netlink:
                 return None
             return decode(chunk[start:end])
 
-        for version, table in sorted({(r.family, r.table) for r in desired}):
+        for version, table in _families_tables(desired):
             for wire in await sock.dump(version, foreign, table=table):
                 if wire.table == table:
                     keys.add((version, wire.table, wire.destination, wire.metric))
@@ -812,7 +980,7 @@ class Netlink:
         self._check_devices(want, links)
         names = {link.index: link.name for link in links.values()}
         observed = await self._owned_routes(sock, names)
-        have = {r.key: r for r in observed}
+        have = by_key(observed)
         diff = diff_indexed(have, keys, prune)
         if sorted_conflicts:
             new: Sequence[RouteSpec] = diff.add
@@ -968,7 +1136,7 @@ class Netlink:
         delay = 0.01
         while True:
             observed = await self._owned_routes(sock, names)
-            remaining = diff_indexed({r.key: r for r in observed}, want, prune)
+            remaining = diff_indexed(by_key(observed), want, prune)
             if remaining.empty:
                 return frozenset(observed)
             if time.monotonic() >= deadline:

@@ -47,9 +47,9 @@ import ipaddress
 import operator
 import re
 import socket
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from orchestrrl import errors
 
@@ -552,6 +552,83 @@ class RouteSpec:
         return " ".join(parts)
 
 
+class SimpleRoute(Protocol):
+    """A route in the simple form as a request message carries it (``device`` "" and
+    ``table`` 0 as in :class:`RouteSpec`)."""
+
+    @property
+    def destination(self) -> str: ...
+    @property
+    def gateways(self) -> Sequence[str]: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def table(self) -> int: ...
+    @property
+    def metric(self) -> int: ...
+
+
+def simple_routes(routes: Iterable[SimpleRoute], field_name: str = "routes") -> list[RouteSpec]:
+    """``RouteSpec.simple`` of each route (the same values, the same errors, prefixed
+    ``{field_name}[i].``), with the collector paused: what a request of tens of thousands
+    of routes is converted with. IPv4 destinations in canonical form (the usual case)
+    are parsed here and their gateways, device, table and metric checked once per
+    distinct combination; anything else goes through ``RouteSpec.simple``."""
+    simple, new, rest_of = RouteSpec.simple, object.__new__, _simple_rest
+    lengths, host_bits, inet_pton, af_inet = _LENGTHS, _V4_HOST, _inet_pton, _AF_INET
+    from_bytes = int.from_bytes
+    # (gateways, device, table, metric) of IPv4 routes -> (hops, table, metric)
+    checked: dict[tuple[tuple[str, ...], str | None, int, int], tuple[HopSet, int, int]] = {}
+    specs: list[RouteSpec] = []
+    add = specs.append
+    with collector_paused():
+        for index, route in enumerate(routes):
+            destination = route.destination
+            gateways = tuple(route.gateways[:])  # a slice is read in one go
+            device = route.device or None
+            table, metric = route.table, route.metric
+            if type(destination) is str:
+                address, _, length_text = destination.partition("/")
+                length = lengths.get(length_text, 33)
+                if length <= 32 and ":" not in address:
+                    try:
+                        packed = inet_pton(af_inet, address)
+                    except OSError:
+                        packed = b""
+                    if packed and (length == 32 or not from_bytes(packed) & host_bits[length]):
+                        args = (gateways, device, table, metric)
+                        try:
+                            rest = checked.get(args)
+                        except TypeError:  # something unhashable: RouteSpec says what
+                            rest = None
+                        if rest is None:
+                            try:
+                                rest = checked[args] = rest_of(4, *args)
+                            except (errors.InvalidArgument, _WrongVersion, TypeError):
+                                rest = None
+                        if rest is not None:
+                            (hops, gateways_, device_, hops_hash), table_, metric_ = rest
+                            spec = new(RouteSpec)  # RouteSpec._set written out
+                            values = spec.__dict__
+                            values["destination"] = destination
+                            values["nexthops"] = hops
+                            values["gateways"] = gateways_
+                            values["device"] = device_
+                            values["table"] = table_
+                            values["metric"] = metric_
+                            values["family"] = 4
+                            values["key"] = (4, table_, destination, metric_)
+                            values["order"] = (4, table_, packed, length, metric_)
+                            values["_hash"] = hash((destination, hops_hash, table_, metric_))
+                            add(spec)
+                            continue
+            try:
+                add(simple(destination, gateways, device, table, metric))
+            except errors.InvalidArgument as exc:
+                raise errors.InvalidArgument(f"{field_name}[{index}].{exc}") from None
+    return specs
+
+
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused while tens of thousands of routes are
@@ -694,6 +771,14 @@ def route_sort_key(route: RouteSpec) -> RouteOrder:
 
 
 _by_order = operator.attrgetter("order")  # route_sort_key, for sorting in C
+_key_of = operator.attrgetter("key")
+_hops_of = operator.attrgetter("nexthops")
+
+
+def by_key(routes: Iterable[RouteSpec]) -> dict[RouteKey, RouteSpec]:
+    """Routes by key (the last of a key wins), built in C: ``{r.key: r for r in routes}``."""
+    routes = routes if isinstance(routes, (list, tuple)) else list(routes)
+    return dict(zip(map(_key_of, routes), routes, strict=True))
 
 
 def rule_sort_key(rule: RuleSpec) -> tuple[int, int, int, str, str, str]:
@@ -710,7 +795,7 @@ def rule_sort_key(rule: RuleSpec) -> tuple[int, int, int, str, str, str]:
 def index_routes(routes: Iterable[RouteSpec]) -> dict[RouteKey, RouteSpec]:
     """Routes by key; two routes with one key would overwrite each other in the kernel."""
     routes = routes if isinstance(routes, (list, tuple)) else list(routes)
-    indexed = {route.key: route for route in routes}
+    indexed = by_key(routes)
     if len(indexed) == len(routes):  # no key twice (checked in C)
         return indexed
     indexed = {}
@@ -752,7 +837,7 @@ def diff_routes(
 
     ``observed`` are the routes OrchestrRL installed (never anyone else's).
     """
-    return diff_indexed({route.key: route for route in observed}, index_routes(desired), prune)
+    return diff_indexed(by_key(observed), index_routes(desired), prune)
 
 
 def diff_indexed(
@@ -765,6 +850,21 @@ def diff_indexed(
     if not want:
         remove = sorted(have.values(), key=_by_order) if prune else []
         return RouteDiff((), (), tuple(remove))
+    if (len(have) == len(want) or not prune) and have.keys() >= want.keys():
+        # Every desired key is held (and, with prune, nothing else): the usual read-back.
+        # Only replacements are possible; the routes are paired by hop sets in C and
+        # each distinct pair is compared once.
+        held = list(map(have.__getitem__, want))
+        wanted = list(want.values())
+        pairs = dict(
+            zip(
+                zip(map(id, map(_hops_of, held)), map(id, map(_hops_of, wanted)), strict=True),
+                zip(held, wanted, strict=True),
+                strict=True,
+            )
+        )
+        if all(_same_hops(h, w) for h, w in pairs.values()):
+            return RouteDiff((), (), ())
     add = [r for k, r in want.items() if k not in have]
     # Whether observed hops satisfy desired ones depends on the two hop sets only, and
     # both are interned: one answer per pair of hop sets (the routes keep them alive).
@@ -840,6 +940,14 @@ def unknown_devices(
     Rule input interfaces may name devices that do not exist yet (the kernel keeps such
     rules dormant until the device appears), so only route devices are checked.
     """
+    routes = routes if isinstance(routes, (list, tuple)) else list(routes)
+    # one route per hop set (routes share a few), gathered in C: usually all is well
+    if all(
+        device in devices
+        for route in dict(zip(map(id, map(_hops_of, routes)), routes, strict=True)).values()
+        for _, device in route_devices(route)
+    ):
+        return []
     missing: list[MissingDevice] = []
     found: set[int] = set()  # ids of hop sets whose devices all exist (routes share them)
     for route in routes:

@@ -168,3 +168,23 @@ async def test_an_ensure_cut_short_converges_when_applied_again(switch: Switch) 
         assert change.added + change.unchanged == 3000
         assert len(await owned_routes(switch.netns)) == 3000
         assert (await nl.verify_routes(many, prune=True)).empty
+
+
+async def test_a_refusal_inside_a_long_run_of_one_template_names_its_route(
+    switch: Switch,
+) -> None:
+    """Hundreds of routes of one template go out as batches assembled in one piece; the
+    kernel's answer to one message in the middle still names that route."""
+    routes = [RouteSpec(f"10.40.{i // 256}.{i % 256}/32", GATEWAYS_V4[:1]) for i in range(600)]
+    taken = "10.40.1.44/32"  # routes[300]
+    async with Netlink(switch.netns) as nl:
+        before = await kernel_routes(switch.netns)
+        plan = await nl.prepare_routes(routes, prune=False)
+        # someone else takes one key between the check and the change
+        await netns.run(["ip", "route", "add", taken, "via", GATEWAYS_V4[0]], netns=switch.netns)
+        with pytest.raises(errors.Aborted, match="appeared while we were applying") as info:
+            await nl.apply_routes(plan)
+        assert f"add route {taken} via {GATEWAYS_V4[0]} table 254" in str(info.value)
+        assert "the 599 changes already made were rolled back" in str(info.value)
+        await netns.run(["ip", "route", "del", taken], netns=switch.netns)
+        assert await kernel_routes(switch.netns) == before

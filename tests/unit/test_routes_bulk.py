@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import ipaddress
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -20,9 +21,12 @@ from orchestrrl.routing import (
     RouteSpec,
     RuleSpec,
     collector_paused,
+    diff_indexed,
     kernel_routes,
     parse_prefix,
     route_sort_key,
+    satisfies,
+    simple_routes,
 )
 
 pytestmark = pytest.mark.unit
@@ -265,3 +269,145 @@ def test_only_rules_that_select_a_table_by_what_rulespec_knows_are_read() -> Non
         {"source": "10.20.0.1"},  # host bits: not something we install
     ):
         assert _rule_from_wire(wire_rule(**other)) is None, other
+
+
+@dataclass(frozen=True)
+class Row:
+    """A route as a request message carries it (the fields ``simple_routes`` reads)."""
+
+    destination: Any
+    gateways: Any
+    device: Any
+    table: Any
+    metric: Any
+
+
+ROW = st.builds(
+    Row,
+    st.sampled_from(DESTINATIONS),
+    st.lists(st.sampled_from(GATEWAYS), max_size=3),
+    st.sampled_from(["", "p0", "bad/name", "x" * 16]),
+    st.sampled_from([0, 254, 100, 255, 2**32 - 1, 2**32, -1]),
+    st.sampled_from([0, 7, 2**32 - 1, -1]),
+)
+
+
+@given(st.lists(ROW, max_size=6))
+def test_simple_routes_build_what_simple_builds_or_raise_its_error_with_the_index(
+    rows: list[Row],
+) -> None:
+    expected: list[RouteSpec] = []
+    error: object = None
+    for index, row in enumerate(rows):
+        got = outcome(
+            lambda row=row: RouteSpec.simple(
+                row.destination, tuple(row.gateways), row.device or None, row.table, row.metric
+            )
+        )
+        if not isinstance(got, RouteSpec):
+            assert isinstance(got, tuple)
+            error = (got[0], f"routes[{index}].{got[1]}")
+            break
+        expected.append(got)
+    for _ in range(2):
+        built = outcome(lambda: simple_routes(rows))
+        if error is not None:
+            assert built == error
+            continue
+        assert isinstance(built, list)
+        assert built == expected
+        for a, b in zip(built, expected, strict=True):
+            assert (a.key, a.order, a.gateways, a.device, a.family, hash(a)) == (
+                b.key,
+                b.order,
+                b.gateways,
+                b.device,
+                b.family,
+                hash(b),
+            )
+
+
+def dump_datagram(bodies: list[bytes], seq: int, flags: int = rtnl.NLM_F_MULTI) -> bytes:
+    return b"".join(rtnl.message(rtnl.RTM_NEWROUTE, flags, seq, body) for body in bodies)
+
+
+def test_the_owned_reader_reads_a_whole_datagram_as_message_by_message() -> None:
+    encoder = rtnl.RouteEncoder(OWNER_PROTO, DEVICES)
+    foreign = rtnl.RouteEncoder(OWNER_PROTO + 1, DEVICES)
+    unreadable = RouteSpec("10.7.0.0/24", device="zz")  # goes out as ifindex 0: skipped
+    routes = [
+        *(RouteSpec(f"10.1.{i}.0/24", ("10.0.0.1",), "p0") for i in range(4)),
+        *(RouteSpec(f"10.2.{i}.0/24", ("10.0.0.1", "10.0.0.2"), "p1") for i in range(3)),
+        RouteSpec("10.1.9.0/24", ("10.0.0.2",), "p1", metric=9),
+    ]
+    v4 = [kernel_body(encoder.encode(i, "add", r)) for i, r in enumerate(routes)]
+    same_length = [b for b in v4 if len(b) == len(v4[0])]
+    bodies = [
+        *same_length[:2],
+        kernel_body(foreign.encode(99, "add", RouteSpec("10.9.0.0/24", ("10.0.0.1",), "p0"))),
+        kernel_body(encoder.encode(98, "add", unreadable)),
+        *same_length[2:],
+    ]
+    bodies = [b for b in bodies if len(b) == len(v4[0])]
+    assert len(bodies) >= 6
+    one_by_one = [r for b in bodies if (r := _OwnedReader(NAMES, None)(b, 0, len(b)))]
+    reader = _OwnedReader(NAMES, None)
+    for _ in range(2):  # the second time every shape is known
+        got = reader.bulk(dump_datagram(bodies, 5), 5)
+        assert got == one_by_one
+        assert got is not None
+        assert [(r.key, r.order, r.device, hash(r)) for r in got] == [
+            (r.key, r.order, r.device, hash(r)) for r in one_by_one
+        ]
+    v6 = kernel_body(encoder.encode(1, "add", RouteSpec("fd01::/64", ("fd00::1",), "p0")))
+    assert (
+        reader.bulk(dump_datagram([v6, v6], 5), 5)
+        == [RouteSpec("fd01::/64", ("fd00::1",), "p0")] * 2
+    )
+    # anything but a run of one dump's route messages of one length: read one by one
+    assert reader.bulk(dump_datagram(bodies, 5), 6) is None  # another request's
+    assert reader.bulk(dump_datagram(bodies, 5, rtnl.NLM_F_DUMP_INTR), 5) is None
+    assert reader.bulk(dump_datagram(bodies[:2], 5) + dump_datagram([v6], 5), 5) is None
+    done = rtnl.message(rtnl.NLMSG_DONE, rtnl.NLM_F_MULTI, 5, b"\0" * 4)
+    assert reader.bulk(dump_datagram(bodies[:2], 5) + done, 5) is None
+    other = bytearray(dump_datagram(bodies[:2], 5))
+    other[4] = rtnl.RTM_NEWROUTE + 1  # nlmsg_type of the first message
+    assert reader.bulk(bytes(other), 5) is None
+
+
+def reference_diff(
+    have: dict[Any, RouteSpec], want: dict[Any, RouteSpec], prune: bool
+) -> tuple[set[RouteSpec], set[RouteSpec], set[RouteSpec]]:
+    add = {r for k, r in want.items() if k not in have}
+    replace = {r for k, r in want.items() if k in have and not satisfies(have[k], r)}
+    remove = {r for k, r in have.items() if k not in want} if prune else set()
+    return add, replace, remove
+
+
+HOPS = st.sampled_from(
+    [
+        (("10.0.0.1",), None),
+        (("10.0.0.1",), "p0"),
+        (("10.0.0.1",), "p1"),
+        (("10.0.0.1", "10.0.0.2"), None),
+    ]
+)
+
+
+@given(
+    st.dictionaries(st.integers(0, 7), HOPS, max_size=8),
+    st.dictionaries(st.integers(0, 7), HOPS, max_size=8),
+    st.booleans(),
+)
+def test_diff_indexed_finds_what_a_key_by_key_comparison_finds(
+    observed: dict[int, tuple[tuple[str, ...], str | None]],
+    desired: dict[int, tuple[tuple[str, ...], str | None]],
+    prune: bool,
+) -> None:
+    def routes(spec: dict[int, tuple[tuple[str, ...], str | None]]) -> dict[Any, RouteSpec]:
+        made = [RouteSpec(f"10.1.{i}.0/24", hops, device) for i, (hops, device) in spec.items()]
+        return {r.key: r for r in made}
+
+    have, want = routes(observed), routes(desired)
+    diff = diff_indexed(have, want, prune)
+    assert (set(diff.add), set(diff.replace), set(diff.remove)) == reference_diff(have, want, prune)
