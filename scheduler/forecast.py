@@ -40,6 +40,26 @@ running after many tokens look long). Early in a step every sample runs at about
 same ``g``: the imputed values agree, the between-group variance is estimated at zero
 and no group is scaled. A request of group ``p`` then has its length distribution scaled
 by ``exp(d_p)`` (:func:`predict_remaining_groups`).
+
+Across epochs: an RL run walks a finite dataset many times (DAPO-17k at 512 prompts per
+step comes back to a prompt every ~34 steps), so from the second epoch on the loop knows
+the lengths of a prompt's samples at its previous occurrence. :func:`prior_log_scales`
+turns them into a prior for ``d_p``: the prompt's previous log-mean relative to the
+log-mean of the whole step it was in (which removes the length drift between the two
+occurrences), shrunk by its own best linear predictor (the previous samples' variance
+components, as above) and multiplied by ``ForecastConfig.epoch_prior_weight``, the
+assumed correlation of a prompt's difficulty between epochs (the policy changes in
+between). Within the step the siblings then update it: the group's shrunk estimate is
+taken toward its prior instead of toward zero, ``d_p = prior_p + s_p (m_p - prior_p)``
+with ``m_p`` the group's mean log length less the grand mean and ``s_p`` the same
+shrinkage factor as without a prior (the BLUP with a known prior mean); when the step
+shows no between-group signal yet (its start) ``d_p = prior_p``.
+
+The simulator passes both signals (groups and priors). The controller's compute loop
+(``fabric_controller.scheduling.decide``) passes neither yet: the engines' request
+telemetry carries a request's tokens and instance but no prompt identity, so it cannot
+tell siblings apart nor look up a prompt's previous epoch; a rollout driver that tags
+each request with its prompt id (and keeps its lengths per epoch) would supply both.
 """
 
 from __future__ import annotations
@@ -69,6 +89,11 @@ class ForecastConfig:
     fallback_mean_tokens: float = 1024.0
     # a group's length scale exp(d_p) is clamped to exp(+-group_max_log_scale)
     group_max_log_scale: float = 2.0
+    # how much of a prompt's difficulty at its previous occurrence (previous epoch) is
+    # assumed to carry over: the correlation of the prompt term between epochs. 0.8 is an
+    # assumption (the policy is retrained between two occurrences, ~34 steps apart in
+    # DAPO), not fitted to any result; 0 ignores the previous epoch.
+    epoch_prior_weight: float = 0.8
 
     def __post_init__(self) -> None:
         for name in ("holt_alpha", "holt_beta", "history_decay", "tail_quantile"):
@@ -86,6 +111,10 @@ class ForecastConfig:
         if self.fallback_mean_tokens <= 0:
             raise errors.field_error(
                 "forecast.fallback_mean_tokens", self.fallback_mean_tokens, "> 0"
+            )
+        if not 0.0 <= self.epoch_prior_weight <= 1.0:
+            raise errors.field_error(
+                "forecast.epoch_prior_weight", self.epoch_prior_weight, "a fraction in [0, 1]"
             )
         if self.group_max_log_scale < 0:
             raise errors.field_error(
@@ -248,6 +277,7 @@ def build_forecast(
     config: ForecastConfig = ForecastConfig(),
     completed_groups: Sequence[str | None] = (),
     running_groups: Sequence[str | None] = (),
+    group_prior: Mapping[str, float] | None = None,
 ) -> LengthForecast:
     """The length forecast for the current step.
 
@@ -256,6 +286,8 @@ def build_forecast(
     ``running``: tokens generated so far by each request still running in this step.
     ``completed_groups`` / ``running_groups``: the sample group of each of those (empty:
     no groups known); with them the forecast carries every group's length scale.
+    ``group_prior``: per group, a prior for its log length scale (from the prompt's
+    previous epoch: :func:`prior_log_scales`); the siblings in this step update it.
     """
     if max_tokens is not None and max_tokens <= 0:
         raise errors.field_error("max_tokens", max_tokens, "a positive integer or None")
@@ -325,6 +357,7 @@ def build_forecast(
         running,
         running_groups or [None] * len(running),
         config.group_max_log_scale,
+        group_prior or {},
     )
     return replace(pooled, group_log_scale=scales)
 
@@ -336,10 +369,17 @@ def group_scales(
     running: Sequence[int],
     running_groups: Sequence[str | None],
     max_log_scale: float = 2.0,
+    prior: Mapping[str, float] | None = None,
 ) -> dict[str, float]:
     """Per sample group, the predicted log of its length scale ``d_p`` (module docstring:
     the shrunk group mean of log lengths, running samples imputed by ``pooled``), clamped
-    to ``+-max_log_scale``. Groups with no between-group signal are left out (scale 1)."""
+    to ``+-max_log_scale``. Groups with no between-group signal are left out (scale 1).
+
+    ``prior``: per group, a prior for ``d_p`` (:func:`prior_log_scales`): the estimate is
+    shrunk toward it rather than toward zero, and without a between-group signal in this
+    step it is the prior itself (groups of the prior that this step does not list too)."""
+    prior = prior or {}
+    fallback = {g: min(max_log_scale, max(-max_log_scale, v)) for g, v in prior.items() if v != 0.0}
     parts = [np.log(np.maximum(1.0, np.asarray(completed, np.float64)))]
     if len(running):
         mean, _ = predict_remaining_arrays(pooled, running, 0.5)
@@ -348,12 +388,12 @@ def group_scales(
     labels = [*completed_groups, *running_groups]
     known = np.array([g is not None for g in labels], dtype=np.bool_)
     if not known.any():
-        return {}
+        return fallback
     names, code = np.unique(np.array([g for g in labels if g is not None]), return_inverse=True)
     x = obs[known]
     k, n = len(names), len(x)
     if k < 2 or n <= k:
-        return {}
+        return fallback
     size = np.bincount(code, minlength=k).astype(np.float64)
     means = np.bincount(code, weights=x, minlength=k) / size
     grand = float(x.sum()) / n
@@ -362,10 +402,71 @@ def group_scales(
     n0 = (n - float((size**2).sum()) / n) / (k - 1)
     between = max(0.0, (ssb / (k - 1) - within) / n0) if n0 > 0 else 0.0
     if between <= 0.0:
-        return {}
+        return fallback
     shrink = size * between / (size * between + within) if within > 0 else np.ones(k)
-    d = np.clip((means - grand) * shrink, -max_log_scale, max_log_scale)
-    return dict(zip(names.tolist(), d.tolist(), strict=True))
+    if not prior:
+        d = np.clip((means - grand) * shrink, -max_log_scale, max_log_scale)
+        return dict(zip(names.tolist(), d.tolist(), strict=True))
+    base = np.array([prior.get(g, 0.0) for g in names.tolist()], dtype=np.float64)
+    d = np.clip(base + (means - grand - base) * shrink, -max_log_scale, max_log_scale)
+    out = dict(fallback)
+    out.update(zip(names.tolist(), d.tolist(), strict=True))
+    return out
+
+
+@dataclass(frozen=True)
+class PriorLengths:
+    """What the RL loop knows of a prompt from its previous occurrence: the response
+    lengths of its samples then, and the log-mean length of every response of that step
+    (the reference that removes the drift of lengths between the two occurrences)."""
+
+    lengths: tuple[int, ...]
+    step_log_mean: float
+
+    def __post_init__(self) -> None:
+        if not self.lengths or min(self.lengths) < 1:
+            raise errors.field_error(
+                "prior.lengths", self.lengths, "a non-empty list of lengths >= 1"
+            )
+        if not math.isfinite(self.step_log_mean):
+            raise errors.field_error("prior.step_log_mean", self.step_log_mean, "a finite number")
+
+
+def prior_log_scales(
+    priors: Mapping[str, PriorLengths], config: ForecastConfig = ForecastConfig()
+) -> dict[str, float]:
+    """Per group, the prior for its log length scale ``d_p`` from the previous epoch.
+
+    ``r_p`` = mean log length of the group's previous samples less that step's log-mean;
+    its best linear predictor of the previous difficulty is ``r_p * B / (B + W / n_p)``
+    (``B``, ``W``: between- and within-group variances of the previous samples by the
+    method of moments over every group given, ``E[r_p] = 0`` by construction), and the
+    prior is that times ``config.epoch_prior_weight``, clamped to
+    ``+-config.group_max_log_scale``. Fewer than two groups, or no between-group
+    variance, or a weight of 0: no prior (an empty mapping).
+    """
+    weight = config.epoch_prior_weight
+    if len(priors) < 2 or weight == 0.0:
+        return {}
+    names = sorted(priors)
+    rel = np.empty(len(names))
+    size = np.empty(len(names))
+    ss = 0.0
+    for i, g in enumerate(names):
+        logs = np.log(np.asarray(priors[g].lengths, dtype=np.float64))
+        mean = float(logs.mean())
+        rel[i] = mean - priors[g].step_log_mean
+        size[i] = len(logs)
+        ss += float(((logs - mean) ** 2).sum())
+    dof = float((size - 1).sum())
+    within = ss / dof if dof > 0 else 0.0
+    between = max(0.0, float((rel**2).mean()) - within * float((1.0 / size).mean()))
+    if between <= 0.0:
+        return {}
+    shrink = between / (between + within / size)
+    cap = config.group_max_log_scale
+    d = np.clip(weight * shrink * rel, -cap, cap)
+    return dict(zip(names, d.tolist(), strict=True))
 
 
 def predict_remaining_groups(

@@ -25,7 +25,9 @@ never token by token:
   step start and every ``replan_interval_s`` it gets the live state (instances, every
   request running/queued with its generated tokens and its GRPO group, the prompt) and
   a length forecast (:func:`scheduler.forecast.build_forecast` over past steps and this
-  step so far, with every finished and running sample's group: the sibling signal) and
+  step so far, with every finished and running sample's group: the sibling signal; and,
+  when the workload walks a finite dataset, every group's prior from its prompt's
+  previous epoch, :func:`scheduler.forecast.prior_log_scales`, computed once a step) and
   its plan is applied (instance queues sorted by the plan's ``admit_order``):
   resharding nodes pause for the plan's ``pause_s``, requests moved by KV transfer or
   recompute stall their target instance for the plan's ``cost_s``.
@@ -59,7 +61,7 @@ from scheduler.compute_state import (
     Request,
     canonical_instances,
 )
-from scheduler.forecast import build_forecast
+from scheduler.forecast import PriorLengths, build_forecast, prior_log_scales
 from scheduler.perf_model import DecodeBreakdown, PerfModel
 from sim_backends.clustersim.oracle import OracleConfig, oracle_plan
 from sim_backends.clustersim.workload import RolloutRequest
@@ -275,6 +277,7 @@ class GenerationSim:
         self.unfinished = 0
         self.final_layout: dict[str, Pattern] = {}
         self.global_queue: list[_Req] = []
+        self.group_prior: dict[str, float] = {}  # per group, the previous epoch's prior
         self.reqs: dict[str, _Req] = {}
         self.lengths: dict[str, int] = {}  # true lengths: read by the oracle policy only
         self.oracle = OracleConfig(
@@ -439,10 +442,14 @@ class GenerationSim:
     # -- the step --
 
     def run(self, requests: Sequence[RolloutRequest]) -> float:
+        previous: dict[str, PriorLengths] = {}
         for rr in requests:
             r = _Req(rr)
             self.reqs[r.id] = r
             self.lengths[r.id] = r.length
+            if rr.previous is not None and r.group not in previous:
+                previous[r.group] = PriorLengths(rr.previous.lengths, rr.previous.step_log_mean)
+        self.group_prior = prior_log_scales(previous)
         self.unfinished = len(self.reqs)
         ordered = [self.reqs[rr.id] for rr in requests]
         if self.policy == "static":
@@ -518,6 +525,7 @@ class GenerationSim:
             max_tokens=self.max_tokens,
             completed_groups=self.completed_groups,
             running_groups=[r.group for r in state.requests],
+            group_prior=self.group_prior,
         )
         if self.policy == "oracle":
             plan = oracle_plan(state, self.lengths, self.perf, now, self.oracle)

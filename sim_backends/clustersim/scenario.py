@@ -128,6 +128,19 @@ class WorkloadConfig:
     training (its Figure on response length); verl's GRPO examples use
     ``rollout.n`` = 5-16. The median (1,500 tokens), the sigmas and the drift are this
     simulator's assumptions, stated here and not tuned to any result.
+
+    ``dataset_prompts``: 0 draws fresh prompts every step; ``N > 0`` walks a dataset of
+    ``N`` prompts in a seeded shuffled order per epoch (a DataLoader with shuffle and
+    drop_last: ``N // prompts_per_step`` steps per epoch; DAPO-Math-17k has ~17k prompts,
+    so at 512 per step a prompt comes back every ~34 steps), each prompt keeping its
+    difficulty across epochs. ``difficulty_drift_sigma``: the sd of a prompt's
+    per-epoch change of difficulty (log scale, added to the persistent term): the policy
+    is retrained between two occurrences. The default 0.3 makes the prompt term of two
+    epochs correlate 0.6^2 / (0.6^2 + 0.3^2) = 0.8; an assumption, not fitted to a
+    measurement. ``start_step``: the run's step the simulation starts at (a later epoch:
+    the prompts have been met before), only with a dataset; ``median_response_tokens``
+    is the median there. ``prompt_history``: the RL loop passes each prompt's lengths at
+    its previous occurrence to the scheduler (false: the scheduler ignores them).
     """
 
     prompts_per_step: int = 64
@@ -139,6 +152,10 @@ class WorkloadConfig:
     sample_sigma: float = 0.8  # spread between samples of one prompt
     max_response_tokens: int = 20480
     drift_per_step: float = 0.05
+    dataset_prompts: int = 0
+    difficulty_drift_sigma: float = 0.3
+    start_step: int = 0
+    prompt_history: bool = True
 
     @property
     def requests_per_step(self) -> int:
@@ -248,6 +265,9 @@ _NON_NEGATIVE = {
     ("workload", "prompt_sigma_response"),
     ("workload", "sample_sigma"),
     ("workload", "drift_per_step"),
+    ("workload", "dataset_prompts"),
+    ("workload", "difficulty_drift_sigma"),
+    ("workload", "start_step"),
     ("fabric", "ocs_switching_s"),
     ("parallelism", "tp"),
     ("parallelism", "ep"),
@@ -476,6 +496,27 @@ def _check_semantics(s: Scenario, problems: list[str]) -> None:
     w = s.workload
     if w.prompt_tokens + w.max_response_tokens <= 0:
         problems.append("workload: prompt and response tokens must be > 0")
+    if w.dataset_prompts and w.dataset_prompts < w.prompts_per_step:
+        problems.append(
+            str(
+                errors.field_error(
+                    "workload.dataset_prompts",
+                    w.dataset_prompts,
+                    f"0 (fresh prompts every step) or at least workload.prompts_per_step "
+                    f"({w.prompts_per_step})",
+                )
+            )
+        )
+    if w.start_step and not w.dataset_prompts:
+        problems.append(
+            str(
+                errors.field_error(
+                    "workload.start_step",
+                    w.start_step,
+                    "0 unless workload.dataset_prompts > 0 (fresh prompts have no epochs)",
+                )
+            )
+        )
     gen = s.generation
     if gen.policy not in POLICIES:
         problems.append(
