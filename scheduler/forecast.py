@@ -348,7 +348,7 @@ def build_forecast(
         drift=drift,
         observations=len(x_a),
     )
-    if not (completed_groups or running_groups):
+    if not (completed_groups or running_groups or group_prior):
         return pooled
     scales = group_scales(
         pooled,

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from orchestrrl import errors
@@ -151,6 +151,7 @@ def test_without_a_prior_group_scales_are_unchanged() -> None:
     st.lists(st.tuples(st.integers(0, 20479), st.sampled_from(["a", "b", "d", None])), max_size=30),
     st.floats(0.0, 1.0),
 )
+@example(raw={"a": ([1], 0.0), "b": ([1], 1.0)}, done=[], running=[], weight=1.0)  # no groups
 def test_combined_scales_are_bounded_and_cover_the_prior(
     raw: dict[str, tuple[list[int], float]],
     done: list[tuple[int, str]],
