@@ -562,11 +562,12 @@ def cmd_local(args: argparse.Namespace) -> int:
         if found is None:
             _print(args, {"running": False}, lambda: f"no local cluster in {args.run_dir}")
             return 1
-        roles = local.controller_roles(found)
+        # an HA group: who leads, as each controller answers now
+        roles = local.controller_roles(found) if "," in found.controller else {}
         rows = [
-            {**to_json(p), "alive": alive[p.pid], **({"ha_role": roles[p.name]} if ha else {})}
+            {**to_json(p), "alive": alive[p.pid]}
+            | ({"ha_role": roles[p.name]} if p.role == "controller" and p.name in roles else {})
             for p in found.procs
-            for ha in [p.role == "controller" and "," in found.controller]
         ]
         _print(
             args,
