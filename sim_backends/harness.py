@@ -113,18 +113,11 @@ class Fabric:
             await server.stop(0.1)
 
 
-async def start_fabric(
-    wiring: Wiring,
-    state: Path,
-    *,
-    switching_time_s: float | None = None,
-    heartbeat_interval_s: float = 1.0,
-    deadline_s: float = 3.0,
-    **controller_options: Any,
-) -> Fabric:
-    """Start the simulated OCSes of ``wiring`` and a controller keeping state in ``state``
-    (``controller_options`` go to :class:`Controller`, e.g. ``lock_timeout_s``; and
-    ``ocs_timeout_s`` to the OCS drivers)."""
+async def _serve_switches(
+    wiring: Wiring, switching_time_s: float | None
+) -> tuple[list[grpcutil.RunningServer], dict[str, SimulatedOcs], dict[str, str]]:
+    """A simulated OCS server per OCS of ``wiring`` on a free loopback port: the servers,
+    the switches by name and their addresses by name."""
     servers: list[grpcutil.RunningServer] = []
     switches: dict[str, SimulatedOcs] = {}
     addresses: dict[str, str] = {}
@@ -138,6 +131,22 @@ async def start_fabric(
         servers.append(running)
         switches[o.name] = sim
         addresses[o.name] = running.address
+    return servers, switches, addresses
+
+
+async def start_fabric(
+    wiring: Wiring,
+    state: Path,
+    *,
+    switching_time_s: float | None = None,
+    heartbeat_interval_s: float = 1.0,
+    deadline_s: float = 3.0,
+    **controller_options: Any,
+) -> Fabric:
+    """Start the simulated OCSes of ``wiring`` and a controller keeping state in ``state``
+    (``controller_options`` go to :class:`Controller`, e.g. ``lock_timeout_s``; and
+    ``ocs_timeout_s`` to the OCS drivers)."""
+    servers, switches, addresses = await _serve_switches(wiring, switching_time_s)
     proc = await _start_controller(
         wiring, addresses, state, heartbeat_interval_s, deadline_s, controller_options
     )
@@ -210,19 +219,7 @@ async def start_etcd_fabric(
     from fabric_controller.etcd_store import Etcd, EtcdStore
     from fabric_controller.leadership import Role
 
-    servers: list[grpcutil.RunningServer] = []
-    switches: dict[str, SimulatedOcs] = {}
-    addresses: dict[str, str] = {}
-    for o in wiring.ocses:
-        running, sim = await serve_ocs(
-            "127.0.0.1:0",
-            name=o.name,
-            port_count=o.ports,
-            switching_time_s=o.switching_time_s if switching_time_s is None else switching_time_s,
-        )
-        servers.append(running)
-        switches[o.name] = sim
-        addresses[o.name] = running.address
+    servers, switches, addresses = await _serve_switches(wiring, switching_time_s)
     options = dict(controller_options)
     timeout_s = float(options.pop("ocs_timeout_s", 10.0))
     drivers: dict[str, OcsDriver] = {
