@@ -66,6 +66,8 @@ class ScheduleView:
     step: int = 0
     skipped: tuple[str, ...] = ()
     actions: tuple[ActionRecord, ...] = ()
+    groups: int = 0  # the length signal: sample groups of the step (Decision.groups)
+    groups_with_prior: int = 0
 
     def explanation(self) -> str:
         if not self.enabled:
@@ -74,6 +76,11 @@ class ScheduleView:
         if self.plan is None:
             return f"{head}: {self.reason or 'no plan yet'}"
         lines = [f"{head}; {self.mode} for step {self.step}:", self.plan.explain()]
+        if self.groups:
+            lines.append(
+                f"  length signal: {self.groups} sample groups, {self.groups_with_prior} "
+                "of them met in an earlier step"
+            )
         if self.skipped:
             lines.append("  left out: " + "; ".join(self.skipped))
         if not self.acted and not self.plan.empty:
@@ -152,7 +159,9 @@ class ComputeScheduler:
             return scheduling.Decision("idle", None, "compute scheduling is off")
         views, skipped, addresses = self._views()
         now = self._wall()
-        self._tracker = scheduling.observe(self._tracker, views, now, self.config.history_steps)
+        self._tracker = scheduling.observe(
+            self._tracker, views, now, self.config.history_steps, self.config.groups_remembered
+        )
         if not views:
             nothing = scheduling.Decision("idle", None, "no generation node reports")
             self._note(now, nothing, skipped)
@@ -190,6 +199,8 @@ class ComputeScheduler:
             False,
             self._tracker.step or 0,
             tuple(skipped),
+            groups=decision.groups,
+            groups_with_prior=decision.groups_with_prior,
         )
         if reshards or migrations:
             await self._act(reshards, migrations, addresses)
@@ -209,6 +220,8 @@ class ComputeScheduler:
             False,
             self._tracker.step or 0,
             tuple(skipped),
+            groups=decision.groups,
+            groups_with_prior=decision.groups_with_prior,
         )
 
     async def _act(

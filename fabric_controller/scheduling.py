@@ -36,6 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from orchestrrl import errors
+from orchestrrl.limits import MAX_ID_CHARS
 from orchestrrl.v1 import node_agent_pb2
 from scheduler.compute import balance, plan_compute
 from scheduler.compute_problem import PlannerConfig
@@ -48,7 +49,13 @@ from scheduler.compute_state import (
     Request,
     canonical_instances,
 )
-from scheduler.forecast import ForecastConfig, build_forecast
+from scheduler.forecast import (
+    ForecastConfig,
+    LengthForecast,
+    PriorLengths,
+    build_forecast,
+    prior_log_scales,
+)
 from scheduler.perf_model import PerfModel
 from scheduler.replan import ReplanSchedule
 
@@ -72,6 +79,9 @@ class SchedulingConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     forecast: ForecastConfig = field(default_factory=ForecastConfig)
     history_steps: int = 8  # completed-length sets of past steps kept for the forecast
+    # sample groups (prompts) whose lengths at their last occurrence are remembered: the
+    # prior for their next epoch (a DAPO-sized dataset has ~17k prompts)
+    groups_remembered: int = 65536
     max_migrations: int = 64  # requests moved per round at most (the rest wait a round)
     hold_s: float = 30.0  # how long a source holds exported requests unresolved
     # a request moved is not moved again for this long: predictions from telemetry a round
@@ -80,6 +90,10 @@ class SchedulingConfig:
 
     def __post_init__(self) -> None:
         check_interval(self.interval_s, "interval_s")
+        if not 0 <= self.groups_remembered <= 1 << 22:
+            raise errors.field_error(
+                "groups_remembered", self.groups_remembered, "an integer in [0, 4194304]"
+            )
         if self.history_steps < 1:
             raise errors.field_error("history_steps", self.history_steps, ">= 1")
         if self.max_migrations < 0:
@@ -102,6 +116,7 @@ class Progress:
     prompt_tokens: int
     generated_tokens: int
     max_tokens: int  # 0: engine default
+    group: str = ""  # its sample group (GRPO: the prompt); "" = none
 
 
 @dataclass(frozen=True)
@@ -116,6 +131,7 @@ class NodeView:
     completed: tuple[int, ...]
     kv_import: bool = True  # its engine takes a moved KV cache (else: recompute)
     max_num_seqs: int = 0  # sequences per instance of its engine (0: unknown)
+    completed_groups: tuple[str, ...] = ()  # parallel to completed, or empty: none
 
 
 def node_view(
@@ -145,18 +161,34 @@ def node_view(
     for r in sample.engine.requests:
         if not r.request_id or not -1 <= r.instance < len(layout):
             return f"request {r.request_id!r} on instance {r.instance} of layout {list(layout)}"
+        if len(r.group) > MAX_ID_CHARS:
+            return f"request {r.request_id!r} has a group of {len(r.group)} characters"
         progress.append(
-            Progress(r.request_id, r.instance, r.prompt_tokens, r.generated_tokens, r.max_tokens)
+            Progress(
+                r.request_id,
+                r.instance,
+                r.prompt_tokens,
+                r.generated_tokens,
+                r.max_tokens,
+                r.group,
+            )
         )
+    lengths = tuple(int(x) for x in sample.engine.completed_lengths)
+    groups = tuple(sample.engine.completed_groups)
+    if groups and len(groups) != len(lengths):
+        return f"{len(groups)} completed_groups for {len(lengths)} completed_lengths"
+    if any(len(g) > MAX_ID_CHARS for g in groups):
+        return f"a completed group longer than {MAX_ID_CHARS} characters"
     return NodeView(
         node,
         layout,
         int(sample.engine.step),
         sample.timestamp,
         tuple(progress),
-        tuple(int(x) for x in sample.engine.completed_lengths),
+        lengths,
         kv_import,
         max_num_seqs,
+        groups,
     )
 
 
@@ -215,9 +247,12 @@ def build_state(views: Iterable[NodeView]) -> Snapshot:
                 continue
             seen.add(p.request_id)
             caps.append(p.max_tokens)
+            group = p.group or None
             if p.instance < 0:
                 queued_on[p.request_id] = v.node
-                requests.append(Request(p.request_id, p.prompt_tokens, p.generated_tokens))
+                requests.append(
+                    Request(p.request_id, p.prompt_tokens, p.generated_tokens, group=group)
+                )
             else:
                 requests.append(
                     Request(
@@ -226,6 +261,7 @@ def build_state(views: Iterable[NodeView]) -> Snapshot:
                         p.generated_tokens,
                         insts[p.instance].id,
                         True,
+                        group,
                     )
                 )
     state = ComputeState(tuple(nodes), tuple(instances), tuple(requests))
@@ -252,34 +288,90 @@ class StepTracker:
     last_plan_at: float | None = None
     predicted_step_s: float = 0.0
     last_action_at: float | None = None  # wall time the last commands finished
+    # this step, per node: the group of each completed length (empty: none reported)
+    completed_groups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # per sample group, its lengths at its last occurrence in an earlier step (least
+    # recently seen first): the prior of its next epoch
+    remembered: Mapping[str, PriorLengths] = field(default_factory=dict)
 
     @property
     def completed_lengths(self) -> tuple[int, ...]:
         return tuple(x for n in sorted(self.completed) for x in self.completed[n])
 
+    @property
+    def completed_group_list(self) -> tuple[str, ...]:
+        """The group of each of :attr:`completed_lengths` ("" where a node named none)."""
+        out: list[str] = []
+        for n in sorted(self.completed):
+            lengths, groups = self.completed[n], self.completed_groups.get(n, ())
+            out += groups if len(groups) == len(lengths) else [""] * len(lengths)
+        return tuple(out)
+
+
+def remember(
+    memory: Mapping[str, PriorLengths],
+    lengths: Sequence[int],
+    groups: Sequence[str],
+    limit: int,
+) -> dict[str, PriorLengths]:
+    """``memory`` with the groups of a finished step (their lengths now, and the step's
+    log-mean length), the oldest forgotten beyond ``limit`` groups."""
+    by_group: dict[str, list[int]] = {}
+    for length, group in zip(lengths, groups, strict=True):
+        if group and length >= 1:
+            by_group.setdefault(group, []).append(length)
+    if not by_group or limit == 0:
+        return dict(memory)
+    logs = [math.log(x) for x in lengths if x >= 1]
+    step_log_mean = sum(logs) / len(logs)
+    out = dict(memory)
+    for group, samples in by_group.items():
+        out.pop(group, None)  # re-inserted: the most recently seen come last
+        out[group] = PriorLengths(tuple(samples), step_log_mean)
+    for group in list(out)[: max(0, len(out) - limit)]:
+        del out[group]
+    return out
+
 
 def observe(
-    tracker: StepTracker, views: Iterable[NodeView], now: float, history_steps: int
+    tracker: StepTracker,
+    views: Iterable[NodeView],
+    now: float,
+    history_steps: int,
+    groups_remembered: int = SchedulingConfig.groups_remembered,
 ) -> StepTracker:
     """Fold a round's reports into the tracker: a larger step counter starts a new step
-    (the finished one's completed lengths join the history); otherwise each node's
-    completed lengths of this step are its latest report."""
+    (the finished one's completed lengths join the history, and its groups' lengths are
+    remembered for their next occurrence); otherwise each node's completed lengths of
+    this step are its latest report."""
     vs = list(views)
     if not vs:
         return tracker
     step = max(v.step for v in vs)
     if tracker.step is None or step > tracker.step:
-        history = tracker.history
+        history, remembered = tracker.history, tracker.remembered
         done = tracker.completed_lengths
         if tracker.step is not None and done:
             history = (*history, done)[-history_steps:]
-        current = {v.node: v.completed for v in vs if v.step == step}
-        return StepTracker(step, now, current, history, None, 0.0, tracker.last_action_at)
+            remembered = remember(remembered, done, tracker.completed_group_list, groups_remembered)
+        return StepTracker(
+            step,
+            now,
+            {v.node: v.completed for v in vs if v.step == step},
+            history,
+            None,
+            0.0,
+            tracker.last_action_at,
+            {v.node: v.completed_groups for v in vs if v.step == step},
+            remembered,
+        )
     completed = dict(tracker.completed)
+    groups = dict(tracker.completed_groups)
     for v in vs:
         if v.step == step:
             completed[v.node] = v.completed
-    return replace(tracker, completed=completed)
+            groups[v.node] = v.completed_groups
+    return replace(tracker, completed=completed, completed_groups=groups)
 
 
 # -- the decision ------------------------------------------------------------------------
@@ -290,6 +382,8 @@ class Decision:
     mode: str  # replan, balance, wait (telemetry older than the last action), idle
     plan: ComputePlan | None
     why: str
+    groups: int = 0  # sample groups among the step's requests and completions
+    groups_with_prior: int = 0  # of them, met in an earlier step (their previous epoch)
 
 
 def decide(
@@ -309,14 +403,7 @@ def decide(
                 None,
                 f"waiting for telemetry newer than the last action from {', '.join(stale)}",
             )
-    running = [r.generated_tokens for r in snap.state.requests]
-    forecast = build_forecast(
-        tracker.history,  # the same tuples at every re-plan of a step: their summary is kept
-        list(tracker.completed_lengths),
-        running,
-        max_tokens=snap.max_tokens,
-        config=config.forecast,
-    )
+    forecast = forecast_for(tracker, snap, config)
     due = config.replan.due(
         step_started_at=tracker.started_at,
         predicted_step_s=tracker.predicted_step_s,
@@ -326,11 +413,43 @@ def decide(
     planner = config.planner
     if snap.max_num_seqs:  # the engines' own cap on an instance's batch
         planner = replace(planner, max_num_seqs=snap.max_num_seqs)
+    groups = step_groups(tracker, snap)
+    counts = (len(groups), sum(1 for g in groups if g in tracker.remembered))
     if due:
         plan = plan_compute(snap.state, forecast, perf, now, planner)
-        return Decision("replan", plan, "re-plan point of the step")
+        return Decision("replan", plan, "re-plan point of the step", *counts)
     plan = balance(snap.state, forecast, perf, now, planner)
-    return Decision("balance", plan, "between re-plan points")
+    return Decision("balance", plan, "between re-plan points", *counts)
+
+
+def forecast_for(tracker: StepTracker, snap: Snapshot, config: SchedulingConfig) -> LengthForecast:
+    """The length forecast of this step: past steps' lengths, this step's completed and
+    running requests, and with sample groups their siblings and earlier epochs."""
+    running = [r.generated_tokens for r in snap.state.requests]
+    running_groups = [r.group for r in snap.state.requests]
+    completed_groups = tracker.completed_group_list
+    remembered = tracker.remembered
+    here = step_groups(tracker, snap) if remembered else set()
+    prior = {g: remembered[g] for g in sorted(here) if g in remembered}
+    return build_forecast(
+        tracker.history,  # the same tuples at every re-plan of a step: their summary is kept
+        list(tracker.completed_lengths),
+        running,
+        max_tokens=snap.max_tokens,
+        config=config.forecast,
+        completed_groups=[g or None for g in completed_groups] if any(completed_groups) else (),
+        running_groups=running_groups if any(running_groups) else (),
+        # each group of this step met in an earlier step (its previous epoch), the prior
+        # estimated over this step's groups only, as the simulator does
+        group_prior=prior_log_scales(prior, config.forecast),
+    )
+
+
+def step_groups(tracker: StepTracker, snap: Snapshot) -> set[str]:
+    """The sample groups of this step's running, queued and completed requests."""
+    return {r.group for r in snap.state.requests if r.group} | {
+        g for g in tracker.completed_group_list if g
+    }
 
 
 def planned(tracker: StepTracker, decision: Decision, now: float) -> StepTracker:

@@ -425,6 +425,8 @@ def schedule_to_pb(v: ScheduleView) -> pb.GetScheduleResponse:
         acted=v.acted,
         step=v.step,
         skipped_nodes=v.skipped,
+        groups=v.groups,
+        groups_with_prior=v.groups_with_prior,
         actions=[
             pb.SchedulerAction(
                 timestamp=a.timestamp,

@@ -138,15 +138,17 @@ def _fill_engine(
         sample.has_progress = True
         sample.step = progress.step
         add = sample.requests.add  # in place: no copy per request (see telemetry_to_pb)
-        for request_id, instance, prompt_tokens, generated_tokens, max_tokens in progress.requests:
+        for request_id, instance, prompt_tokens, generated, max_tokens, group in progress.requests:
             add(
                 request_id=request_id,
                 instance=instance,
                 prompt_tokens=prompt_tokens,
-                generated_tokens=generated_tokens,
+                generated_tokens=generated,
                 max_tokens=max_tokens,
+                group=group,
             )
         sample.completed_lengths.extend(progress.completed_lengths)
+        sample.completed_groups.extend(progress.completed_groups)
 
 
 def engine_state_to_pb(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from orchestrrl import errors
+from orchestrrl.limits import MAX_ID_CHARS
 
 
 class EngineState(enum.Enum):
@@ -33,6 +34,21 @@ class EngineStats:
     step: int = 0  # the engine's generation-step counter (EngineProgress.step)
 
 
+MAX_GROUP_CHARS = MAX_ID_CHARS
+
+
+def check_group(value: object, field_name: str = "group") -> str:
+    """A request's sample group: a string of at most MAX_GROUP_CHARS characters ("" =
+    none). The RL framework names it (GRPO: the prompt, e.g. its dataset index); the
+    controller's length forecast groups siblings by it and remembers it across epochs."""
+    if not isinstance(value, str) or len(value) > MAX_GROUP_CHARS:
+        shown = value[: MAX_GROUP_CHARS + 1] + "..." if isinstance(value, str) else value
+        raise errors.field_error(
+            field_name, shown, f"a string of at most {MAX_GROUP_CHARS} characters"
+        )
+    return value
+
+
 class RequestProgress(NamedTuple):
     """One request of the current generation step (a named tuple: an engine builds one
     per request at every telemetry sample, so it must be cheap)."""
@@ -42,17 +58,20 @@ class RequestProgress(NamedTuple):
     prompt_tokens: int
     generated_tokens: int
     max_tokens: int  # the request's output cap; 0 = the engine's default
+    group: str = ""  # its sample group (GRPO: the prompt); "" = none
 
 
 @dataclass(frozen=True)
 class EngineProgress:
     """Where the current generation step stands (EngineSample.requests, .completed_lengths,
-    .step): every running and queued request, and the output lengths of the requests this
-    engine completed in the step, in completion order."""
+    .completed_groups, .step): every running and queued request, and the output lengths
+    of the requests this engine completed in the step, in completion order, with their
+    groups (empty when none had one)."""
 
     step: int
     requests: tuple[RequestProgress, ...] = ()
     completed_lengths: tuple[int, ...] = ()
+    completed_groups: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -83,6 +102,7 @@ class MigratingRequest:
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
     engine_state: bytes = b""  # engine-specific (sampling state; the simulator's length)
+    group: str = ""  # the request's sample group ("": none)
 
 
 @dataclass(frozen=True)

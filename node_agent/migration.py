@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from node_agent.engine import Destination, MigratingRequest, RolloutEngine
+from node_agent.engine import Destination, MigratingRequest, RolloutEngine, check_group
 from orchestrrl import errors
 from orchestrrl.logs import get_logger
 from orchestrrl.v1 import node_agent_pb2
@@ -171,6 +171,7 @@ def state_to_pb(m: MigratingRequest) -> node_agent_pb2.RequestState:
         prompt_token_ids=m.prompt_token_ids,
         output_token_ids=m.output_token_ids,
         engine_state=m.engine_state,
+        group=m.group,
     )
 
 
@@ -187,6 +188,7 @@ def state_from_pb(p: node_agent_pb2.RequestState) -> MigratingRequest:
         prompt_token_ids=tuple(p.prompt_token_ids),
         output_token_ids=tuple(p.output_token_ids),
         engine_state=p.engine_state,
+        group=check_group(p.group, "requests[].group"),
     )
 
 

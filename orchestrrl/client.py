@@ -172,6 +172,8 @@ class ScheduleView:
     prediction: dict[str, float]
     actions: list[dict[str, Any]]  # timestamp, kind, node, command_id, ok, message, ...
     skipped_nodes: list[str]
+    groups: int = 0  # sample groups among the step's requests (the length signal)
+    groups_with_prior: int = 0  # of them, met in an earlier step (their previous epoch)
 
 
 def _schedule(r: pb.GetScheduleResponse) -> ScheduleView:
@@ -186,6 +188,8 @@ def _schedule(r: pb.GetScheduleResponse) -> ScheduleView:
         acted=r.acted,
         step=r.step,
         requests=r.requests,
+        groups=r.groups,
+        groups_with_prior=r.groups_with_prior,
         layouts=[
             {"node": x.node, "before": list(x.before), "after": list(x.after)} for x in r.layouts
         ],

@@ -17,8 +17,13 @@ requests arrive continuously and the whole run is step 0; the completed lengths 
 are then the last ``max_completed_lengths``. With ``requests_per_step`` N > 0 the engine
 behaves like a rollout step of RL: N requests arrive at once, and when the last of them
 has finished the step counter advances, the completed lengths start afresh and the
-next N arrive. :meth:`SimulatedEngine.pause` (the reshard's pause stage) stops
-admissions and decoding until :meth:`SimulatedEngine.unpause`; arrivals still queue.
+next N arrive. With ``samples_per_prompt`` S > 1 a step's requests come in groups of S
+samples of one prompt, tagged with the prompt's group (``RequestProgress.group``): a
+prompt's difficulty, log-normal with sd ``prompt_sigma``, scales all its samples'
+lengths (GRPO's siblings), and a prompt keeps it at its next occurrence (the groups
+repeat every ``prompts_per_epoch`` prompts). :meth:`SimulatedEngine.pause` (the reshard's
+pause stage) stops admissions and decoding until :meth:`SimulatedEngine.unpause`;
+arrivals still queue.
 
 Resharding changes the layout and redistributes in-flight requests; it moves no weights
 and says so (``bytes_moved=0``).
@@ -76,7 +81,18 @@ class SimEngineConfig:
     allreduce_s_per_doubling: float = 0.0005
     max_catch_up_s: float = 60.0  # longer gaps are skipped rather than simulated step by step
     requests_per_step: int = 0  # 0: continuous Poisson arrivals; N: RL steps of N requests
+    samples_per_prompt: int = 1  # step mode: requests come in groups of this many samples
+    prompt_sigma: float = 0.0  # sd of a prompt's log difficulty (shared by its samples)
+    prompts_per_epoch: int = 0  # prompts before the groups repeat (0: never)
     max_completed_lengths: int = 4096  # completed lengths kept in continuous mode
+
+    def __post_init__(self) -> None:
+        if self.samples_per_prompt < 1:
+            raise errors.field_error("samples_per_prompt", self.samples_per_prompt, ">= 1")
+        if not 0.0 <= self.prompt_sigma <= 5.0:
+            raise errors.field_error("prompt_sigma", self.prompt_sigma, "in [0, 5]")
+        if self.prompts_per_epoch < 0:
+            raise errors.field_error("prompts_per_epoch", self.prompts_per_epoch, ">= 0")
 
 
 @dataclass(slots=True)  # slots: the decode loop touches every request at every step
@@ -85,6 +101,7 @@ class _Request:
     generated: float = 0.0
     id: str = ""
     prompt_tokens: int = 0
+    group: str = ""
 
 
 @dataclass
@@ -131,9 +148,12 @@ class SimulatedEngine:
         self._step_index = 0
         self._step_issued = False  # the current step's requests have arrived (step mode)
         cfg = self._config
-        self._completed: collections.deque[int] = collections.deque(
+        # (length, group) of the requests completed in the step
+        self._completed: collections.deque[tuple[int, str]] = collections.deque(
             maxlen=None if cfg.requests_per_step > 0 else cfg.max_completed_lengths
         )
+        self._next_prompt = 0
+        self._difficulty: dict[int, float] = {}  # prompt -> its log difficulty
         # CPU seconds (this thread's) spent stepping the simulation: the work a real engine
         # does in its own processes; the agent reports it apart (bench/agent_overhead.py).
         self.simulation_cpu_s = 0.0
@@ -186,14 +206,19 @@ class SimulatedEngine:
         self._advance()
         cap = self._config.max_output_tokens
         requests = [
-            RequestProgress(r.id, k, r.prompt_tokens, int(r.generated), cap)
+            RequestProgress(r.id, k, r.prompt_tokens, int(r.generated), cap, r.group)
             for k, instance in enumerate(self._instances)
             for r in instance.running
         ]
         requests += [
-            RequestProgress(r.id, -1, r.prompt_tokens, int(r.generated), cap) for r in self._queue
+            RequestProgress(r.id, -1, r.prompt_tokens, int(r.generated), cap, r.group)
+            for r in self._queue
         ]
-        return EngineProgress(self._step_index, tuple(requests), tuple(self._completed))
+        lengths = tuple(length for length, _ in self._completed)
+        groups = tuple(g for _, g in self._completed)
+        if not any(groups):
+            groups = ()
+        return EngineProgress(self._step_index, tuple(requests), lengths, groups)
 
     async def pause(self) -> None:
         self._advance()  # up to now at the old pace; from here on nothing decodes
@@ -335,12 +360,13 @@ class SimulatedEngine:
 
     # -- simulation ---------------------------------------------------------------------
 
-    def _new_request(self, output_tokens: int) -> _Request:
+    def _new_request(self, output_tokens: int, group: str = "") -> _Request:
         self._serial += 1
         return _Request(
             output_tokens,
             id=f"{self._prefix}-{self._serial}",
             prompt_tokens=self._config.prompt_tokens,
+            group=group,
         )
 
     def _migrating(self, r: _Request, instance: int, kv_bytes: int) -> MigratingRequest:
@@ -352,6 +378,7 @@ class SimulatedEngine:
             source_instance=instance,
             kv_bytes=kv_bytes,
             engine_state=json.dumps({"output_tokens": r.output_tokens}).encode(),
+            group=r.group,
         )
 
     def _from_migrating(self, m: MigratingRequest) -> _Request:
@@ -373,6 +400,7 @@ class SimulatedEngine:
             float(m.generated_tokens),
             m.request_id,
             m.prompt_tokens,
+            m.group,
         )
 
     def _refuse_while_resharding(self, what: str) -> None:
@@ -409,9 +437,10 @@ class SimulatedEngine:
         rate = self._config.arrival_rate_per_gpu * self._gpus
         return self._rng.expovariate(rate) if rate > 0 else math.inf
 
-    def _draw_output_tokens(self) -> int:
+    def _draw_output_tokens(self, log_scale: float = 0.0) -> int:
         cfg = self._config
-        length = self._rng.lognormvariate(math.log(cfg.output_median_tokens), cfg.output_sigma)
+        mu = math.log(cfg.output_median_tokens) + log_scale
+        length = self._rng.lognormvariate(mu, cfg.output_sigma)
         return max(1, min(cfg.max_output_tokens, round(length)))
 
     def _footprint(self, request: _Request) -> float:
@@ -480,8 +509,23 @@ class SimulatedEngine:
             self._step_index += 1
             self._completed.clear()
         self._step_issued = True
-        for _ in range(self._config.requests_per_step):
-            self._queue.append(self._new_request(self._draw_output_tokens()))
+        cfg = self._config
+        if cfg.samples_per_prompt <= 1:
+            for _ in range(cfg.requests_per_step):
+                self._queue.append(self._new_request(self._draw_output_tokens()))
+            return
+        prompt, scale = 0, 0.0
+        for i in range(cfg.requests_per_step):
+            if i % cfg.samples_per_prompt == 0:
+                prompt = self._next_prompt
+                self._next_prompt += 1
+                if cfg.prompts_per_epoch:
+                    prompt %= cfg.prompts_per_epoch
+                if prompt not in self._difficulty:
+                    self._difficulty[prompt] = self._rng.gauss(0.0, cfg.prompt_sigma)
+                scale = self._difficulty[prompt]
+            group = f"{self._prefix}-p{prompt}"
+            self._queue.append(self._new_request(self._draw_output_tokens(scale), group))
 
     def _admit(self) -> None:
         while self._queue:
@@ -504,7 +548,7 @@ class SimulatedEngine:
                 keep(request)
                 used += request.prompt_tokens + generated
             else:
-                self._completed.append(request.output_tokens)
+                self._completed.append((request.output_tokens, request.group))
         instance.running = still
         instance.kv_used_tokens = used
         while instance.running and instance.kv_used_tokens > instance.kv_capacity_tokens:

@@ -45,6 +45,7 @@ from node_agent.engine import (
     RequestProgress,
     ReshardResult,
     StageTiming,
+    check_group,
     validate_layout,
 )
 from node_agent.engines.base import (
@@ -192,6 +193,7 @@ class GatewayEngine:
         self.weight_version = self.config.weight_version
         self._step = 0
         self._completed: list[int] = []
+        self._completed_groups: list[str] = []  # parallel to _completed
         self._idle = True
         self._tokens_total = 0
         self._rate_marks: collections.deque[tuple[float, int]] = collections.deque()
@@ -291,11 +293,12 @@ class GatewayEngine:
 
     def progress(self) -> EngineProgress:
         rows = [
-            RequestProgress(r.id, r.instance, len(r.prompt), len(r.output), r.max_tokens)
+            RequestProgress(r.id, r.instance, len(r.prompt), len(r.output), r.max_tokens, r.group)
             for r in self._requests.values()
             if r.where is Where.RUNNING or r.where is Where.QUEUED
         ]
-        return EngineProgress(self._step, tuple(rows), tuple(self._completed))
+        groups = tuple(self._completed_groups) if any(self._completed_groups) else ()
+        return EngineProgress(self._step, tuple(rows), tuple(self._completed), groups)
 
     def request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -330,14 +333,17 @@ class GatewayEngine:
         max_tokens: int,
         sampling: Sampling,
         request_id: str | None = None,
+        group: str = "",
     ) -> Request:
-        """Queue a client's request; InvalidArgument / FailedPrecondition (queue full)."""
+        """Queue a client's request; InvalidArgument / FailedPrecondition (queue full).
+        ``group``: its sample group (GRPO: the prompt), see ``check_group``."""
         self._refuse_closed()
         if not prompt:
             raise errors.field_error("prompt", [], "at least one token id")
         if max_tokens < 1:
             raise errors.field_error("max_tokens", max_tokens, "an integer >= 1")
         sampling.check()
+        check_group(group)
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
         if rid in self._requests:
             raise errors.field_error("request_id", rid, "an id no request in flight here has")
@@ -347,7 +353,7 @@ class GatewayEngine:
                 f"the gateway queue is full ({queued} requests waiting, "
                 f"max_queue {self.config.max_queue}); retry later"
             )
-        req = self._new(rid, tuple(prompt), max_tokens, sampling)
+        req = self._new(rid, tuple(prompt), max_tokens, sampling, group=group)
         self._enqueue(req)
         self._dispatch()  # seated now when there is room (the queue counts only waiters)
         return req
@@ -470,6 +476,7 @@ class GatewayEngine:
                     prompt_token_ids=req.prompt,
                     output_token_ids=tuple(req.output),
                     engine_state=req.engine_state(),
+                    group=req.group,
                 )
             )
         self._maybe_idle()
@@ -541,6 +548,7 @@ class GatewayEngine:
                     parsed.sampling,
                     origin=False,
                     source_node=parsed.hops[-1] if parsed.hops else "",
+                    group=m.group,
                 )
             req.output[:] = m.output_token_ids
             req.versions[:] = parsed.versions
@@ -721,6 +729,7 @@ class GatewayEngine:
         *,
         origin: bool = True,
         source_node: str = "",
+        group: str = "",
     ) -> Request:
         self._seq += 1
         req = Request(
@@ -732,6 +741,7 @@ class GatewayEngine:
             self._clock(),
             origin=origin,
             source_node=source_node,
+            group=group,
             hops=[self.node],
         )
         self._requests[rid] = req
@@ -757,6 +767,7 @@ class GatewayEngine:
             if self._completed:
                 self._step += 1
                 self._completed = []
+                self._completed_groups = []
 
     def _maybe_idle(self) -> None:
         if not any(r.where in (Where.QUEUED, Where.RUNNING) for r in self._requests.values()):
@@ -861,6 +872,7 @@ class GatewayEngine:
     def _finish(self, req: Request, finish: FinishReason) -> None:
         req.end(Where.FINISHED, finish)
         self._completed.append(len(req.output))
+        self._completed_groups.append(req.group)
         self._maybe_idle()
         if not req.origin and not self._followers[req.id]:
             self._unfollowed.setdefault(req.id, self._clock())

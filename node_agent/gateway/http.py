@@ -30,6 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
+from node_agent.engine import MAX_GROUP_CHARS, check_group
 from node_agent.engines.base import Sampling
 from node_agent.gateway.engine import GatewayEngine, QueueFull
 from node_agent.gateway.requests import Request, RequestFailed
@@ -73,6 +74,7 @@ _FIELDS = frozenset(
         "ignore_eos",
         "request_id",
         "return_token_ids",
+        "group",
         *_IGNORED_DEFAULTS,
     }
 )
@@ -111,6 +113,7 @@ class Completion:
     stream: bool
     include_usage: bool
     request_id: str | None
+    group: str = ""  # the request's sample group (GRPO: its prompt), see check_group
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,16 @@ def parse_completion(
     if rid is not None and (not isinstance(rid, str) or not REQUEST_ID_RE.match(rid)):
         raise bad("request_id", rid, "1-128 characters of A-Z a-z 0-9 . _ : -")
     _bool(body, "return_token_ids", True)
+    group = body.get("group", "")
+    try:
+        check_group(group)
+    except errors.InvalidArgument:
+        raise bad(
+            "group",
+            group,
+            f"a string of at most {MAX_GROUP_CHARS} characters (the sample "
+            "group, e.g. the prompt's dataset index)",
+        ) from None
     return Completion(
         prompt,
         max_tokens,
@@ -228,6 +241,7 @@ def parse_completion(
         _bool(body, "stream", False),
         bool((options or {}).get("include_usage", False)),
         rid,
+        group,
     )
 
 
@@ -312,7 +326,7 @@ class GatewayServer:
     def _submit(self, params: Completion) -> Request:
         try:
             return self.engine.submit(
-                params.prompt, params.max_tokens, params.sampling, params.request_id
+                params.prompt, params.max_tokens, params.sampling, params.request_id, params.group
             )
         except QueueFull as exc:
             raise HttpError(429, "rate_limit_error", str(exc)) from None

@@ -53,6 +53,7 @@ class Request:
     created: float
     origin: bool = True  # a client of this gateway submitted it (else: imported)
     source_node: str = ""  # imported: the node that exported it here (its follower)
+    group: str = ""  # its sample group (GRPO: the prompt); "" = none
     output: list[int] = field(default_factory=list)
     versions: list[tuple[int, str]] = field(default_factory=list)  # (first index, version)
     where: Where = Where.QUEUED

@@ -355,3 +355,37 @@ async def test_get_schedule_says_when_the_loop_is_off(cluster: Cluster) -> None:
         s = await client.schedule()
     assert s.enabled and s.interval_s == 0.1 and s.planned_at == 0.0
     assert "no plan yet" in s.explanation
+
+
+async def test_the_plan_reports_the_sample_groups_of_the_step(cluster: Cluster) -> None:
+    """Requests tagged with their sample group (GRPO: the prompt) carry it through the
+    agent's telemetry to the controller's forecast; GetSchedule says what it used."""
+    c = cluster
+    agent = c.agents["gen0-n0"]
+    for k in range(4):
+        request = long_request(f"grouped-{k}", k)
+        request.group = f"prompt-{k % 2}"
+        await agent.stub.ImportRequests(
+            pb.ImportRequestsRequest(
+                command_id=f"grouped-{k}",
+                instance=k,
+                method=pb.MIGRATION_METHOD_KV,
+                requests=[request],
+            ),
+            timeout=5.0,
+        )
+    await until("both agents report telemetry", lambda: registered(c))
+    await until(
+        "the controller sees the groups",
+        lambda: any(
+            {r.group for r in rec.telemetry.engine.requests} == {"prompt-0", "prompt-1"}
+            for rec in c.fabric.controller.registry.records()
+            if rec.telemetry is not None
+        ),
+    )
+    decision = await c.scheduler.round()
+    assert (decision.groups, decision.groups_with_prior) == (2, 0)
+    async with AsyncClient(c.controller_address, timeout_s=5.0) as client:
+        s = await client.schedule()
+    assert (s.groups, s.groups_with_prior) == (2, 0)
+    assert "length signal: 2 sample groups, 0 of them met in an earlier step" in s.explanation

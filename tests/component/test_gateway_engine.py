@@ -141,6 +141,26 @@ async def test_a_new_step_starts_when_requests_arrive_at_an_idle_node(cluster: C
     assert node.engine.progress().completed_lengths == (4,)
 
 
+async def test_a_requests_group_is_reported_and_moves_with_it(cluster: Cluster) -> None:
+    """The sample group the RL framework names (GRPO: the prompt) is in the progress the
+    controller plans with, survives a migration, and is listed with the completion."""
+    a = await cluster.add("a", (1, 1))
+    b = await cluster.add("b", (2,))
+    req = a.engine.submit(prompt(0), 30, GREEDY, group="prompt-41")
+    plain = a.engine.submit(prompt(1), 5, GREEDY)
+    reader = asyncio.create_task(read_all(req))
+    await read_all(plain)
+    assert {p.request_id: p.group for p in a.engine.progress().requests} == {req.id: "prompt-41"}
+    assert a.engine.progress().completed_groups == ()  # none of its completions has a group
+    await eventually(lambda: len(req.output) >= 3)
+    await migrate(a, b, [req.id])
+    assert await reader == greedy(prompt(0), 30)
+    assert b.engine.progress().completed_lengths == (30,)
+    assert b.engine.progress().completed_groups == ("prompt-41",)
+    with pytest.raises(errors.InvalidArgument, match="group"):
+        a.engine.submit(prompt(0), 3, GREEDY, group="g" * 129)
+
+
 async def migrate(
     src: Node, dst: Node, ids: list[str], instance: int = 0, recompute: bool = True
 ) -> tuple[str, ...]:

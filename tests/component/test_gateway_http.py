@@ -149,6 +149,8 @@ async def test_a_whole_answer(gw: Gateway) -> None:
         ({"prompt": PROMPT, "stream": "yes"}, 400, "stream", "true or false"),
         ({"prompt": PROMPT, "request_id": "a b"}, 400, "request_id", "1-128 characters"),
         ({"prompt": PROMPT, "model": "other"}, 404, "model", "not served"),
+        ({"prompt": PROMPT, "group": 7}, 400, "group", "at most 128 characters"),
+        ({"prompt": PROMPT, "group": "p" * 129}, 400, "group", "at most 128 characters"),
     ],
 )
 async def test_bad_requests_get_an_openai_error_and_touch_nothing_else(

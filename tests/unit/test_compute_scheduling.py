@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -10,6 +11,7 @@ from fabric_controller import scheduling as s
 from orchestrrl import errors
 from orchestrrl.v1 import node_agent_pb2 as pb
 from scheduler.compute_state import MoveMethod, apply_plan, canonical_instances
+from scheduler.forecast import PriorLengths
 from scheduler.perf_model import H800, QWEN25_14B, PerfModel
 
 pytestmark = pytest.mark.unit
@@ -30,6 +32,8 @@ def sample(
     completed: tuple[int, ...] = (),
     timestamp: float = 100.0,
     has_progress: bool = True,
+    groups: dict[str, str] | None = None,  # request id -> its group
+    completed_groups: tuple[str, ...] = (),
 ) -> pb.TelemetrySample:
     return pb.TelemetrySample(
         node="x",
@@ -44,10 +48,12 @@ def sample(
                     prompt_tokens=512,
                     generated_tokens=gen,
                     max_tokens=16384,
+                    group=(groups or {}).get(rid, ""),
                 )
                 for rid, inst, gen in requests
             ],
             completed_lengths=completed,
+            completed_groups=completed_groups,
             step=step,
             has_progress=has_progress,
         ),
@@ -323,3 +329,83 @@ def test_requests_moved_a_moment_ago_stay_where_they_are() -> None:
     assert moved
     _, again = s.commands_for(d.plan, snap, "t", 64, settled=frozenset(moved))
     assert again == ()
+
+
+def test_node_view_reads_the_groups_of_requests_and_completions() -> None:
+    v = view(
+        "g0",
+        requests=[("r0", 0, 10), ("r1", -1, 0)],
+        groups={"r0": "prompt-7"},
+        completed=(5, 9),
+        completed_groups=("prompt-7", ""),
+    )
+    assert [p.group for p in v.requests] == ["prompt-7", ""]
+    assert v.completed_groups == ("prompt-7", "")
+    snap = s.build_state([v])
+    assert {r.id: r.group for r in snap.state.requests} == {"r0": "prompt-7", "r1": None}
+
+
+@pytest.mark.parametrize(
+    ("kw", "why"),
+    [
+        ({"completed": (5, 9), "completed_groups": ("a",)}, "1 completed_groups for 2"),
+        ({"completed": (5,), "completed_groups": ("x" * 129,)}, "longer than 128"),
+        ({"requests": [("r0", 0, 1)], "groups": {"r0": "x" * 129}}, "group of 129 characters"),
+    ],
+)
+def test_node_view_leaves_out_a_node_with_malformed_groups(kw: dict[str, object], why: str) -> None:
+    got = s.node_view("g0", 8, sample(**kw))  # type: ignore[arg-type]
+    assert isinstance(got, str) and why in got
+
+
+def test_a_finished_steps_groups_are_remembered_for_their_next_epoch() -> None:
+    t = s.StepTracker()
+    a = view("g0", step=1, completed=(100, 300, 1000), completed_groups=("p1", "p1", "p2"))
+    b = view("g1", step=1, completed=(50,))  # reports no groups
+    t = s.observe(t, [a, b], 10.0, 8)
+    assert t.completed_group_list == ("p1", "p1", "p2", "")
+    t = s.observe(t, [view("g0", step=2), view("g1", step=2)], 20.0, 8)
+    mean = (math.log(100) + math.log(300) + math.log(1000) + math.log(50)) / 4
+    assert dict(t.remembered) == {
+        "p1": PriorLengths((100, 300), mean),
+        "p2": PriorLengths((1000,), mean),
+    }
+    # p1 again: its newest occurrence replaces the old and is the last to be forgotten
+    c = view("g0", step=2, completed=(7, 8), completed_groups=("p3", "p1"))
+    t = s.observe(t, [c], 30.0, 8, groups_remembered=2)
+    t = s.observe(t, [view("g0", step=3)], 40.0, 8, groups_remembered=2)
+    assert list(t.remembered) == ["p3", "p1"]
+    assert t.remembered["p1"].lengths == (8,)
+
+
+def test_remember_keeps_nothing_when_told_to_remember_no_group() -> None:
+    assert s.remember({}, (5, 6), ("a", "b"), 0) == {}
+    with pytest.raises(errors.InvalidArgument, match="groups_remembered"):
+        s.SchedulingConfig(groups_remembered=-1)
+
+
+def test_the_loops_forecast_uses_siblings_and_the_previous_epoch() -> None:
+    """Two prompts: p-long's finished siblings ran long, p-short's short; the forecast
+    the controller plans with scales each group's running samples accordingly. The
+    earlier epoch alone (no sibling finished yet) does the same."""
+    running = [(f"l{i}", i % 4, 50) for i in range(4)] + [(f"s{i}", i % 4, 50) for i in range(4)]
+    groups = {rid: ("p-long" if rid[0] == "l" else "p-short") for rid, _, _ in running}
+    siblings = view(
+        "g0",
+        requests=running,
+        groups=groups,
+        completed=(4000, 5000, 6000, 200, 250, 300),
+        completed_groups=("p-long",) * 3 + ("p-short",) * 3,
+    )
+    t = s.observe(s.StepTracker(history=HISTORY), [siblings], 50.0, 8)
+    fc = s.forecast_for(t, s.build_state([siblings]), s.SchedulingConfig())
+    assert fc.group_log_scale["p-long"] > 0.5 > -0.5 > fc.group_log_scale["p-short"]
+
+    # next epoch: the same prompts again, nothing finished yet in this step
+    t = s.observe(t, [view("g0", step=2, requests=running, groups=groups)], 60.0, 8)
+    fresh = view("g0", step=2, requests=running, groups=groups)
+    fc = s.forecast_for(t, s.build_state([fresh]), s.SchedulingConfig())
+    assert fc.group_log_scale["p-long"] > 0 > fc.group_log_scale["p-short"]
+    # without groups the forecast has no group scales
+    plain = view("g0", step=2, requests=running)
+    assert not s.forecast_for(t, s.build_state([plain]), s.SchedulingConfig()).group_log_scale

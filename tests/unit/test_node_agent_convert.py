@@ -114,18 +114,20 @@ def test_engine_progress_fields() -> None:
     progress = EngineProgress(
         step=6,
         requests=(
-            RequestProgress("a-1", 0, 512, 100, 16384),
+            RequestProgress("a-1", 0, 512, 100, 16384, "prompt-3"),
             RequestProgress("a-2", -1, 256, 0, 0),
         ),
         completed_lengths=(900, 37),
+        completed_groups=("prompt-3", ""),
     )
     engine = convert.telemetry_to_pb(telemetry(progress)).engine
     assert engine.has_progress and engine.step == 6
     assert [
-        (r.request_id, r.instance, r.prompt_tokens, r.generated_tokens, r.max_tokens)
+        (r.request_id, r.instance, r.prompt_tokens, r.generated_tokens, r.max_tokens, r.group)
         for r in engine.requests
-    ] == [("a-1", 0, 512, 100, 16384), ("a-2", -1, 256, 0, 0)]
+    ] == [("a-1", 0, 512, 100, 16384, "prompt-3"), ("a-2", -1, 256, 0, 0, "")]
     assert list(engine.completed_lengths) == [900, 37]
+    assert list(engine.completed_groups) == ["prompt-3", ""]
     assert (engine.queued_requests, engine.running_requests, engine.tokens_per_s) == (2, 3, 100)
 
 

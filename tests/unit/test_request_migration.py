@@ -8,7 +8,7 @@ import json
 import pytest
 
 from node_agent.engine import MigratingRequest
-from node_agent.migration import Exports, check_hold, recompute_from_pb
+from node_agent.migration import Exports, check_hold, recompute_from_pb, state_from_pb, state_to_pb
 from orchestrrl import errors
 from orchestrrl.v1 import node_agent_pb2 as pb
 from sim_backends.engine import SimEngineConfig, SimulatedEngine
@@ -125,3 +125,11 @@ def test_bad_export_and_import_input_names_the_field() -> None:
     with pytest.raises(errors.InvalidArgument, match="method"):
         recompute_from_pb(pb.MIGRATION_METHOD_UNSPECIFIED)
     assert recompute_from_pb(pb.MIGRATION_METHOD_RECOMPUTE) is True
+
+
+def test_a_requests_group_crosses_the_wire_and_is_bounded() -> None:
+    moving = MigratingRequest("r1", 5, 3, 100, 0, 0, group="prompt-12")
+    assert state_from_pb(state_to_pb(moving)) == moving
+    too_long = state_to_pb(MigratingRequest("r1", 5, 3, 100, 0, 0, group="g" * 129))
+    with pytest.raises(errors.InvalidArgument, match=r"requests\[\]\.group"):
+        state_from_pb(too_long)

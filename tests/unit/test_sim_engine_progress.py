@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from orchestrrl import errors
 from sim_backends.engine import SimEngineConfig, SimulatedEngine
 from tests.helpers import FakeClock
 
@@ -81,3 +82,37 @@ async def test_pause_stops_generation_and_unpause_resumes_it() -> None:
     resumed = {r.request_id: r.generated_tokens for r in e.progress().requests}
     assert not e.paused and e.stats().tokens_per_s > 0
     assert any(resumed.get(i, 1 << 30) > r.generated_tokens for i, r in running.items())
+
+
+def test_grouped_steps_tag_siblings_and_repeat_prompts_each_epoch() -> None:
+    clock = FakeClock()
+    e = engine(
+        clock,
+        requests_per_step=12,
+        samples_per_prompt=4,
+        prompt_sigma=1.0,
+        prompts_per_epoch=3,
+        output_median_tokens=64.0,
+        output_sigma=0.3,
+    )
+    clock.now = 0.1
+    first = e.progress()
+    groups = [r.group for r in first.requests]
+    assert sorted(set(groups)) == ["n0-p0", "n0-p1", "n0-p2"]
+    assert all(groups.count(g) == 4 for g in set(groups))
+    clock.now = 120.0  # several steps: the same three prompts every step (one epoch each)
+    later = e.progress()
+    assert later.step >= 2
+    seen = set(later.completed_groups) | {r.group for r in later.requests}
+    assert seen <= {"n0-p0", "n0-p1", "n0-p2"}
+    assert len(later.completed_groups) == len(later.completed_lengths)
+
+
+def test_grouped_settings_are_validated() -> None:
+    for name, value in (
+        ("samples_per_prompt", 0),
+        ("prompt_sigma", -1.0),
+        ("prompts_per_epoch", -1),
+    ):
+        with pytest.raises(errors.InvalidArgument, match=name):
+            SimEngineConfig(**{name: value})  # type: ignore[arg-type]
