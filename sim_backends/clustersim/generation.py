@@ -591,11 +591,17 @@ class GenerationSim:
                 self.global_queue.append(r)
                 continue
             r.inst = dst
+            fits = len(dst.running) < self._seq_cap(dst.tp) and (
+                not dst.running or dst.ctx_sum + r.prompt + r.generated <= dst.cap
+            )
             if had_kv[rid]:
                 cost = stall.get(rid, 0.0)
                 if cost > 0:
                     dst.busy_until = max(dst.busy_until, dst.clock, now) + cost
-                self._start(dst, r)
+                if fits:
+                    self._start(dst, r)
+                else:  # no seat or no KV room: it waits first in line, recomputed when
+                    dst.queue.appendleft(r)  # admitted (as an engine preempts it)
             else:
                 dst.queue.append(r)
         # queues run in the plan's order (predicted longest first; the oracle's

@@ -195,3 +195,35 @@ def test_the_planners_step_forecast_is_not_the_median_requests() -> None:
     first_at, first_rest = res.predicted[0]
     assert first_at == 0.0
     assert first_rest >= 0.6 * res.seconds, (first_rest, res.seconds)
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "oracle"])
+def test_moved_requests_never_exceed_an_instances_seats_or_kv_cache(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request moved with its KV cache onto an instance without a free seat (or KV room)
+    waits first in line there and is recomputed when admitted, as an engine would: the
+    running batch never exceeds ``max_num_seqs`` nor the KV cache."""
+    from sim_backends.clustersim.generation import GenerationSim
+
+    tight = replace(
+        PERF,
+        efficiency=replace(PERF.efficiency, max_num_seqs_by_tp=((1, 4), (2, 6), (4, 8), (8, 10))),
+    )
+    start = GenerationSim._start
+    seen = {"starts": 0}
+
+    def checked(self: GenerationSim, s: object, r: object) -> None:
+        start(self, s, r)  # type: ignore[arg-type]
+        seen["starts"] += 1
+        assert len(s.running) <= self._seq_cap(s.tp)  # type: ignore[attr-defined]
+        assert len(s.running) == 1 or s.ctx_sum <= s.cap  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(GenerationSim, "_start", checked)
+    nodes = gen_node_names(3)
+    reqs = step_workload(WL, 5, 1).requests
+    res = simulate_step(
+        tight, reqs, uniform_layout(nodes, 8, 2), policy=policy, replan_interval_s=2.0,
+        max_response_tokens=WL.max_response_tokens,
+    )  # fmt: skip
+    assert len(res.completions) == len(reqs) and seen["starts"] >= len(reqs)
