@@ -9,8 +9,7 @@ the same N host routes (default 10,000) with K next hops each (default: K = 1, t
   ``node_agent.routes.request_from_pb`` (validation, RouteSpecs) and
   ``HostRoutes.apply`` (open the adapter, check devices and conflicts, write in batches,
   read back and verify, policy rules), exactly what the ``ApplyRoutes`` RPC runs before
-  it builds its response. Building the response is timed too and shown on its own (it
-  includes building the RouteSpecs of the read-back, which verification does without).
+  it builds its response. Building the response is timed too and shown on its own.
   Delete = an ApplyRoutes with no routes and ``prune``.
 - ip -batch: one ``ip`` process writing the same routes (``route add``/``route del``,
   protocol 77); it only writes.

@@ -63,15 +63,13 @@ from collections.abc import (
     Container,
     Iterable,
     Iterator,
-    Mapping,
     Sequence,
 )
-from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import accumulate, chain, groupby, repeat
 from types import TracebackType
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 from pyroute2 import IPRoute, NetlinkError
 from pyroute2.netns import setns
@@ -80,11 +78,9 @@ from orchestrrl import errors, rtnl
 from orchestrrl.logs import get_logger
 from orchestrrl.routing import (
     KernelHop,
-    NextHop,
     RouteChange,
     RouteDiff,
     RouteKey,
-    RouteOrder,
     RouteSpec,
     RuleChange,
     RuleSpec,
@@ -96,8 +92,6 @@ from orchestrrl.routing import (
     foreign_conflicts,
     index_routes,
     kernel_routes,
-    route_sort_key,
-    same_nexthops,
     unknown_devices,
 )
 
@@ -134,7 +128,7 @@ class RoutePlan:
 
     want: dict[RouteKey, RouteSpec]  # the desired routes by key
     prune: bool
-    observed: AbstractSet[RouteSpec]  # OrchestrRL's routes when the plan was made
+    observed: tuple[RouteSpec, ...]  # OrchestrRL's routes when the plan was made
     diff: RouteDiff
     links: dict[str, LinkInfo]
     names: dict[int, str]  # ifindex -> link name
@@ -540,89 +534,8 @@ class _RouteSocket:
 _DST_AT = 24  # offset of the destination address in an RTM_NEWROUTE body laid out as
 # rtmsg (12 bytes), RTA_TABLE (8), RTA_DST (4 + address): how the kernel writes them
 _DST_END: dict[int, int] = {socket.AF_INET: _DST_AT + 4, socket.AF_INET6: _DST_AT + 16}
-
-
-class _Shape(NamedTuple):
-    """What the routes of one body shape (see _OwnedReader) share: all but the address."""
-
-    family: int  # socket.AF_INET or AF_INET6
-    version: int  # 4 or 6
-    suffix: str  # "/length"
-    length: int
-    table: int
-    metric: int
-    nexthops: tuple[NextHop, ...]  # as RouteSpec holds them (sorted, interned)
-    make: Callable[[str, bytes, int], RouteSpec]  # (destination, packed, length) -> route
-
-    def route(self, packed: bytes) -> RouteSpec:
-        return self.make(socket.inet_ntop(self.family, packed) + self.suffix, packed, self.length)
-
-
-# heads, addresses, tails of a datagram's messages; message length; end of the address
-_Split = tuple[tuple[bytes, ...], tuple[bytes, ...], tuple[bytes, ...], int, int]
-
-
-class _Group(NamedTuple):
-    """Routes of one shape read in one datagram, kept as their packed addresses."""
-
-    shape: _Shape
-    addresses: tuple[bytes, ...]
-
-
-class _ReadBack(AbstractSet[RouteSpec]):
-    """OrchestrRL's routes as a dump showed them, as a set of RouteSpecs built only when
-    they are looked at: verifying an ensure against the desired routes (:meth:`matches`)
-    needs only the addresses and the shapes, and a read-back has tens of thousands."""
-
-    def __init__(self, items: Iterable[RouteSpec | _Group]) -> None:
-        self._groups: list[_Group] = []
-        self._single: list[RouteSpec] = []
-        for item in items:
-            (self._groups if isinstance(item, _Group) else self._single).append(item)  # type: ignore[arg-type]
-
-    @functools.cached_property
-    def _routes(self) -> frozenset[RouteSpec]:
-        with collector_paused():
-            built = [shape.route(a) for shape, addresses in self._groups for a in addresses]
-            return frozenset(built + self._single)
-
-    def __len__(self) -> int:
-        return len(self._routes)
-
-    def __iter__(self) -> Iterator[RouteSpec]:
-        return iter(self._routes)
-
-    def __contains__(self, route: object) -> bool:
-        return route in self._routes
-
-    def matches(self, want: Mapping[RouteOrder, RouteSpec], prune: bool) -> bool | None:
-        """Whether the kernel shows ``want`` (desired routes by ``order``), and with
-        ``prune`` nothing else: what an empty :func:`diff_indexed` says, without building
-        the routes. None when routes were read one by one: ask the RouteSpecs."""
-        if self._single:
-            return None
-        found = 0
-        # addresses shown per (version, table, length, metric): a key shown twice (under
-        # two shapes) is not two desired routes
-        seen: dict[tuple[int, int, int, int], set[bytes]] = {}
-        for (_, version, _, length, table, metric, have, _), addresses in self._groups:
-            # the keys are made and looked up in C (zip reuses its tuple)
-            keys = zip(repeat(version), repeat(table), addresses, repeat(length), repeat(metric))
-            wanted = list(map(want.get, keys))
-            if None in wanted:
-                if prune:
-                    return False
-                pairs = [(a, w) for a, w in zip(addresses, wanted, strict=True) if w is not None]
-                addresses, wanted = tuple(a for a, _ in pairs), [w for _, w in pairs]
-            seen.setdefault((version, table, length, metric), set()).update(addresses)
-            found += len(wanted)
-            hop_sets = list(map(_nexthops_of, wanted))
-            distinct = dict(zip(map(id, hop_sets), hop_sets, strict=True)).values()
-            if not all(same_nexthops(have, hops) for hops in distinct):
-                return False
-        return found == sum(map(len, seen.values())) == len(want)
-
-
+# family, "/length", length, maker of RouteSpecs (see _OwnedReader)
+_Shape = tuple[int, str, int, Callable[[str, bytes, int], RouteSpec]]
 _LAYOUT = struct.Struct("=HHIHH")  # RTA_TABLE (len, type, u32), RTA_DST (len, type)
 
 
@@ -653,40 +566,15 @@ class _OwnedReader:
             return None
         if shape is _UNKNOWN:
             return self._first(chunk, start, end, dst_end, key)
-        return shape.route(chunk[_DST_AT + start : dst_end])
+        family, suffix, length, make = shape
+        packed = chunk[_DST_AT + start : dst_end]
+        return make(socket.inet_ntop(family, packed) + suffix, packed, length)
 
     def bulk(self, chunk: bytes, seq: int) -> list[RouteSpec] | None:
         """The routes of a whole datagram (for :meth:`_RouteSocket.dump`), when it holds
         only RTM_NEWROUTE messages of dump ``seq``, uninterrupted, all of one length and
         family with the usual layout (the bulk of a dump): the messages are cut apart in
         C (``struct.iter_unpack``). None otherwise: read them one by one."""
-        split = self._split(chunk, seq)
-        return None if split is None else self._routes_of(chunk, split)
-
-    def groups(self, chunk: bytes, seq: int) -> list[RouteSpec | _Group] | None:
-        """As :meth:`bulk`, but a datagram whose routes all have one shape (the usual
-        case) is one :class:`_Group` of their addresses, for :class:`_ReadBack`."""
-        split = self._split(chunk, seq)
-        if split is None:
-            return None
-        heads, addresses, tails, length, dst_end = split
-        if len(set(heads)) == 1 and len(set(tails)) == 1:
-            key = heads[0] + tails[0]
-            shape = self._shapes.get(key, _UNKNOWN)
-            if shape is _UNKNOWN:  # decode the first in full: remembers the shape if usual
-                start = rtnl.NLMSGHDR.size
-                self._first(chunk, start, length, start + dst_end, key)
-                shape = self._shapes.get(key, _UNKNOWN)
-            if shape is None:
-                return []
-            if shape is not _UNKNOWN:
-                return [_Group(shape, addresses)]
-        routes: list[RouteSpec | _Group] = [*self._routes_of(chunk, split)]
-        return routes
-
-    def _split(self, chunk: bytes, seq: int) -> _Split | None:
-        """The heads, addresses and tails of a datagram :meth:`bulk` can read, with the
-        message length and the end of the address in the body."""
         size = len(chunk)
         if size < rtnl.NLMSGHDR.size + _DST_AT:
             return None
@@ -709,10 +597,6 @@ class _OwnedReader:
             or any(f & rtnl.NLM_F_DUMP_INTR for f in set(flags))
         ):
             return None
-        return heads, addresses, tails, length, dst_end
-
-    def _routes_of(self, chunk: bytes, split: _Split) -> list[RouteSpec]:
-        heads, addresses, tails, length, dst_end = split
         found: list[RouteSpec] = []
         add, shapes, ntop = found.append, self._shapes, socket.inet_ntop
         last_head = last_tail = b""
@@ -734,7 +618,7 @@ class _OwnedReader:
                     if route is not None:
                         add(route)
                 else:
-                    family, _, suffix, prefix_length, _, _, _, make = shape
+                    family, suffix, prefix_length, make = shape
                     add(make(ntop(family, packed) + suffix, packed, prefix_length))
             start += length
         return found
@@ -764,36 +648,16 @@ class _OwnedReader:
         make = kernel_routes(wire.version, hops, wire.table, wire.metric)
         address, _, length_text = wire.destination.partition("/")
         family, length = rtnl.AF_OF[wire.version], int(length_text)
-        route = make(wire.destination, socket.inet_pton(family, address), length)
         if usual:
-            self._shapes[key] = _Shape(
-                family,
-                wire.version,
-                f"/{length}",
-                length,
-                wire.table,
-                wire.metric,
-                route.nexthops,
-                make,
-            )
-        return route
-
-
-_nexthops_of = operator.attrgetter("nexthops")
-
-
-def _by_order(routes: Mapping[RouteKey, RouteSpec]) -> dict[RouteOrder, RouteSpec]:
-    """Routes by ``order`` (family, table, packed address, length, metric: what
-    :meth:`_ReadBack.matches` looks up), built in C."""
-    values = list(routes.values())
-    return dict(zip(map(route_sort_key, values), values, strict=True))
+            self._shapes[key] = (family, f"/{length}", length, make)
+        return make(wire.destination, socket.inet_pton(family, address), length)
 
 
 def _unknown(destination: str, packed: bytes, length: int) -> RouteSpec:
     raise AssertionError("never called: marks a shape not seen yet")
 
 
-_UNKNOWN = _Shape(-1, -1, "", -1, -1, -1, (), _unknown)
+_UNKNOWN: _Shape = (-1, "", -1, _unknown)
 
 
 _family_table = operator.attrgetter("family", "table")
@@ -1076,14 +940,6 @@ class Netlink:
                 owned += await sock.dump(version, reader, proto=OWNER_PROTO, bulk=reader.bulk)
         return owned
 
-    async def _read_back(self, sock: _RouteSocket, names: dict[int, str]) -> _ReadBack:
-        """:meth:`_owned_routes` as a :class:`_ReadBack`."""
-        reader = _OwnedReader(names, self.netns)
-        items: list[RouteSpec | _Group] = []
-        for version in (4, 6):
-            items += await sock.dump(version, reader, proto=OWNER_PROTO, bulk=reader.groups)
-        return _ReadBack(items)
-
     async def _foreign_keys(
         self, sock: _RouteSocket, desired: Iterable[RouteSpec]
     ) -> set[RouteKey]:
@@ -1123,24 +979,18 @@ class Netlink:
         links = await self.links()
         self._check_devices(want, links)
         names = {link.index: link.name for link in links.values()}
-        observed = await self._read_back(sock, names)
-        if observed.matches(_by_order(keys), prune):  # nothing to change (a re-apply)
-            have: dict[RouteKey, RouteSpec] = {}
-            diff = RouteDiff((), (), ())
-        else:
-            have = by_key(observed)
-            diff = diff_indexed(have, keys, prune)
-        if diff.empty:
-            new: Sequence[RouteSpec] = ()
-        elif sorted_conflicts:
-            new = diff.add
+        observed = await self._owned_routes(sock, names)
+        have = by_key(observed)
+        diff = diff_indexed(have, keys, prune)
+        if sorted_conflicts:
+            new: Sequence[RouteSpec] = diff.add
         else:
             new = [r for r in want if r.key not in have] if have else want
         await self._check_conflicts(sock, new, keys)
         return RoutePlan(
             want=keys,
             prune=prune,
-            observed=observed,
+            observed=tuple(observed),
             diff=diff,
             links=links,
             names=names,
@@ -1197,9 +1047,8 @@ class Netlink:
 
     async def _carry_out(self, sock: _RouteSocket, plan: RoutePlan) -> RouteChange:
         diff = plan.diff
-        final: AbstractSet[RouteSpec]
         if diff.empty:
-            final = plan.observed
+            final = frozenset(plan.observed)
         else:
             await self._apply(sock, diff, plan.observed, plan.links)
             final = await self._settle(sock, plan.names, plan.want, plan.prune)
@@ -1231,7 +1080,7 @@ class Netlink:
         self,
         sock: _RouteSocket,
         plan: RouteDiff,
-        observed: Iterable[RouteSpec],
+        observed: Sequence[RouteSpec],
         links: dict[str, LinkInfo],
     ) -> None:
         encoder = rtnl.RouteEncoder(OWNER_PROTO, {name: link.index for name, link in links.items()})
@@ -1281,18 +1130,15 @@ class Netlink:
         names: dict[int, str],
         want: dict[RouteKey, RouteSpec],
         prune: bool,
-    ) -> AbstractSet[RouteSpec]:
+    ) -> frozenset[RouteSpec]:
         """Read back until the kernel shows the desired state (or give up after a while)."""
         deadline = time.monotonic() + self.verify_timeout_s
         delay = 0.01
-        by_order = _by_order(want)
         while True:
-            observed = await self._read_back(sock, names)
-            if observed.matches(by_order, prune):
-                return observed
+            observed = await self._owned_routes(sock, names)
             remaining = diff_indexed(by_key(observed), want, prune)
             if remaining.empty:
-                return observed
+                return frozenset(observed)
             if time.monotonic() >= deadline:
                 first = (remaining.add or remaining.replace or remaining.remove)[0]
                 raise errors.Aborted(

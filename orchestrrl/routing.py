@@ -48,7 +48,6 @@ import operator
 import re
 import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -749,14 +748,13 @@ class RuleDiff(NamedTuple):
 
 @dataclass(frozen=True)
 class RouteChange:
-    """What an ensure did, and OrchestrRL's routes as read back afterwards (a set; the
-    netlink adapter's read-back builds its RouteSpecs only when they are looked at)."""
+    """What an ensure did, and OrchestrRL's routes as read back afterwards."""
 
     added: int
     removed: int
     replaced: int
     unchanged: int
-    routes: AbstractSet[RouteSpec] = frozenset()
+    routes: frozenset[RouteSpec] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -823,12 +821,7 @@ def satisfies(observed: RouteSpec, desired: RouteSpec) -> bool:
 
 
 def _same_hops(observed: RouteSpec, desired: RouteSpec) -> bool:
-    return same_nexthops(observed.nexthops, desired.nexthops)
-
-
-def same_nexthops(have: tuple[NextHop, ...], want: tuple[NextHop, ...]) -> bool:
-    """Whether next hops the kernel shows (``have``) satisfy desired ones: the same
-    gateways and onlink flags, and the same device where the desired hop names one."""
+    have, want = observed.nexthops, desired.nexthops
     if have == want:  # interned hops: usually an identity comparison
         return True
     return len(have) == len(want) and all(

@@ -16,11 +16,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from orchestrrl import errors, rtnl
-from orchestrrl.netlink import OWNER_PROTO, _by_order, _OwnedReader, _ReadBack, _rule_from_wire
+from orchestrrl.netlink import OWNER_PROTO, _OwnedReader, _rule_from_wire
 from orchestrrl.routing import (
     RouteSpec,
     RuleSpec,
-    by_key,
     collector_paused,
     diff_indexed,
     kernel_routes,
@@ -412,55 +411,3 @@ def test_diff_indexed_finds_what_a_key_by_key_comparison_finds(
     have, want = routes(observed), routes(desired)
     diff = diff_indexed(have, want, prune)
     assert (set(diff.add), set(diff.replace), set(diff.remove)) == reference_diff(have, want, prune)
-
-
-KERNEL_HOPS = [(("10.0.0.1",), "p0"), (("10.0.0.1",), "p1"), (("10.0.0.1", "10.0.0.2"), "p0")]
-
-
-@given(
-    st.dictionaries(st.integers(0, 7), st.sampled_from(range(len(KERNEL_HOPS))), max_size=8),
-    st.dictionaries(st.integers(0, 7), HOPS, max_size=8),
-    st.booleans(),
-)
-def test_a_read_back_matches_exactly_when_the_diff_is_empty(
-    observed: dict[int, int],
-    desired: dict[int, tuple[tuple[str, ...], str | None]],
-    prune: bool,
-) -> None:
-    """The read-back verifies an ensure from addresses and shapes alone: it must agree
-    with the diff of the RouteSpecs, which it builds only when they are looked at."""
-    encoder = rtnl.RouteEncoder(OWNER_PROTO, DEVICES)
-    reader = _OwnedReader(NAMES, None)
-    items: list[Any] = []
-    by_shape: dict[int, list[RouteSpec]] = {}
-    for i, choice in observed.items():
-        hops, device = KERNEL_HOPS[choice]
-        by_shape.setdefault(choice, []).append(RouteSpec(f"10.1.{i}.0/24", hops, device))
-    for seq, routes in enumerate(by_shape.values(), start=1):
-        bodies = [kernel_body(encoder.encode(seq, "add", r)) for r in routes]
-        got = reader.groups(dump_datagram(bodies, seq), seq)
-        assert got is not None and len(got) == 1  # one shape: one group of addresses
-        items += got
-    read_back = _ReadBack(items)
-    kernel = {r for routes in by_shape.values() for r in routes}
-    assert set(read_back) == kernel and len(read_back) == len(kernel)
-    want = {
-        r.key: r
-        for r in (RouteSpec(f"10.1.{i}.0/24", hops, dev) for i, (hops, dev) in desired.items())
-    }
-    expected = diff_indexed(by_key(read_back), want, prune).empty
-    assert read_back.matches(_by_order(want), prune) is expected
-    if kernel:  # a route read message by message: the RouteSpecs must answer
-        assert _ReadBack([*items, next(iter(kernel))]).matches(_by_order(want), prune) is None
-
-
-def test_a_read_back_showing_a_key_twice_does_not_match() -> None:
-    encoder = rtnl.RouteEncoder(OWNER_PROTO, DEVICES)
-    reader = _OwnedReader(NAMES, None)
-    a = RouteSpec("10.1.0.0/24", ("10.0.0.1",), "p0")
-    b = RouteSpec("10.1.1.0/24", ("10.0.0.1",), "p1")
-    twice = reader.groups(dump_datagram([kernel_body(encoder.encode(1, "add", a))] * 2, 1), 1)
-    assert twice is not None
-    want = {r.key: r for r in (a, b)}
-    assert not _ReadBack(twice).matches(_by_order(want), prune=True)
-    assert not _ReadBack(twice).matches(_by_order(want), prune=False)
