@@ -224,7 +224,9 @@ def parse_completion(
     if rid is not None and (not isinstance(rid, str) or not REQUEST_ID_RE.match(rid)):
         raise bad("request_id", rid, "1-128 characters of A-Z a-z 0-9 . _ : -")
     _bool(body, "return_token_ids", True)
-    group = body.get("group", "")
+    group = body.get("group")
+    if group is None:  # absent or null: no group
+        group = ""
     try:
         check_group(group)
     except errors.InvalidArgument:

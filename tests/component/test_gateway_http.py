@@ -128,6 +128,16 @@ async def test_a_whole_answer(gw: Gateway) -> None:
     assert gw.engine.request("mine-1") is None  # answered: forgotten
 
 
+@pytest.mark.parametrize("group", ["prompt-17", None])
+async def test_a_request_names_its_sample_group(gw: Gateway, group: str | None) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "stream": True}
+    task = asyncio.create_task(gw.stream({**body, "request_id": "grouped", "group": group}))
+    await eventually(lambda: gw.engine.request("grouped") is not None)
+    progress = {p.request_id: p.group for p in gw.engine.progress().requests}
+    assert progress["grouped"] == (group or "")  # null: no group
+    assert tokens_of(await task) == greedy(PROMPT, 400)
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param", "says"),
     [
