@@ -37,7 +37,7 @@ from node_agent.nics import SysfsNics
 from node_agent.servicer import SERVICE_NAME as AGENT_SERVICE
 from node_agent.servicer import NodeAgentService
 from node_agent.telemetry import Collector
-from orchestrrl import grpcutil
+from orchestrrl import grpcutil, limits
 from orchestrrl.model import Circuit
 from orchestrrl.v1 import fabric_controller_pb2, node_agent_pb2, optical_switch_pb2
 from orchestrrl.v1 import node_agent_pb2_grpc as na_grpc
@@ -236,10 +236,14 @@ async def call(
                 return Answer(code, await stream.details() or "", sizes)
             return Answer(grpc.StatusCode.OK, "", sizes)
         if client_streaming:
-            # two messages: the payload, then a piece of it
-            reply = await channel.stream_unary(method)(
-                iter([payload, payload[: len(payload) // 2]]), timeout=UNARY_TIMEOUT_S
-            )
+            # two messages: the payload, then a piece of it. A payload over the servers'
+            # receive limit goes alone: the server refuses it (RESOURCE_EXHAUSTED) and
+            # cancels the call, and grpc's aio client, still writing the second message,
+            # would report its own failed write as INTERNAL "Internal error from Core".
+            messages = [payload]
+            if len(payload) <= limits.MAX_RECEIVE_BYTES:
+                messages.append(payload[: len(payload) // 2])
+            reply = await channel.stream_unary(method)(iter(messages), timeout=UNARY_TIMEOUT_S)
         else:
             reply = await channel.unary_unary(method)(payload, timeout=UNARY_TIMEOUT_S)
         return Answer(grpc.StatusCode.OK, "", [len(reply)])
