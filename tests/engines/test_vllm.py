@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
 
 PROMPTS = [[5 + i, 17, 3 + 2 * i, 99, 42 + i, 7] for i in range(6)]
 N = 64
-LONG = 4000  # long enough to cut at a few hundred tokens and pause before the end: on a
+LONG = 2000  # long enough to cut at a few hundred tokens and pause before the end: on a
 # core of its own this model makes ~3000 tokens/s, shared by the requests in flight
 ARGS = ("--dtype=float32", "--enforce-eager", "--skip-tokenizer-init")
 
@@ -126,7 +126,7 @@ async def long_reference(nodes: Nodes) -> dict[int, list[int]]:
     return {i: await direct(server, p, LONG) for i, p in enumerate(PROMPTS[:3])}
 
 
-@pytest.mark.parametrize("cut", [1, 40, 120])
+@pytest.mark.parametrize("cut", [1, 120])
 async def test_migration_mid_response_gives_the_uninterrupted_output(
     nodes: Nodes, long_reference: dict[int, list[int]], cut: int
 ) -> None:
