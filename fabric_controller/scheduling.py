@@ -403,7 +403,8 @@ def decide(
                 None,
                 f"waiting for telemetry newer than the last action from {', '.join(stale)}",
             )
-    forecast = forecast_for(tracker, snap, config)
+    groups = step_groups(tracker, snap)
+    forecast = forecast_for(tracker, snap, config, groups)
     due = config.replan.due(
         step_started_at=tracker.started_at,
         predicted_step_s=tracker.predicted_step_s,
@@ -413,7 +414,6 @@ def decide(
     planner = config.planner
     if snap.max_num_seqs:  # the engines' own cap on an instance's batch
         planner = replace(planner, max_num_seqs=snap.max_num_seqs)
-    groups = step_groups(tracker, snap)
     counts = (len(groups), sum(1 for g in groups if g in tracker.remembered))
     if due:
         plan = plan_compute(snap.state, forecast, perf, now, planner)
@@ -422,15 +422,22 @@ def decide(
     return Decision("balance", plan, "between re-plan points", *counts)
 
 
-def forecast_for(tracker: StepTracker, snap: Snapshot, config: SchedulingConfig) -> LengthForecast:
+def forecast_for(
+    tracker: StepTracker,
+    snap: Snapshot,
+    config: SchedulingConfig,
+    groups: set[str] | None = None,
+) -> LengthForecast:
     """The length forecast of this step: past steps' lengths, this step's completed and
-    running requests, and with sample groups their siblings and earlier epochs."""
+    running requests, and with sample groups their siblings and earlier epochs.
+    ``groups``: :func:`step_groups`, when the caller has it already."""
     running = [r.generated_tokens for r in snap.state.requests]
     running_groups = [r.group for r in snap.state.requests]
     completed_groups = tracker.completed_group_list
     remembered = tracker.remembered
-    here = step_groups(tracker, snap) if remembered else set()
-    prior = {g: remembered[g] for g in sorted(here) if g in remembered}
+    if groups is None:
+        groups = step_groups(tracker, snap)
+    prior = {g: remembered[g] for g in sorted(groups) if g in remembered}
     return build_forecast(
         tracker.history,  # the same tuples at every re-plan of a step: their summary is kept
         list(tracker.completed_lengths),

@@ -157,6 +157,15 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (H800, H100, A100)}
 # --------------------------------------------------------------------------------------
 
 
+def check_experts(experts: int, active_experts: int, expert_ffn: int) -> None:
+    """The MoE settings of a model with ``experts`` >= 1: each token uses 1..experts of
+    them, each an MLP of width ``expert_ffn`` >= 1; errors name the ``model.`` field."""
+    if not 1 <= active_experts <= experts:
+        raise errors.field_error("model.active_experts", active_experts, f"1..experts ({experts})")
+    if expert_ffn < 1:
+        raise errors.field_error("model.expert_ffn", expert_ffn, "an integer >= 1")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """A dense decoder-only transformer (Llama/Qwen2 family: GQA attention, SwiGLU MLP)."""
@@ -189,12 +198,7 @@ class ModelShape:
         if self.experts < 0:
             raise errors.field_error("model.experts", self.experts, "0 (dense) or >= 1")
         if self.experts:
-            if not 1 <= self.active_experts <= self.experts:
-                raise errors.field_error(
-                    "model.active_experts", self.active_experts, f"1..experts ({self.experts})"
-                )
-            if self.expert_ffn < 1:
-                raise errors.field_error("model.expert_ffn", self.expert_ffn, "an integer >= 1")
+            check_experts(self.experts, self.active_experts, self.expert_ffn)
         if self.heads % self.kv_heads:
             raise errors.field_error(
                 "model.kv_heads", self.kv_heads, f"a divisor of heads ({self.heads})"

@@ -34,7 +34,7 @@ from orchestrrl import errors
 from scheduler.perf_model import MODELS as PERF_MODELS
 from scheduler.perf_model import QWEN3_30B_A3B as PERF_QWEN3_30B_A3B
 from scheduler.perf_model import QWEN3_235B_A22B as PERF_QWEN3_235B_A22B
-from scheduler.perf_model import ModelShape
+from scheduler.perf_model import ModelShape, check_experts
 
 
 @dataclass(frozen=True)
@@ -66,12 +66,7 @@ class TrainShape:
             if not isinstance(value, int) or value < 1:
                 raise errors.field_error(f"model.{name}", value, "an integer >= 1")
         if self.experts:
-            if not 1 <= self.active_experts <= self.experts:
-                raise errors.field_error(
-                    "model.active_experts", self.active_experts, f"1..experts ({self.experts})"
-                )
-            if self.expert_ffn < 1:
-                raise errors.field_error("model.expert_ffn", self.expert_ffn, "an integer >= 1")
+            check_experts(self.experts, self.active_experts, self.expert_ffn)
         elif self.ffn < 1:
             raise errors.field_error("model.ffn", self.ffn, "an integer >= 1 for a dense model")
 

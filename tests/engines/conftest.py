@@ -7,8 +7,10 @@ the test saying which command installs them.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,7 @@ from node_agent.gateway.http import GatewayServer, GatewaySettings
 from node_agent.gateway.requests import Request
 from sim_backends.tiny_models import TinyShape, write_gguf_llama, write_hf_llama
 from sim_backends.token_engine import LocalPeers
+from tests.helpers import eventually
 
 GREEDY = Sampling(temperature=0.0, ignore_eos=True)
 
@@ -146,6 +149,34 @@ async def read_all(req: Request) -> list[int]:
     async for chunk in req.tokens():
         out.extend(chunk)
     return out
+
+
+async def freeze_mid_response(
+    submit: Callable[[], list[Request]],
+    signal_engine: Callable[[int], None],
+    expected: list[list[int]],
+    min_tokens: int = 1,
+) -> tuple[list[Request], list[asyncio.Task[list[int]]]]:
+    """Submit requests and freeze their engine (``signal_engine(SIGSTOP)``) while none of
+    them is complete as the gateway sees them, however fast the engine runs: once each
+    has streamed ``min_tokens`` it is frozen and the gateway drains what was already
+    sent; if a request completed meanwhile the race was lost, and the engine is resumed,
+    the outputs checked against ``expected`` and the attempt repeated. Returns the
+    requests and their readers, the engine still frozen (for the caller to kill)."""
+    for _attempt in range(5):
+        reqs = submit()
+        readers = [asyncio.create_task(read_all(r)) for r in reqs]
+        await eventually(
+            lambda: all(len(r.output) >= min_tokens or r.done for r in reqs),  # noqa: B023
+            within_s=120,
+        )
+        signal_engine(signal.SIGSTOP)
+        await asyncio.sleep(0.5)
+        if not any(r.done for r in reqs):
+            return reqs, readers
+        signal_engine(signal.SIGCONT)
+        assert await asyncio.gather(*readers) == expected
+    pytest.fail("the engine finished a request before every attempt to freeze it")
 
 
 async def stream_http(url: str, body: dict[str, object]) -> list[int]:

@@ -23,6 +23,7 @@ from node_agent.gateway.requests import RequestFailed, Where
 from tests.engines.conftest import (
     GREEDY,
     Nodes,
+    freeze_mid_response,
     read_all,
     settings_for,
     stream_http,
@@ -170,23 +171,13 @@ async def test_a_killed_engine_is_restarted_and_its_requests_resume(nodes: Nodes
     pid = server.process.pid
     long = 900  # of a context of 1024: long enough to freeze it mid-response
     reference = {i: await direct(server, p, long) for i, p in enumerate(PROMPTS[:3])}
-    # The kill must land while the requests are unfinished as the gateway sees them,
-    # however fast the engine runs: it is frozen (SIGSTOP) once every request has
-    # streamed tokens, the gateway drains what was already sent, and only if none is
-    # complete is it killed; otherwise it resumes, the outputs are checked, and the
-    # attempt is repeated.
-    for _attempt in range(5):
-        reqs = [node.engine.submit(p, long, GREEDY) for p in PROMPTS[:3]]
-        readers = [asyncio.create_task(read_all(r)) for r in reqs]
-        await eventually(lambda: all(len(r.output) > 10 or r.done for r in reqs), within_s=60)  # noqa: B023
-        os.kill(pid, signal.SIGSTOP)
-        await asyncio.sleep(0.5)
-        if not any(r.done for r in reqs):
-            break
-        os.kill(pid, signal.SIGCONT)
-        assert await asyncio.gather(*readers) == [reference[i] for i in range(3)]
-    else:
-        pytest.fail("the engine finished a request before every attempt to freeze it")
+    # The kill must land while the requests are unfinished as the gateway sees them.
+    _, readers = await freeze_mid_response(
+        lambda: [node.engine.submit(p, long, GREEDY) for p in PROMPTS[:3]],
+        lambda sig: os.kill(pid, sig),
+        [reference[i] for i in range(3)],
+        min_tokens=11,
+    )
     os.kill(pid, signal.SIGKILL)
     assert await asyncio.gather(*readers) == [reference[i] for i in range(3)]
     assert node.engine.failures == 1 and node.engine.instance_health() == ("up",)

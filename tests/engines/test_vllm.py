@@ -22,7 +22,14 @@ import pytest_asyncio
 from node_agent.engine import Destination
 from node_agent.engines.http_engine import HttpEngine
 from node_agent.gateway.requests import Where
-from tests.engines.conftest import GREEDY, Nodes, read_all, settings_for, stream_http
+from tests.engines.conftest import (
+    GREEDY,
+    Nodes,
+    freeze_mid_response,
+    read_all,
+    settings_for,
+    stream_http,
+)
 from tests.helpers import eventually
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
@@ -162,23 +169,13 @@ async def test_a_killed_engine_is_restarted_and_its_requests_resume(
     server = b.live()[0]
     assert isinstance(server, HttpEngine) and server.process.pid is not None
     pgid = server.process.pid
-    # The kill must land while both requests are unfinished as the gateway sees them,
-    # however fast the engine runs. The engine (API server and engine core) is frozen
-    # with SIGSTOP once both requests have streamed a token; the gateway then drains
-    # what is in flight. If a request completed before the freeze, the race was lost:
-    # the engine is resumed, the outputs checked, and the attempt repeated.
-    for _attempt in range(5):
-        reqs = [b.engine.submit(p, LONG, GREEDY) for p in PROMPTS[:2]]
-        readers = [asyncio.create_task(read_all(r)) for r in reqs]
-        await eventually(lambda: all(r.output or r.done for r in reqs), within_s=120)  # noqa: B023
-        os.killpg(pgid, signal.SIGSTOP)
-        await asyncio.sleep(0.5)  # the gateway reads what the engine had already sent
-        if not any(r.done for r in reqs):
-            break
-        os.killpg(pgid, signal.SIGCONT)
-        assert await asyncio.gather(*readers) == [long_reference[i] for i in range(2)]
-    else:
-        pytest.fail("the engine finished a request before every attempt to freeze it")
+    # The kill must land while both requests are unfinished as the gateway sees them:
+    # the engine (API server and engine core) is frozen first.
+    reqs, readers = await freeze_mid_response(
+        lambda: [b.engine.submit(p, LONG, GREEDY) for p in PROMPTS[:2]],
+        lambda sig: os.killpg(pgid, sig),
+        [long_reference[i] for i in range(2)],
+    )
     os.killpg(pgid, signal.SIGKILL)  # the API server and its engine core
     outs = await asyncio.wait_for(asyncio.gather(*readers), 300)
     assert outs == [long_reference[i] for i in range(2)]
