@@ -42,6 +42,7 @@ from orchestrrl.logs import get_logger, setup_logging
 from orchestrrl.tls import add_tls_arguments
 from orchestrrl.v1 import fabric_controller_pb2, fabric_controller_pb2_grpc
 from scheduler.network import DEFAULT_MODEL_BYTES, DEFAULT_TRAINING_BYTES, PhaseDemand
+from scheduler.replan import ReplanSchedule
 
 log = get_logger("fabric_controller")
 
@@ -168,13 +169,16 @@ def _positive(name: str, lo: float, hi: float) -> Callable[[str], float]:
     return parse
 
 
-def _interval(text: str) -> float:
-    try:
-        return scheduling.check_interval(float(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--compute-interval={text!r}: expected seconds") from None
-    except errors.InvalidArgument as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _interval(name: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            return scheduling.check_interval(float(text), name)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}={text!r}: expected seconds") from None
+        except errors.InvalidArgument as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
 
 
 def _bytes(name: str) -> Callable[[str], float]:
@@ -306,11 +310,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--compute-interval",
-        type=_interval,
+        type=_interval("--compute-interval"),
         default=1.0,
         metavar="S",
-        help="seconds between rounds of the compute-scheduling loop (reactive balancing; "
-        "proactive re-plans at step start and at points of the step); default 1",
+        help="seconds between rounds of the compute-scheduling loop (reactive balancing "
+        "between re-plans); default 1",
+    )
+    p.add_argument(
+        "--compute-replan-interval",
+        type=_interval("--compute-replan-interval"),
+        default=ReplanSchedule().interval_s,
+        metavar="S",
+        help="seconds between proactive re-plans (layouts and placement, reshards "
+        "allowed) after the one at step start; default %(default)g, the simulator's "
+        "replan_interval_s",
     )
     p.add_argument(
         "--model-bytes",
@@ -411,7 +424,10 @@ async def serve(args: argparse.Namespace) -> int:
     compute = ComputeScheduler(
         controller,
         agents.get,
-        config=scheduling.SchedulingConfig(interval_s=args.compute_interval),
+        config=scheduling.SchedulingConfig(
+            interval_s=args.compute_interval,
+            replan=ReplanSchedule(args.compute_replan_interval),
+        ),
         enabled=args.compute_scheduling == "on",
     )
     listen = args.listen or w.controller
@@ -459,7 +475,11 @@ async def serve(args: argparse.Namespace) -> int:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(controller.run_reconcile(args.reconcile_interval))
                 if compute.enabled:
-                    log.info("compute_scheduling_on", interval_s=args.compute_interval)
+                    log.info(
+                        "compute_scheduling_on",
+                        interval_s=args.compute_interval,
+                        replan_interval_s=args.compute_replan_interval,
+                    )
                     tg.create_task(compute.run())
 
         async with asyncio.TaskGroup() as tg:

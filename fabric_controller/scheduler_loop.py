@@ -68,11 +68,14 @@ class ScheduleView:
     actions: tuple[ActionRecord, ...] = ()
     groups: int = 0  # the length signal: sample groups of the step (Decision.groups)
     groups_with_prior: int = 0
+    replan_interval_s: float = 0.0  # proactive re-plans (reshards allowed); 0: not said
 
     def explanation(self) -> str:
         if not self.enabled:
             return "compute scheduling is off (--compute-scheduling off)"
         head = f"compute scheduling every {self.interval_s:g} s"
+        if self.replan_interval_s:
+            head += f" (re-plans every {self.replan_interval_s:g} s)"
         if self.plan is None:
             return f"{head}: {self.reason or 'no plan yet'}"
         lines = [f"{head}; {self.mode} for step {self.step}:", self.plan.explain()]
@@ -110,7 +113,9 @@ class ComputeScheduler:
         self._rounds = 0
         self._moved: dict[str, float] = {}  # request id -> when the loop last moved it
         self._actions: collections.deque[ActionRecord] = collections.deque(maxlen=ACTIONS_KEPT)
-        self._view = ScheduleView(enabled, self.config.interval_s)
+        self._view = ScheduleView(
+            enabled, self.config.interval_s, replan_interval_s=self.config.replan.interval_s
+        )
 
     def view(self) -> ScheduleView:
         return replace(self._view, actions=tuple(self._actions))
@@ -201,6 +206,7 @@ class ComputeScheduler:
             tuple(skipped),
             groups=decision.groups,
             groups_with_prior=decision.groups_with_prior,
+            replan_interval_s=self.config.replan.interval_s,
         )
         if reshards or migrations:
             await self._act(reshards, migrations, addresses)
@@ -222,6 +228,7 @@ class ComputeScheduler:
             tuple(skipped),
             groups=decision.groups,
             groups_with_prior=decision.groups_with_prior,
+            replan_interval_s=self.config.replan.interval_s,
         )
 
     async def _act(

@@ -19,10 +19,10 @@ One round:
    reports), when the step started, and the completed lengths of recent steps (the
    forecast's history across steps);
 4. :func:`decide` runs the planner: a proactive re-plan (layouts and placement) at step
-   start and at the :class:`~scheduler.replan.ReplanSchedule` points of the step,
-   reactive balancing (layouts fixed, requests off stragglers) between them; nothing
-   while telemetry is older than the last action (the agents have not reported its
-   effect yet);
+   start and every :class:`~scheduler.replan.ReplanSchedule` interval (as the
+   simulator's adaptive policy), reactive balancing (layouts fixed, requests off
+   stragglers) between them; nothing while telemetry is older than the last action (the
+   agents have not reported its effect yet);
 5. :func:`commands_for` turns a plan into agent commands: one ``Reshard`` per node whose
    layout changes (the new layout in the planner's canonical order, so instance indices
    match its instances) and one migration per (source node, target instance, method)
@@ -57,19 +57,12 @@ from scheduler.forecast import (
     prior_log_scales,
 )
 from scheduler.perf_model import PerfModel
-from scheduler.replan import ReplanSchedule
-
-MIN_INTERVAL_S = 0.05
-MAX_INTERVAL_S = 3600.0
+from scheduler.replan import ReplanSchedule, check_seconds
 
 
 def check_interval(value: float, field: str = "--compute-interval") -> float:
     """The loop's interval in seconds (reactive balancing between re-plans)."""
-    if not math.isfinite(value) or not MIN_INTERVAL_S <= value <= MAX_INTERVAL_S:
-        raise errors.field_error(
-            field, value, f"seconds between {MIN_INTERVAL_S} and {MAX_INTERVAL_S:g}"
-        )
-    return value
+    return check_seconds(value, field)
 
 
 @dataclass(frozen=True)
@@ -286,7 +279,6 @@ class StepTracker:
     completed: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # this step, per node
     history: tuple[tuple[int, ...], ...] = ()  # completed lengths of past steps, oldest first
     last_plan_at: float | None = None
-    predicted_step_s: float = 0.0
     last_action_at: float | None = None  # wall time the last commands finished
     # this step, per node: the group of each completed length (empty: none reported)
     completed_groups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -355,15 +347,13 @@ def observe(
             history = (*history, done)[-history_steps:]
             remembered = remember(remembered, done, tracker.completed_group_list, groups_remembered)
         return StepTracker(
-            step,
-            now,
-            {v.node: v.completed for v in vs if v.step == step},
-            history,
-            None,
-            0.0,
-            tracker.last_action_at,
-            {v.node: v.completed_groups for v in vs if v.step == step},
-            remembered,
+            step=step,
+            started_at=now,
+            completed={v.node: v.completed for v in vs if v.step == step},
+            history=history,
+            last_action_at=tracker.last_action_at,
+            completed_groups={v.node: v.completed_groups for v in vs if v.step == step},
+            remembered=remembered,
         )
     completed = dict(tracker.completed)
     groups = dict(tracker.completed_groups)
@@ -407,7 +397,6 @@ def decide(
     forecast = forecast_for(tracker, snap, config, groups)
     due = config.replan.due(
         step_started_at=tracker.started_at,
-        predicted_step_s=tracker.predicted_step_s,
         now=now,
         last_plan_at=tracker.last_plan_at,
     )
@@ -460,11 +449,10 @@ def step_groups(tracker: StepTracker, snap: Snapshot) -> set[str]:
 
 
 def planned(tracker: StepTracker, decision: Decision, now: float) -> StepTracker:
-    """The tracker after a re-plan: its time, and the step's predicted end."""
+    """The tracker after a re-plan: its time (the next is due an interval later)."""
     if decision.mode != "replan" or decision.plan is None:
         return tracker
-    predicted = (now - tracker.started_at) + decision.plan.prediction.planned_makespan_s
-    return replace(tracker, last_plan_at=now, predicted_step_s=predicted)
+    return replace(tracker, last_plan_at=now)
 
 
 def acted(tracker: StepTracker, at: float) -> StepTracker:

@@ -88,9 +88,7 @@ async def cluster(example_wiring: Wiring, tmp_path: Path) -> AsyncIterator[Clust
         deadline_s=2.0,
     )  # fmt: skip
     clients = AgentClients(None, timeout_s=5.0)
-    config = scheduling.SchedulingConfig(
-        interval_s=0.1, replan=ReplanSchedule(min_interval_s=0.2), hold_s=10.0
-    )
+    config = scheduling.SchedulingConfig(interval_s=0.1, replan=ReplanSchedule(0.2), hold_s=10.0)
     sched = ComputeScheduler(fabric.controller, clients.get, config=config)
     server = await grpcutil.start_server(
         "127.0.0.1:0",

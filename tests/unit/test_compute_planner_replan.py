@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from orchestrrl import errors
@@ -14,22 +16,22 @@ from scheduler.replan import ReplanSchedule
 pytestmark = pytest.mark.unit
 
 
-def test_replan_at_step_start_and_at_regular_points() -> None:
-    s = ReplanSchedule(fractions=(0.0, 0.5, 0.9), min_interval_s=1.0)
-    assert s.points(100.0, 60.0) == (100.0, 130.0, 154.0)
-    kw = {"step_started_at": 100.0, "predicted_step_s": 60.0}
-    assert s.due(**kw, now=100.0, last_plan_at=None)
-    assert s.due(**kw, now=100.0, last_plan_at=40.0)  # last plan was in the previous step
-    assert not s.due(**kw, now=120.0, last_plan_at=100.0)
-    assert s.due(**kw, now=131.0, last_plan_at=100.0)
-    assert not s.due(**kw, now=130.5, last_plan_at=130.0)  # min interval
-    assert s.next_at(**{**kw, "after": 100.0}) == 130.0
-    assert s.next_at(**{**kw, "after": 153.5}) == 154.5  # not before the min interval
-    assert s.next_at(**{**kw, "after": 160.0}) is None
-    with pytest.raises(errors.InvalidArgument):
-        ReplanSchedule(fractions=(0.5, 0.1))
-    with pytest.raises(errors.InvalidArgument):
-        ReplanSchedule(fractions=(1.0,))
+def test_replan_at_step_start_and_then_every_interval() -> None:
+    s = ReplanSchedule(interval_s=5.0)
+    assert s.due(step_started_at=100.0, now=100.0, last_plan_at=None)
+    assert not s.due(step_started_at=100.0, now=99.0, last_plan_at=None)
+    # the last plan was in the previous step: the new step is planned at once
+    assert s.due(step_started_at=100.0, now=100.0, last_plan_at=98.0)
+    assert not s.due(step_started_at=100.0, now=104.9, last_plan_at=100.0)
+    assert s.due(step_started_at=100.0, now=105.0, last_plan_at=100.0)
+    # however long the step runs (the plan's prediction plays no part)
+    assert s.due(step_started_at=100.0, now=1000.0, last_plan_at=994.0)
+
+
+@pytest.mark.parametrize("bad", [0.0, 0.01, -1.0, 3601.0, math.nan, math.inf, "5", None])
+def test_a_bad_replan_interval_is_refused_naming_the_field(bad: object) -> None:
+    with pytest.raises(errors.InvalidArgument, match="replan_interval_s"):
+        ReplanSchedule(interval_s=bad)  # type: ignore[arg-type]
 
 
 def test_reported_prediction_is_the_objective() -> None:

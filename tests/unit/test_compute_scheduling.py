@@ -13,6 +13,7 @@ from orchestrrl.v1 import node_agent_pb2 as pb
 from scheduler.compute_state import MoveMethod, apply_plan, canonical_instances
 from scheduler.forecast import PriorLengths
 from scheduler.perf_model import H800, QWEN25_14B, PerfModel
+from scheduler.replan import ReplanSchedule
 
 pytestmark = pytest.mark.unit
 
@@ -205,14 +206,16 @@ def test_nothing_to_plan_without_requests() -> None:
     assert (d.mode, d.plan) == ("idle", None)
 
 
-def test_between_replan_points_only_balancing_runs() -> None:
+def test_between_replans_only_balancing_runs() -> None:
     snap, t = long_tail()
-    d = s.decide(t, snap, PM, 60.0, s.SchedulingConfig())
+    config = s.SchedulingConfig(replan=ReplanSchedule(5.0))
+    d = s.decide(t, snap, PM, 60.0, config)
     t = s.planned(t, d, 60.0)
-    assert t.last_plan_at == 60.0 and t.predicted_step_s > 10.0
-    d2 = s.decide(t, snap, PM, 60.5, s.SchedulingConfig())
+    assert d.mode == "replan" and t.last_plan_at == 60.0
+    d2 = s.decide(t, snap, PM, 64.9, config)
     assert d2.mode == "balance" and d2.plan is not None
     assert not d2.plan.reshards
+    assert s.decide(t, snap, PM, 65.0, config).mode == "replan"
 
 
 def test_queued_requests_go_to_another_nodes_free_seats() -> None:
@@ -269,10 +272,14 @@ def test_controller_flags_enable_the_loop_and_validate_its_interval(
     assert (args.compute_scheduling, args.compute_interval) == ("off", 1.0)
     args = build_parser().parse_args(["--compute-scheduling", "on", "--compute-interval", "0.25"])
     assert (args.compute_scheduling, args.compute_interval) == ("on", 0.25)
-    for bad in ("0", "abc", "nan", "1e9"):
-        with pytest.raises(SystemExit):
-            build_parser().parse_args(["--compute-interval", bad])
-        assert "--compute-interval" in capsys.readouterr().err
+    assert args.compute_replan_interval == ReplanSchedule().interval_s
+    args = build_parser().parse_args(["--compute-replan-interval", "2.5"])
+    assert args.compute_replan_interval == 2.5
+    for flag in ("--compute-interval", "--compute-replan-interval"):
+        for bad in ("0", "abc", "nan", "1e9"):
+            with pytest.raises(SystemExit):
+                build_parser().parse_args([flag, bad])
+            assert f"{flag}=" in capsys.readouterr().err
 
 
 def test_orlctl_schedule_show_prints_layouts_plan_and_actions() -> None:
