@@ -348,7 +348,14 @@ class _Worker:
                     raise _Aborted(f"transfers of command {seq} aborted while being posted")
             t0 = time.perf_counter()
             for piece, dst_rank, op_tag in late:  # (a work keeps its tensor alive)
-                work = dist.isend(piece.contiguous(), dst_rank, self.group, op_tag)
+                packed = piece.contiguous()
+                # posted under the lock, after a check: an abort lands either before (no
+                # send is posted on an aborted group, whose wait would last until the
+                # group's timeout) or after (its group.abort() fails this send's wait)
+                with self.lock:
+                    if self.aborted_upto >= seq:
+                        raise _Aborted(f"transfers of command {seq} aborted while being posted")
+                    work = dist.isend(packed, dst_rank, self.group, op_tag)
                 if work is None:
                     raise RuntimeError(f"rank {self.rank} is not in its own process group")
                 works.append(work)
