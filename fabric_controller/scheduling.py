@@ -31,6 +31,7 @@ One round:
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -511,9 +512,11 @@ def commands_for(
     requests in ``settled`` (moved a moment ago) stay where they are.
 
     A queued request that the plan dispatches to another node's instance moves there (a
-    queue does not drain across nodes by itself: an engine admits only its own); one it
-    dispatches on its own node is left to that node's admission. Requests re-laid out by
-    their node's reshard move with it.
+    queue does not drain across nodes by itself: an engine admits only its own) when a
+    seat is free for it there; otherwise it would only wait in another queue, and moved
+    back and forth between queues as predictions shift (each move a round of Export,
+    Import and Resolve). One the plan dispatches on its own node is left to that node's
+    admission. Requests re-laid out by their node's reshard move with it.
     """
     reshards = tuple(
         ReshardCommand(f"{tag}-reshard-{r.node}", r.node, r.after, snap.views[r.node].layout)
@@ -531,16 +534,26 @@ def commands_for(
         dst_node, k = where[m.target]
         groups.setdefault((src_node, dst_node, k, m.method), []).append((m.request, m.cost_s))
         count += 1
+    seats = _free_seats(plan, snap)
     for rid, inst in plan.assignment:
         src = snap.queued_on.get(rid)
         if src is None or count >= max_migrations or rid in settled:
             continue
         dst_node, k = where[inst]
-        if dst_node != src:
-            groups.setdefault((src, dst_node, k, MoveMethod.DISPATCH), []).append((rid, 0.0))
-            count += 1
+        if dst_node == src:
+            continue
+        if seats is not None:
+            per_instance, per_node = seats
+            if per_instance[inst] <= 0 or per_node[dst_node] <= 0:
+                continue  # it would only wait in another node's queue: it waits in its own
+            per_instance[inst] -= 1
+            per_node[dst_node] -= 1
+        groups.setdefault((src, dst_node, k, MoveMethod.DISPATCH), []).append((rid, 0.0))
+        count += 1
     migrations = []
-    for n, ((src, dst, k, method), items) in enumerate(sorted(groups.items())):
+    # (enum members do not order: two methods into one instance are sorted by name)
+    ordered = sorted(groups.items(), key=lambda g: (*g[0][:3], g[0][3].value))
+    for n, ((src, dst, k, method), items) in enumerate(ordered):
         migrations.append(
             MigrateCommand(
                 f"{tag}-migrate-{n}",
@@ -554,6 +567,37 @@ def commands_for(
             )
         )
     return reshards, tuple(migrations)
+
+
+def _free_seats(
+    plan: ComputePlan, snap: Snapshot
+) -> tuple[collections.Counter[str], collections.Counter[str]] | None:
+    """Seats (``max_num_seqs``) left after the plan, per instance id and per node: an
+    instance's cap less the running requests the plan keeps or moves there; a node's
+    total less, in addition, the requests waiting in its own queue (its engines admit
+    those first). None when no node reports its cap."""
+    cap = snap.max_num_seqs
+    if not cap:
+        return None
+    resharded = {r.node: r.after for r in plan.reshards}
+    instances = [i for i in snap.state.instances if i.node not in resharded]
+    for node, layout in resharded.items():
+        instances += canonical_instances(node, range(sum(layout)), layout)
+    per_instance: collections.Counter[str] = collections.Counter()
+    per_node: collections.Counter[str] = collections.Counter()
+    for inst in instances:
+        per_instance[inst.id] += cap
+        per_node[inst.node] += cap
+    node_of = {inst.id: inst.node for inst in instances}
+    for rid, inst_id in plan.assignment:
+        node = node_of[inst_id]
+        queued = snap.queued_on.get(rid)
+        if queued is None:
+            per_instance[inst_id] -= 1
+            per_node[node] -= 1
+        elif queued == node:
+            per_node[node] -= 1
+    return per_instance, per_node
 
 
 def layouts_after(plan: ComputePlan, snap: Snapshot) -> dict[str, tuple[int, ...]]:
