@@ -42,10 +42,15 @@ class Placement:
         self.node = [inst.node for inst in self.inst]
         self.ids = [inst.id for inst in self.inst]
         self.cap = [c.capacity_tokens for c in costs]
+        self.slots = [c.slots for c in costs]
         q_a, _, _, ctx_a = prob.arrays
         self.need: list[float] = (ctx_a + q_a).tolist()  # == ctx + q per request
         n = len(self.inst)
         self.members: list[set[int]] = [set() for _ in range(n)]
+        # members holding a KV cache: each has a seat (max_num_seqs) on its instance, and
+        # a request moved with its KV cache needs a free one (else the engine preempts it
+        # and it is recomputed: the move bought nothing)
+        self.kv_count: list[int] = [0] * n
         self.qs: list[list[float]] = [[] for _ in range(n)]
         self.sum_m: list[int] = [0] * n
         self.sum_pre: list[int] = [0] * n
@@ -100,10 +105,11 @@ class Placement:
         bounds = [*first.tolist()[1:], len(r_a)]
         r_list: list[int] = r_a[order].tolist()
         q_list: list[float] = q_a[order].tolist()
-        members, qs = self.members, self.qs
+        members, qs, kv_count, has_kv = self.members, self.qs, self.kv_count, self.prob.has_kv
         lo = 0
         for k, hi in zip(touched_a.tolist(), bounds, strict=True):
             members[k].update(r_list[lo:hi])
+            kv_count[k] += sum(map(has_kv.__getitem__, r_list[lo:hi]))
             qk = qs[k]
             if qk:
                 qk.extend(q_list[lo:hi])
@@ -159,6 +165,7 @@ class Placement:
     def add(self, r: int, k: int) -> None:
         prob = self.prob
         self.members[k].add(r)
+        self.kv_count[k] += prob.has_kv[r]
         qs = self.qs[k]
         insort(qs, prob.q[r])
         self.sum_m[k] += prob.mi[r]
@@ -176,6 +183,7 @@ class Placement:
         prob = self.prob
         k = self.where.pop(r)
         self.members[k].discard(r)
+        self.kv_count[k] -= prob.has_kv[r]
         qs = self.qs[k]
         del qs[bisect_left(qs, prob.q[r])]
         self.sum_m[k] -= prob.mi[r]
@@ -207,6 +215,15 @@ class Placement:
     def fits(self, r: int, k: int) -> bool:
         """The instance's KV cache holds the request (or it runs there already)."""
         return self.need[r] <= self.cap[k] or self.prob.current[r] == self.ids[k]
+
+    def seated(self, r: int, k: int, leaving: int = -1) -> bool:
+        """A request with a KV cache finds a free seat on ``k`` (or runs there already;
+        ``leaving``: a request of ``k`` that leaves it at the same time)."""
+        prob = self.prob
+        if not prob.has_kv[r] or prob.current[r] == self.ids[k]:
+            return True
+        held = self.kv_count[k] - (prob.has_kv[leaving] if leaving >= 0 else 0)
+        return held < self.slots[k]
 
     def lowest(self, t: int, count: int, exclude: int) -> list[int]:
         self._fresh()
@@ -357,6 +374,7 @@ class Placement:
             best: tuple[float, float, str, str, int, int] | None = None
             limit_run = run_src - margin  # a move must bring both ends below this
             need, cap, ids, current = self.need, self.cap, self.ids, prob.current
+            has_kv, kv_count, slots = prob.has_kv, self.kv_count, self.slots
             # a destination's run only grows with a request: one already at the limit
             # cannot take any (the same test as below, made before evaluating requests)
             run = self.run
@@ -371,9 +389,10 @@ class Placement:
                     continue
                 need_r, cur_r = need[r], current[r]
                 q_r, m_r, pre_r = prob.q[r], prob.mi[r], prob.pre[r]
+                kv_r = has_kv[r]
                 for k in targets:
-                    if need_r > cap[k] and cur_r != ids[k]:
-                        continue
+                    if cur_r != ids[k] and (need_r > cap[k] or (kv_r and kv_count[k] >= slots[k])):
+                        continue  # no KV room, or no free seat for its KV cache
                     # self.run_with(k, r), inlined (the hot loop of balancing)
                     qs = qs_[k]
                     qm = qs[-1] if qs and qs[-1] > q_r else q_r
@@ -437,6 +456,8 @@ class Placement:
                     if q[x] >= q[r] and mi[x] >= mi[r] and pre[x] >= pre[r]:
                         continue  # cannot help the bottleneck
                     if not self.fits(x, src):
+                        continue
+                    if not (self.seated(r, k, leaving=x) and self.seated(x, src, leaving=r)):
                         continue
                     q_k = (
                         qs_k[-2]

@@ -284,6 +284,26 @@ def test_any_plan_is_valid_and_replanning_after_it_is_a_no_op(
     assert apply_plan(after, again) == after
 
 
+@settings(max_examples=60, deadline=None)
+@given(state=states(), seats=st.integers(1, 4))
+def test_balancing_moves_a_kv_cache_only_to_a_free_seat(state: ComputeState, seats: int) -> None:
+    """With ``seats`` sequences an instance, a request moved with its KV cache lands
+    where fewer than ``seats`` requests hold a KV cache after the plan (counting the
+    requests moved in before it): an engine would otherwise preempt it and recompute it,
+    so the move bought nothing."""
+    config = PlannerConfig(max_num_seqs=seats)
+    plan = balance(state, forecast_for(state), PM, 0.0, config)
+    running = {r.id for r in state.requests if r.has_kv}
+    moved_in = Counter(m.target for m in plan.migrations if m.request in running)
+    stayed = Counter(
+        inst
+        for rid, inst in plan.assignment
+        if rid in running and rid not in {m.request for m in plan.migrations}
+    )
+    for inst, count in moved_in.items():
+        assert stayed[inst] + count <= max(seats, stayed[inst]), (inst, plan.explain())
+
+
 @settings(max_examples=30, deadline=None)
 @given(state=states())
 def test_predictions_are_consistent(state: ComputeState) -> None:

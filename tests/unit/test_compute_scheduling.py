@@ -11,7 +11,7 @@ import pytest
 from fabric_controller import scheduling as s
 from orchestrrl import errors
 from orchestrrl.v1 import node_agent_pb2 as pb
-from scheduler.compute_state import MoveMethod, apply_plan, canonical_instances
+from scheduler.compute_state import Migration, MoveMethod, apply_plan, canonical_instances
 from scheduler.forecast import PriorLengths
 from scheduler.perf_model import H800, QWEN25_14B, PerfModel
 from scheduler.replan import ReplanSchedule
@@ -297,14 +297,24 @@ def test_moves_of_two_methods_into_one_instance_become_two_commands() -> None:
     """A queued request dispatched and a running one moved with its KV cache into the
     same instance: two commands (sorting them raised TypeError, enum members do not
     order, and the round was lost)."""
-    snap, t = full_nodes(3)
+    snap, t = full_nodes(8)  # g1 idle: room for both
     d = s.decide(t, snap, PM, 60.0, s.SchedulingConfig())
     assert d.plan is not None
-    _, migrations = s.commands_for(d.plan, snap, "t", 64)
-    by_target: dict[tuple[str, str, int], set[MoveMethod]] = {}
-    for m in migrations:
-        by_target.setdefault((m.source, m.target, m.target_instance), set()).add(m.method)
-    assert any(len(methods) > 1 for methods in by_target.values()), migrations
+    target = next(inst for rid, inst in d.plan.assignment if rid == "q0")
+    assert snap.index[target][0] == "g1"
+    source = next(r.instance for r in snap.state.requests if r.id == "a0")
+    assert source is not None
+    plan = replace(
+        d.plan,
+        migrations=(Migration("a0", source, target, MoveMethod.KV_NETWORK, 0.1),),
+        assignment=tuple((rid, target if rid == "a0" else i) for rid, i in d.plan.assignment),
+    )
+    _, migrations = s.commands_for(plan, snap, "t", 64)
+    into = [
+        (m.method, m.request_ids) for m in migrations if m.target_instance == snap.index[target][1]
+    ]
+    assert (MoveMethod.KV_NETWORK, ("a0",)) in into
+    assert any(m is MoveMethod.DISPATCH and "q0" in ids for m, ids in into)
     assert len({m.command_id for m in migrations}) == len(migrations)
 
 
