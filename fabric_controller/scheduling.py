@@ -579,16 +579,12 @@ def _free_seats(
     cap = snap.max_num_seqs
     if not cap:
         return None
-    resharded = {r.node: r.after for r in plan.reshards}
-    instances = [i for i in snap.state.instances if i.node not in resharded]
-    for node, layout in resharded.items():
-        instances += canonical_instances(node, range(sum(layout)), layout)
     per_instance: collections.Counter[str] = collections.Counter()
     per_node: collections.Counter[str] = collections.Counter()
-    for inst in instances:
+    for inst in plan.instances:
         per_instance[inst.id] += cap
         per_node[inst.node] += cap
-    node_of = {inst.id: inst.node for inst in instances}
+    node_of = {inst.id: inst.node for inst in plan.instances}
     for rid, inst_id in plan.assignment:
         node = node_of[inst_id]
         queued = snap.queued_on.get(rid)
