@@ -63,6 +63,10 @@ def _run(args: argparse.Namespace) -> int:
         f"perf/cost {result.perf_per_cost:.4f} steps/s per MUSD; the pipeline is "
         f"{result.bound}-bound"
     )
+    print(
+        f"engines run at most {scenario.generation.max_num_seqs} sequences per instance at "
+        "every TP (generation.max_num_seqs; the KV cache may hold fewer)"
+    )
     reshards = sum(g.reshards for g in result.gens)
     moves = sum(g.migrations for g in result.gens)
     if result.policy != "static":

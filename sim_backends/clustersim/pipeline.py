@@ -144,7 +144,19 @@ class RunResult:
 
 
 def perf_model(s: Scenario) -> PerfModel:
-    return default_model(s.model.name, s.cluster.hardware)
+    """The model's performance model on the scenario's hardware, its engines capped at
+    ``generation.max_num_seqs`` sequences per instance at every TP (stated in reports:
+    results swing with it)."""
+    m = default_model(s.model.name, s.cluster.hardware)
+    cap = s.generation.max_num_seqs
+    if cap == m.efficiency.max_num_seqs:
+        return m
+    return replace(m, efficiency=replace(m.efficiency, max_num_seqs=cap))
+
+
+def with_max_num_seqs(s: Scenario, cap: int) -> Scenario:
+    """``s`` with its engines capped at ``cap`` sequences per instance."""
+    return replace(s, generation=replace(s.generation, max_num_seqs=cap))
 
 
 def cluster_spec(s: Scenario) -> ClusterSpec:

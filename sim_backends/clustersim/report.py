@@ -78,6 +78,30 @@ def ceiling_table(results: Mapping[str, Mapping[str, Any]]) -> str:
     return _table(CEILING_HEADER, ceiling_rows(results))
 
 
+def seqs_caps(results: Mapping[str, Mapping[str, Any]]) -> str:
+    """One sentence stating each scenario's cap on sequences per instance, per TP
+    (scenarios with the same caps named together); "" when the rows carry none."""
+    by_caps: dict[str, list[str]] = {}
+    for name, row in results.items():
+        caps = row.get("max_num_seqs")
+        if not caps:
+            continue
+        values = set(caps.values())
+        text = (
+            f"{values.pop()} at every TP"
+            if len(values) == 1
+            else ", ".join(f"TP{t} {c}" for t, c in caps.items())
+        )
+        by_caps.setdefault(text, []).append(name)
+    if not by_caps:
+        return ""
+    parts = [f"{text} ({', '.join(names)})" for text, names in by_caps.items()]
+    return (
+        "Sequences an instance runs at most (`generation.max_num_seqs`, the engines' cap; "
+        "its KV cache may hold fewer): " + "; ".join(parts) + ". Section 3c varies it."
+    )
+
+
 E2E_HEADER = (
     "scenario",
     "gen/train GPUs",
@@ -313,6 +337,10 @@ def write_report(out: Mapping[str, Any], runs: Mapping[str, RunResult], outdir: 
                     f"Mean captured share over {len(shares)} scenario(s) where the oracle "
                     f"gains: {sum(shares) / len(shares):.0%}."
                 )
+            caps = seqs_caps(suite)
+            if caps:
+                md.append("")
+                md.append(caps)
             md.append("")
         md += ["### End to end: the same results through the pipeline", ""]
         md.append(
@@ -398,6 +426,28 @@ def write_report(out: Mapping[str, Any], runs: Mapping[str, RunResult], outdir: 
             md.append(f"### {name}")
             md.append("")
             md.append(_table(SWEEP_HEADER, sweep_rows(sweep)))
+            md.append("")
+    sq = out.get("sensitivity_max_num_seqs", {})
+    if any(sq.values()):
+        md += ["## 3c. Sensitivity: sequences per instance (max_num_seqs)", ""]
+        md.append(
+            "The same scenario with its engines capped at each `max_num_seqs` (sequences an "
+            "instance runs at once, at every TP; vLLM's default is 256), against the same "
+            "ceilings. The cap decides how much of the load one instance takes in, and so "
+            "which static TP is best and how much any scheduler can gain."
+        )
+        md.append("")
+        for name, rows in sq.items():
+            if not rows:
+                continue
+            md.append(f"### {name}")
+            md.append("")
+            md.append(
+                _table(
+                    ("max_num_seqs", *CEILING_HEADER[1:]),
+                    ceiling_rows(dict(sorted(rows.items(), key=lambda kv: int(kv[0])))),
+                )
+            )
             md.append("")
     md += ["## Plots", ""]
     for name, caption in plots:
@@ -773,6 +823,7 @@ def discussion(out: Mapping[str, Any]) -> list[str]:
             f"{best[0]} {best[1]['perf_per_cost_norm']:.2f}x."
         )
     lines += sweep_discussion(out.get("sensitivity_split", {}))
+    lines += seqs_discussion(out.get("sensitivity_max_num_seqs", {}))
     sw = out.get("sensitivity_switching", {})
     if sw:
         rows = list(sw.items())
@@ -817,5 +868,28 @@ def sweep_discussion(sweeps: Mapping[str, Any]) -> list[str]:
             )
         lines.append(
             f"Split sweep {name} (gen/train GPUs): best static pipeline {by}; {where}{pick}."
+        )
+    return lines
+
+
+def seqs_discussion(sweeps: Mapping[str, Any]) -> list[str]:
+    """Per scenario swept over ``max_num_seqs``: the best static layout and the adaptive
+    and oracle speedups at each cap, and the range they span."""
+    lines: list[str] = []
+    for name, rows in sweeps.items():
+        if not rows:
+            continue
+        ordered = sorted(rows.items(), key=lambda kv: int(kv[0]))
+        each = "; ".join(
+            f"{cap}: best static TP{r['best_static_tp']} {r['best_static_s']:.1f} s, adaptive "
+            f"{r['adaptive_speedup']:.3f}x, oracle {r['oracle_speedup']:.3f}x"
+            for cap, r in ordered
+        )
+        adaptive = [r["adaptive_speedup"] for _, r in ordered]
+        oracle = [r["oracle_speedup"] for _, r in ordered]
+        lines.append(
+            f"max_num_seqs sweep {name} (sequences per instance): {each}. Over the caps swept "
+            f"the adaptive policy gains {min(adaptive):.3f}x-{max(adaptive):.3f}x and the "
+            f"oracle {min(oracle):.3f}x-{max(oracle):.3f}x over the best static layout."
         )
     return lines

@@ -16,7 +16,9 @@
 3. sensitivity: OCS switching time (10 us .. 50 ms) on RFabric at 1024 GPUs; the
    generation/training split of the default and the DAPO-like suite scenarios (64 GPUs,
    1-4 training nodes): where the pipeline is generation- or training-bound, which split
-   ``split.choose = "auto"`` picks, and the adaptive policy's speedups at each.
+   ``split.choose = "auto"`` picks, and the adaptive policy's speedups at each; and the
+   engines' cap on sequences per instance (``max_num_seqs`` 64..512) on the same two,
+   against the same ceilings (the best static layout and every speedup move with it).
 
 Every compute result gives two speedups over the best static layout: in generation time
 (the policy's own effect) and end to end (the pipeline's step time,
@@ -53,6 +55,7 @@ from sim_backends.clustersim.pipeline import (
     run_generation,
     run_pipeline,
     step_bounds,
+    with_max_num_seqs,
     with_split,
 )
 from sim_backends.clustersim.scenario import (
@@ -78,6 +81,7 @@ SWITCHING_S = (10e-6, 1e-3, 10e-3, 25e-3, 50e-3)
 SUITE_DIR = Path(__file__).resolve().parents[2] / "examples" / "sim" / "suite"
 QUICK_SUITE = ("default-14b", "dapo-14b")  # the --quick run's subset, shrunk
 SPLIT_SWEEP = ("default-14b", "dapo-14b")  # suite scenarios swept over the split
+SEQS_SWEEP = ("default-14b", "dapo-14b")  # ... and over max_num_seqs
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,11 @@ class Plan:
         """Training nodes of the split sweep (of the scenario's pool, 8 nodes in the
         swept scenarios; a split that leaves no generation node is skipped)."""
         return (1, 2) if self.quick else (1, 2, 3, 4)
+
+    @property
+    def seqs(self) -> tuple[int, ...]:
+        """``max_num_seqs`` values of the sweep (sequences per instance at every TP)."""
+        return (64, 256) if self.quick else (64, 128, 256, 512)
 
 
 def compute_scenario(plan: Plan, model: str, train_nodes: int = 2) -> Scenario:
@@ -379,6 +388,21 @@ def tasks(plan: Plan, out: dict[str, Any], runs: dict[str, RunResult]) -> Iterat
                 one_split,
             )
 
+    seqs: dict[str, Any] = {}
+    out["sensitivity_max_num_seqs"] = seqs
+    for s in plan.suite:
+        if s.name not in SEQS_SWEEP:
+            continue
+        rows: dict[str, Any] = {}
+        seqs[s.name] = rows
+        for cap in plan.seqs:
+            one = with_max_num_seqs(s, cap)
+
+            def one_cap(s: Scenario = one, rows: dict[str, Any] = rows) -> None:
+                rows[str(s.generation.max_num_seqs)] = suite_row(s)
+
+            yield f"max_num_seqs sweep {s.name}: {cap} sequences per instance", one_cap
+
 
 def split_row(s: Scenario) -> dict[str, Any]:
     """One split of the sweep: the best static layout's pipeline (what ``split.choose =
@@ -443,6 +467,9 @@ def suite_row(s: Scenario) -> dict[str, Any]:
         requests_per_step=s.workload.requests_per_step,
         steps=s.steps,
         seed=s.seed,
+        # sequences an instance of each TP runs at most (the engine cap; its KV cache
+        # may hold fewer)
+        max_num_seqs={str(t): perf.max_num_seqs(t) for t in sorted(statics)},
         adaptive_reshards=sum(g.reshards for g in adaptive),
         adaptive_moves=sum(g.migrations for g in adaptive),
         oracle_reshards=sum(g.reshards for g in oracle),

@@ -75,7 +75,7 @@ def test_bad_scenario_is_rejected_before_running(tmp_path: Path) -> None:
 def test_reproduce_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     proc = _orl_sim("reproduce", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    assert "] 15/15" in proc.stderr  # the progress bar reached the end
+    assert "] 19/19" in proc.stderr  # the progress bar reached the end
     assert "compute 64 GPUs Qwen2.5-14B" in proc.stdout and "paper" in proc.stdout
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results) >= {"compute", "network", "sensitivity_switching", "sensitivity_split"}
@@ -109,6 +109,21 @@ def test_reproduce_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
         for r in rows.values():  # one steady step at --quick: the bound is gen vs train
             assert r["bound"] == ("generation" if r["gen_s"] >= r["train_s"] else "training")
     assert report.count("<- auto") == 2 and "Split sweep dapo-14b" in report
+    # the cap on sequences per instance, stated for every scenario and swept on two
+    for c in results["suite"].values():
+        assert c["max_num_seqs"] == {"1": 256, "2": 256, "4": 256, "8": 256}
+    seqs = results["sensitivity_max_num_seqs"]
+    assert set(seqs) == {"default-14b", "dapo-14b"}
+    for name, rows in seqs.items():
+        assert set(rows) == {"64", "256"}
+        for cap, r in rows.items():
+            assert set(r["max_num_seqs"].values()) == {int(cap)}
+            assert r["bound_s"] <= r["oracle_s"] <= r["best_static_s"] * 1.0001
+        # the default cap reproduces the suite's own row (results are deterministic)
+        assert rows["256"]["adaptive_s"] == results["suite"][name]["adaptive_s"]
+        assert rows["256"]["oracle_s"] == results["suite"][name]["oracle_s"]
+    assert "## 3c. Sensitivity: sequences per instance" in report
+    assert "256 at every TP" in report and "max_num_seqs sweep default-14b" in report
     # the regime map: every workload x placement x fabric, and RFabric's verdicts
     regime = results["regimes"]
     cells = {(r["workload"], r["placement"], r["fabric"]) for r in regime["rows"]}

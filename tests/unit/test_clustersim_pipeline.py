@@ -15,6 +15,7 @@ from sim_backends.clustersim.pipeline import (
     run_pipeline,
     run_scenario,
     train_compute_s,
+    with_max_num_seqs,
 )
 from sim_backends.clustersim.scenario import Scenario, parse_scenario
 
@@ -103,6 +104,18 @@ def test_best_static_picks_the_fastest_uniform_layout() -> None:
     assert set(totals) == {1, 2, 4, 8}
     assert totals[tp] == min(totals.values())
     assert sum(g.seconds for g in gens) == totals[tp]
+
+
+@pytest.mark.parametrize("cap", [1, 16, 256, 1024])
+def test_the_scenarios_max_num_seqs_caps_every_tp_of_the_performance_model(cap: int) -> None:
+    """``generation.max_num_seqs`` is the engines' cap at every TP (also above the
+    model's default of 256), and the simulated instances never run more."""
+    s = with_max_num_seqs(_scenario(), cap)
+    perf = perf_model(s)
+    assert {t: perf.max_num_seqs(t) for t in (1, 2, 4, 8)} == dict.fromkeys((1, 2, 4, 8), cap)
+    assert perf.model == perf_model(_scenario()).model
+    gens = run_generation(s, perf, "static", 8)
+    assert all(g.seconds > 0 for g in gens)
 
 
 def test_run_scenario_is_deterministic_for_a_seed() -> None:

@@ -11,6 +11,8 @@ from sim_backends.clustersim.report import (
     SWEEP_HEADER,
     discussion,
     e2e_rows,
+    seqs_caps,
+    seqs_discussion,
     sweep_discussion,
     sweep_rows,
 )
@@ -145,3 +147,34 @@ def test_sweep_discussion_says_where_the_pipeline_turns_generation_bound() -> No
     none = _sweep()
     del none["splits"]["48/16"]
     assert "training-bound or mixed at every split swept" in sweep_discussion({"s": none})[0]
+
+
+def _ceiling(cap: int, best: float, adaptive: float, oracle: float) -> dict[str, Any]:
+    return {
+        "max_num_seqs": {"1": cap, "2": cap, "4": cap, "8": cap},
+        "best_static_tp": 8,
+        "best_static_s": best,
+        "adaptive_speedup": best / adaptive,
+        "oracle_speedup": best / oracle,
+    }
+
+
+def test_the_cap_on_sequences_per_instance_is_stated_per_scenario() -> None:
+    line = seqs_caps(
+        {
+            "a": _ceiling(256, 100.0, 98.0, 90.0),
+            "b": _ceiling(256, 100.0, 98.0, 90.0),
+            "c": {**_ceiling(64, 1.0, 1.0, 1.0), "max_num_seqs": {"1": 64, "8": 32}},
+        }
+    )
+    assert "256 at every TP (a, b)" in line and "TP1 64, TP8 32 (c)" in line
+    assert seqs_caps({"old": {"best_static_s": 1.0}}) == ""  # rows without caps
+
+
+def test_the_max_num_seqs_sweep_is_said_with_its_range() -> None:
+    (line,) = seqs_discussion(
+        {"s": {"256": _ceiling(256, 100.0, 98.0, 90.0), "64": _ceiling(64, 130.0, 120.0, 100.0)}}
+    )
+    assert line.index("64: best static") < line.index("256: best static")  # by cap
+    assert "adaptive policy gains 1.020x-1.083x" in line and "oracle 1.111x-1.300x" in line
+    assert seqs_discussion({"s": {}}) == []
