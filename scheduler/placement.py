@@ -217,10 +217,11 @@ class Placement:
         return self.need[r] <= self.cap[k] or self.prob.current[r] == self.ids[k]
 
     def seated(self, r: int, k: int, leaving: int = -1) -> bool:
-        """A request with a KV cache finds a free seat on ``k`` (or runs there already;
-        ``leaving``: a request of ``k`` that leaves it at the same time)."""
+        """A request with a KV cache finds a free seat on ``k`` (``leaving``: a request of
+        ``k`` that leaves it at the same time). Also when it returns to its own instance:
+        its seat may have been given away meanwhile."""
         prob = self.prob
-        if not prob.has_kv[r] or prob.current[r] == self.ids[k]:
+        if not prob.has_kv[r]:
             return True
         held = self.kv_count[k] - (prob.has_kv[leaving] if leaving >= 0 else 0)
         return held < self.slots[k]
@@ -391,8 +392,9 @@ class Placement:
                 q_r, m_r, pre_r = prob.q[r], prob.mi[r], prob.pre[r]
                 kv_r = has_kv[r]
                 for k in targets:
-                    if cur_r != ids[k] and (need_r > cap[k] or (kv_r and kv_count[k] >= slots[k])):
-                        continue  # no KV room, or no free seat for its KV cache
+                    if (need_r > cap[k] and cur_r != ids[k]) or (kv_r and kv_count[k] >= slots[k]):
+                        continue  # no KV room, or no free seat for its KV cache (even on
+                        # its own instance: its seat may have been given away meanwhile)
                     # self.run_with(k, r), inlined (the hot loop of balancing)
                     qs = qs_[k]
                     qm = qs[-1] if qs and qs[-1] > q_r else q_r
