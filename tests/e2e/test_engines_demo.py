@@ -4,6 +4,8 @@ A local cluster (simulated OCS, controller, three agents; the two generation age
 llama.cpp servers with a tiny random model), a step's requests streamed to one gateway,
 the controller's compute-scheduling loop deciding reshards and migrations from the
 agents' real telemetry, and every output compared with the same request run alone.
+Requests of at most 1,200 tokens: a step of ~25 s on two cores, several of the loop's
+5 s re-plans long.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def test_the_loop_migrates_and_reshards_real_engines_and_outputs_stay_exact(
     r = subprocess.run(
         [sys.executable, "-m", "fabric_controller.cli", "--json", "demo-engines",
          "--engine", "llamacpp", "--engine-command", str(llama_binary),
-         "--run-dir", str(tmp_path / "run")],
+         "--max-tokens", "1200", "--run-dir", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
