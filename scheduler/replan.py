@@ -23,6 +23,7 @@ def check_seconds(value: float, field: str) -> float:
     """An interval of the scheduling loop, in seconds; the error names ``field``."""
     if not (
         isinstance(value, int | float)
+        and not isinstance(value, bool)
         and math.isfinite(value)
         and MIN_INTERVAL_S <= value <= MAX_INTERVAL_S
     ):

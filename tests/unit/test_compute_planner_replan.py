@@ -28,7 +28,7 @@ def test_replan_at_step_start_and_then_every_interval() -> None:
     assert s.due(step_started_at=100.0, now=1000.0, last_plan_at=994.0)
 
 
-@pytest.mark.parametrize("bad", [0.0, 0.01, -1.0, 3601.0, math.nan, math.inf, "5", None])
+@pytest.mark.parametrize("bad", [0.0, 0.01, -1.0, 3601.0, math.nan, math.inf, "5", None, True])
 def test_a_bad_replan_interval_is_refused_naming_the_field(bad: object) -> None:
     with pytest.raises(errors.InvalidArgument, match="replan_interval_s"):
         ReplanSchedule(interval_s=bad)  # type: ignore[arg-type]
