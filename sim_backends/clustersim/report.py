@@ -445,7 +445,7 @@ def write_report(out: Mapping[str, Any], runs: Mapping[str, RunResult], outdir: 
             md.append(
                 _table(
                     ("max_num_seqs", *CEILING_HEADER[1:]),
-                    ceiling_rows(dict(sorted(rows.items(), key=lambda kv: int(kv[0])))),
+                    ceiling_rows(dict(_by_cap(rows))),
                 )
             )
             md.append("")
@@ -872,6 +872,11 @@ def sweep_discussion(sweeps: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _by_cap(rows: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """A ``max_num_seqs`` sweep's rows (keyed by the cap as text), smallest cap first."""
+    return sorted(rows.items(), key=lambda kv: int(kv[0]))
+
+
 def seqs_discussion(sweeps: Mapping[str, Any]) -> list[str]:
     """Per scenario swept over ``max_num_seqs``: the best static layout and the adaptive
     and oracle speedups at each cap, and the range they span."""
@@ -879,7 +884,7 @@ def seqs_discussion(sweeps: Mapping[str, Any]) -> list[str]:
     for name, rows in sweeps.items():
         if not rows:
             continue
-        ordered = sorted(rows.items(), key=lambda kv: int(kv[0]))
+        ordered = _by_cap(rows)
         each = "; ".join(
             f"{cap}: best static TP{r['best_static_tp']} {r['best_static_s']:.1f} s, adaptive "
             f"{r['adaptive_speedup']:.3f}x, oracle {r['oracle_speedup']:.3f}x"
