@@ -255,6 +255,16 @@ class ModelShape:
         return 3 * self.hidden * self.expert_ffn if self.moe else 0
 
     @property
+    def all_expert_params(self) -> int:
+        """Every expert of every block (sharded by expert parallelism; 0 if dense)."""
+        return self.layers * self.experts * self.expert_params
+
+    @property
+    def dense_params(self) -> int:
+        """Everything but the experts (replicated across expert-parallel ranks)."""
+        return self.params - self.all_expert_params
+
+    @property
     def router_params(self) -> int:
         return self.hidden * self.experts
 
@@ -871,7 +881,7 @@ class PerfModel:
         embeddings, LM head); norms replicated."""
         _, t_a = self.moe_instance(gpus)
         m = self.model
-        experts = m.layers * m.experts * m.expert_params
+        experts = m.all_expert_params
         rest = m.layers * (m.attn_params + m.router_params) + m.embedding_params
         rest += m.lm_head_params
         replicated = m.layers * 2 * m.hidden + m.hidden

@@ -21,10 +21,9 @@ the order of the training nodes given; node-level collectives as in
 - ``ep`` (MoE): expert parallelism over groups of ``ep`` GPUs (consecutive ranks; a
   group of ``ep/g`` nodes), attention and router data-parallel (ZeRO-1) over every
   training GPU; per pass an all-to-all inside each group (dispatch + combine of every
-  token's ``active_experts`` hidden states, :meth:`.models.TrainShape.
-  a2a_bytes_per_token_layer`, every layer); gradients of the dense part all-reduced over
-  all nodes and those of the experts over the nodes holding the same experts (one per
-  expert-parallel group).
+  token's ``active_experts`` hidden states, :func:`.models.a2a_bytes_per_token_layer`,
+  every layer); gradients of the dense part all-reduced over all nodes and those of the
+  experts over the nodes holding the same experts (one per expert-parallel group).
 
 Compute: ``6 x active params x tokens`` per update over the training pool at the
 performance model's training MFU, plus ``2 x active params x tokens`` for the log-prob
@@ -43,6 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from orchestrrl import errors
+from scheduler.perf_model import ModelShape
 from sim_backends.clustersim.collectives import (
     ALGORITHMS,
     CollectiveTraffic,
@@ -52,7 +52,7 @@ from sim_backends.clustersim.collectives import (
     reduce_scatter,
 )
 from sim_backends.clustersim.fabrics import Transfer
-from sim_backends.clustersim.models import TrainShape
+from sim_backends.clustersim.models import a2a_bytes_per_token_layer
 
 STRATEGIES = ("megatron", "fsdp", "ep")
 ALGORITHM_CHOICES = (*ALGORITHMS, "auto")
@@ -77,7 +77,7 @@ class Parallelism:
     algorithm: str = "ring"
     timing: str = "flow"
 
-    def problems(self, shape: TrainShape, train_nodes: int, gpus_per_node: int) -> list[str]:
+    def problems(self, shape: ModelShape, train_nodes: int, gpus_per_node: int) -> list[str]:
         """Every reason this layout cannot run ``shape`` on the pool (field, value,
         allowed)."""
         out: list[str] = []
@@ -119,7 +119,7 @@ class Parallelism:
                 bad("ep", self.ep, f"a divisor of the experts ({shape.experts})")
         return out
 
-    def ep_gpus(self, shape: TrainShape, train_gpus: int) -> int:
+    def ep_gpus(self, shape: ModelShape, train_gpus: int) -> int:
         return self.ep or min(shape.experts, train_gpus)
 
 
@@ -181,7 +181,7 @@ class TrainingTraffic:
 
 
 def training_traffic(
-    shape: TrainShape,
+    shape: ModelShape,
     layout: Parallelism,
     nodes: Sequence[int],
     gpus_per_node: int,
@@ -266,7 +266,7 @@ def training_traffic(
         ep_nodes = max(1, layout.ep_gpus(shape, gpus) // gpus_per_node)
         groups = [list(nodes[i : i + ep_nodes]) for i in range(0, n, ep_nodes)]
         if ep_nodes > 1:
-            per_tok = shape.layers * shape.a2a_bytes_per_token_layer()
+            per_tok = shape.layers * a2a_bytes_per_token_layer(shape)
             for label, tok, mb, lp in (
                 ("ep all-to-all", tok_mb, 2.0, 0.0),
                 ("ep all-to-all (log-prob)", tokens, 0.0, 1.0),
@@ -275,7 +275,7 @@ def training_traffic(
                 pats.append(Pattern(label, "all-to-all", (opt,), 2 * shape.layers, mb, lp))
         reduce("dense-grad all-reduce (ZeRO-1)", [list(nodes)], shape.dense_params * gb, 1)
         ep = layout.ep_gpus(shape, gpus)
-        held = shape.expert_params * min(1.0, gpus_per_node / ep)  # per node
+        held = shape.all_expert_params * min(1.0, gpus_per_node / ep)  # per node
         replicas = [list(nodes[j::ep_nodes]) for j in range(ep_nodes)]
         reduce("expert-grad all-reduce", replicas, held * gb, 1)
     return TrainingTraffic(layout.strategy, mini_batches, update, logprob, tuple(pats))

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from scheduler.compute_problem import PlannerConfig
-from scheduler.perf_model import PerfModel, default_model
+from scheduler.perf_model import ModelShape, PerfModel, default_model
 from sim_backends.clustersim.collectives import weight_sync_transfers
 from sim_backends.clustersim.cost import CostBreakdown
 from sim_backends.clustersim.fabrics import (
@@ -53,7 +53,7 @@ from sim_backends.clustersim.generation import (
     simulate_step,
     uniform_layout,
 )
-from sim_backends.clustersim.models import TrainShape, shape
+from sim_backends.clustersim.models import shape
 from sim_backends.clustersim.parallel import (
     TrainingTraffic,
     time_training,
@@ -195,7 +195,7 @@ def scattered_pools(
     return tuple(out), tuple(x for x in range(total) if x not in taken)
 
 
-def train_shape(s: Scenario, perf: PerfModel) -> TrainShape:
+def train_shape(s: Scenario, perf: PerfModel) -> ModelShape:
     """The model trained: ``training.model``, or the generation model's shape."""
     return shape(s.training.model) if s.training.model else shape(perf.model.name)
 

@@ -60,7 +60,7 @@ from sim_backends.clustersim.fabrics import (
     Transfer,
     build_fabric,
 )
-from sim_backends.clustersim.models import shape
+from sim_backends.clustersim.models import a2a_bytes_per_token_layer, shape
 from sim_backends.clustersim.parallel import Parallelism, time_training, training_traffic
 from sim_backends.clustersim.pipeline import scattered_pools
 from sim_backends.clustersim.scenario import FABRIC_KINDS, WorkloadConfig
@@ -300,7 +300,7 @@ def run_one(
         groups = gen_instances(gen, per, placement)[: sched.instances]
         # the step's dispatch + combine bytes per node (every layer, every token)
         per_node = (
-            sched.tokens / max(1, len(groups) * per) * sh.layers * sh.a2a_bytes_per_token_layer()
+            sched.tokens / max(1, len(groups) * per) * sh.layers * a2a_bytes_per_token_layer(sh)
         )
         gen_demand = list(all_to_all(groups, per_node, "ep generation all-to-all").transfers)
     best: dict[str, Any] | None = None

@@ -190,13 +190,13 @@ class TrainingConfig:
     (model sharded by TP inside a node). FLOPs: 6 x params x tokens for the update plus
     2 x params x tokens to recompute the old policy's log-probabilities (plus as much
     again for a reference model when ``reference_model``; MoE: active parameters).
-    ``model``: the shape trained (``sim_backends.clustersim.models.SHAPES``, which adds
-    Qwen3-235B-A22B and Qwen3-30B-A3B); empty: ``model.name``. Generation is timed with
-    ``model.name``'s performance model, which has a MoE decode: with ``model.name`` =
-    Qwen3-235B-A22B the instances are one node each (experts over the node's GPUs, on
-    NVLink; the regime map of ``orl-sim reproduce`` also times instances spanning nodes).
-    A MoE ``training.model`` with a dense ``model.name`` sizes the training traffic and
-    the weight sync only. The parallelism layout and its collectives are the
+    ``model``: the shape trained (one of ``scheduler.perf_model.MODELS``, MoE
+    Qwen3-235B-A22B and Qwen3-30B-A3B among them); empty: ``model.name``. Generation is
+    timed with ``model.name``'s performance model, which has a MoE decode: with
+    ``model.name`` = Qwen3-235B-A22B the instances are one node each (experts over the
+    node's GPUs, on NVLink; the regime map of ``orl-sim reproduce`` also times instances
+    spanning nodes). A MoE ``training.model`` with a dense ``model.name`` sizes the
+    training traffic and the weight sync only. The parallelism layout and its collectives are the
     ``[parallelism]`` table's."""
 
     mini_batches: int = 4

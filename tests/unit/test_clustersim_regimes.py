@@ -6,9 +6,15 @@ from __future__ import annotations
 import pytest
 
 from orchestrrl import errors
+from scheduler.perf_model import ModelShape
 from sim_backends.clustersim.collectives import all_to_all, allgather, allreduce
 from sim_backends.clustersim.fabrics import ClusterSpec, FabricKind, FabricOptions, build_fabric
-from sim_backends.clustersim.models import QWEN3_30B_A3B, QWEN3_235B_A22B, SHAPES, TrainShape
+from sim_backends.clustersim.models import (
+    QWEN3_30B_A3B,
+    QWEN3_235B_A22B,
+    SHAPES,
+    a2a_bytes_per_token_layer,
+)
 from sim_backends.clustersim.parallel import Parallelism, time_training, training_traffic
 from sim_backends.clustersim.pipeline import scattered_pools
 from sim_backends.clustersim.regimes import verdicts
@@ -39,9 +45,9 @@ def test_qwen3_235b_shape_by_hand() -> None:
     assert s.active_params == s.params - 94 * 120 * 3 * 4096 * 1536
     assert s.active_params == pytest.approx(22.19e9, rel=1e-3)  # "A22B", embeddings in
     # dispatch + combine of one token in one layer: 2 x 8 experts x 4096 x 2 bytes
-    assert s.a2a_bytes_per_token_layer() == 2 * 8 * 4096 * 2
+    assert a2a_bytes_per_token_layer(s) == 2 * 8 * 4096 * 2
     # forward + backward over 94 layers: the issue's ~24 MB per token
-    assert 2 * 94 * s.a2a_bytes_per_token_layer() == pytest.approx(24.6e6, rel=1e-2)
+    assert 2 * 94 * a2a_bytes_per_token_layer(s) == pytest.approx(24.6e6, rel=1e-2)
 
 
 def test_qwen3_30b_and_dense_72b_shapes() -> None:
@@ -50,11 +56,11 @@ def test_qwen3_30b_and_dense_72b_shapes() -> None:
     q72 = SHAPES["Qwen2.5-72B"]
     assert q72.params == 72_706_203_648 and q72.active_params == q72.params
     with pytest.raises(errors.InvalidArgument, match=r"model\.active_experts=9"):
-        TrainShape("x", 2, 8, 2, 1, 4, 0, 10, experts=8, active_experts=9, expert_ffn=4)
+        ModelShape("x", 2, 8, 2, 1, 4, 10, experts=8, active_experts=9, expert_ffn=4)
 
 
 def _traffic(
-    shape: TrainShape, layout: Parallelism, nodes: int = 16, tokens: int = 2**24
+    shape: ModelShape, layout: Parallelism, nodes: int = 16, tokens: int = 2**24
 ) -> object:
     return training_traffic(
         shape,
@@ -93,7 +99,7 @@ def test_pattern_bytes_match_hand_computation() -> None:
     assert pats["ep all-to-all (log-prob)"].nbytes == pytest.approx(4 * 16 * per_node * 7 / 8)
     # expert gradients: each node holds 8/64 of the experts, reduced over 2 replicas
     assert pats["expert-grad all-reduce"].nbytes == pytest.approx(
-        16 * 2 * 1 / 2 * s.expert_params / 8 * 2
+        16 * 2 * 1 / 2 * s.all_expert_params / 8 * 2
     )
 
 

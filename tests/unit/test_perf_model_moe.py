@@ -48,13 +48,14 @@ def test_experts_touched_is_e_times_one_minus_miss_probability() -> None:
         experts_touched(128, 0, 5)
 
 
-def test_shape_matches_the_training_side_and_the_published_sizes() -> None:
+def test_shape_is_the_training_sides_and_matches_the_published_sizes() -> None:
     m = QWEN3_235B_A22B
     assert m.layer_params == ATTN + 128 * EXPERT + ROUTER + 2 * 4096
     assert m.params == 94 * m.layer_params + 2 * LM_HEAD + 4096
-    assert m.params == SHAPES["Qwen3-235B-A22B"].params
-    assert m.active_params == SHAPES["Qwen3-235B-A22B"].active_params
+    assert SHAPES["Qwen3-235B-A22B"] is m  # the training side trains this very shape
     assert m.active_params == m.params - 94 * 120 * EXPERT
+    assert m.all_expert_params == 94 * 128 * EXPERT
+    assert m.dense_params == m.params - m.all_expert_params
     assert m.kv_bytes_per_token == KV_PER_TOKEN
     with pytest.raises(errors.InvalidArgument, match=r"model\.active_experts"):
         ModelShape("x", 2, 64, 4, 4, 8, 10, experts=4, active_experts=5, expert_ffn=8)
