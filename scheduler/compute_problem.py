@@ -18,6 +18,11 @@ least-squares line through the performance model's decode iteration time for bat
 instance's KV cache holds at the step's mean final context (capped by the engine's
 ``max_num_seqs``): continuous batching runs ``max(longest, work / slots)`` iterations and
 each sequence-iteration costs ``c_t``.
+
+The model has every request of an instance start at once. Engines admit a queue longer
+than their seats first come, first served, so layout scoring for large cases adds the
+delay of an instance's longest waiting request (``layout._fcfs_finish``, with
+``Problem.late_place``); placement, balancing and the plan's predicted times do not.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import numpy as np
 
 from orchestrrl import errors
 from scheduler.compute_state import ComputeState, Instance, MoveMethod, canonical_instances
-from scheduler.forecast import LengthForecast, predict_remaining_groups
+from scheduler.forecast import LengthForecast, predict_remaining_groups, reach_probability_groups
 from scheduler.perf_model import PerfModel
 
 Pattern = tuple[int, ...]  # TP degrees of a node's instances, descending
@@ -229,6 +234,10 @@ class Problem:
     long_group_array: np.ndarray = field(
         default_factory=lambda: np.zeros(0, np.bool_), compare=False, repr=False
     )
+    # where, as a fraction of an instance's waiting requests, the one that decides its
+    # finish waits in line: the expected last of the K waiting requests that may reach
+    # their critical path, K / (K + 1) (see layout._fcfs_finish)
+    late_place: float = 0.5
     # node_cost per (old, new) pattern pair, filled on use (a plan asks for few pairs, often)
     pauses: dict[tuple[Pattern, Pattern], float] = field(
         default_factory=dict, compare=False, repr=False
@@ -397,6 +406,13 @@ def build_problem(
     mi = tuple(mi_a.tolist())
     m = tuple(m_a.tolist())
     q = tuple(q_a.tolist())
+    # waiting requests start in arrival order (only ranked ones go first, see compute.py)
+    waiting = np.flatnonzero(~kv_a & ~long_group).tolist()
+    critical = float(
+        reach_probability_groups(
+            forecast, [gens[i] for i in waiting], [groups[i] for i in waiting], q_a[waiting]
+        ).sum()
+    )
 
     nodes = tuple(sorted(n.name for n in state.nodes))
     node_gpus = {n.name: tuple(sorted(n.gpus)) for n in state.nodes}
@@ -476,4 +492,5 @@ def build_problem(
         rank_array=rank_a,
         kv_array=kv_a,
         long_group_array=long_group,
+        late_place=critical / (critical + 1.0),
     )

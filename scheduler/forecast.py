@@ -469,6 +469,45 @@ def prior_log_scales(
     return dict(zip(names, d.tolist(), strict=True))
 
 
+def survival_arrays(forecast: LengthForecast, lengths: np.ndarray) -> np.ndarray:
+    """``forecast.survival_at`` of many lengths at once (the same values, up to the
+    rounding of numpy's exponential in the tail)."""
+    x = np.asarray(lengths, dtype=np.float64)
+    knots = np.asarray(forecast.knots, dtype=np.float64)
+    surv = np.asarray(forecast.survival, dtype=np.float64)
+    out = np.ones(len(x))
+    if len(knots):
+        i = np.searchsorted(knots, x, side="right")
+        inside = i > 0
+        out[inside] = surv[i[inside] - 1]
+        beyond = x > knots[-1]
+        out[beyond] = surv[-1] * np.exp(-(x[beyond] - knots[-1]) / forecast.tail_mean)
+    if forecast.max_tokens is not None:
+        out[x >= forecast.max_tokens] = 0.0
+    return out
+
+
+def reach_probability_groups(
+    forecast: LengthForecast,
+    generated: Sequence[int],
+    groups: Sequence[str | None],
+    remaining: np.ndarray,
+) -> np.ndarray:
+    """Per request, the probability that its remaining tokens reach ``remaining`` (at
+    least ``remaining - 1``), its length scaled by its group's ``exp(d_p)`` as in
+    :func:`predict_remaining_groups`. A quantile sits where the survival function steps
+    down: at a capped distribution's cap this is the cap's whole mass, not ``1 - q``."""
+    scales = forecast.group_log_scale
+    gen = np.asarray(generated, dtype=np.float64)
+    f = np.exp(np.array([scales.get(g, 0.0) if g is not None else 0.0 for g in groups]))
+    if len(gen) == 0:
+        return np.zeros(0)
+    here = survival_arrays(forecast, gen / f)
+    there = survival_arrays(forecast, (gen + np.asarray(remaining) - 1.0) / f)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(here > 0, np.minimum(1.0, there / here), 0.0)
+
+
 def predict_remaining_groups(
     forecast: LengthForecast,
     generated: Sequence[int],

@@ -3,7 +3,8 @@
 A candidate layout is a *profile*: how many nodes of each GPU count use each pattern.
 Its makespan ``M`` is scored from the requests alone (not from where they sit): exactly
 by LPT + local search for small cases, by a fluid bound for large ones (the longest
-requests one per instance on the fastest instances, the rest spread by throughput;
+requests one per instance on the fastest instances, the rest spread by throughput, plus
+the delay a first-come-first-served queue puts on its longest waiting request;
 candidates whose lower bound cannot reach the few a plan reports are not scored). Its
 switching cost ``C`` is the exact minimum, over which node takes which pattern, of the
 longest node pause (a bottleneck transportation problem on the few patterns, solved by
@@ -69,6 +70,9 @@ class _Sorted:
     m_max: Sequence[float]  # m_max[i]: the largest m among the first i + 1
     pre_max: Sequence[float]
     arrays: tuple[np.ndarray, np.ndarray, np.ndarray]  # q, m, pre in that order
+    # whether the request starts ahead of its queue: it holds KV, or its group is
+    # predicted long (the plan's admit_order); the others wait first come, first served
+    ranked: np.ndarray
     # own times per TP cost, filled on first use (elementwise, so a slice of it equals
     # the same formula on the slice)
     owns: dict[TpCost, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
@@ -129,6 +133,7 @@ def _sorted_requests(prob: Problem, reqs: Sequence[int]) -> _Sorted:
         _doubles(np.maximum.accumulate(m)),
         _doubles(np.maximum.accumulate(pre)),
         (q, m, pre),
+        prob.kv_array[idx] | prob.long_group_array[idx],
     )
 
 
@@ -149,8 +154,10 @@ def _fluid_makespan(
     ``a * max(q_i, (m_i + x W_m) / slots) + c (m_i + x W_m) + p (pre_i + x W_p)``: its
     own critical path and the bulk's iterations overlap (continuous batching), so the
     larger of the two counts, not their sum. The shares solve ``sum x = 1`` at a common
-    finish ``T`` (an instance whose own request alone outlasts ``T`` takes none).
-    ``closed_form`` False always takes the general sweep (tests compare the two).
+    finish ``T`` (an instance whose own request alone outlasts ``T`` takes none); then
+    each instance's first-come-first-served queue may start its own request late
+    (:func:`_fcfs_finish`). ``closed_form`` False always takes the general sweep (tests
+    compare the two).
     """
     n_req = len(s.order)
     if n_req == 0:
@@ -185,6 +192,26 @@ def _fluid_makespan(
     work_p = s.pp[n_req] - s.pp[start]
     if work_m <= 0 and work_p <= 0:
         return tail
+    t = _common_finish(blocks, s, work_m, work_p, closed_form)
+    # instances taking no share finish with their own request (looked up only when its
+    # bound could matter; blocks taking a share were checked against T on the way)
+    finish = max(tail, t)
+    for cost, n, _, lo in blocks:
+        if _own_bound(cost, s, lo, lo + n) > finish:
+            finish = max(finish, s.own_max(cost, lo, lo + n))
+    if not math.isfinite(t) or work_m <= 0:
+        return finish
+    return max(finish, _fcfs_finish(blocks, s, t, work_m, work_p, start, prob.late_place))
+
+
+def _common_finish(
+    blocks: Sequence[tuple[TpCost, int, float, int]],
+    s: _Sorted,
+    work_m: float,
+    work_p: float,
+    closed_form: bool,
+) -> float:
+    """The common finish ``T`` of the instances taking a share of the bulk."""
     # The usual case has a closed form: every instance either takes no share (its own
     # request alone outlasts T) or stays in the own-critical-path regime (its q_i covers
     # its iterations), where a share x costs B_t x with B_t = c W_m + p W_p. Blocks whose
@@ -223,17 +250,73 @@ def _fluid_makespan(
             if not exact:
                 break
         if exact:
-            # the blocks taking no share finish with their longest own request (looked up
-            # only when its bound could matter)
-            finish = max(tail, t1)
-            for (cost, n, _, lo), on in zip(blocks, active, strict=True):
-                if not on and _own_bound(cost, s, lo, lo + n) > finish:
-                    finish = max(finish, s.own_max(cost, lo, lo + n))
-            return finish
+            return t1
         t2 = _fluid_own_regime(blocks, b1s, s, work_m)
         if t2 is not None:
-            return max(tail, t2)
-    return max(tail, _fluid_sweep(blocks, s, work_m, work_p))
+            return t2
+    return _fluid_sweep(blocks, s, work_m, work_p)
+
+
+def _fcfs_finish(
+    blocks: Sequence[tuple[TpCost, int, float, int]],
+    s: _Sorted,
+    t: float,
+    work_m: float,
+    work_p: float,
+    start: int,
+    place: float,
+) -> float:
+    """The latest finish once each instance's queue is first come, first served.
+
+    The fluid split has every request start at once. An engine admits its queue in
+    arrival order, though: only requests the plan ranks first (they hold KV, or their
+    group is predicted long: ``admit_order``) start ahead; any other waiting request,
+    the step's longest among them, sits at a random place. An instance with ``n``
+    requests (``r`` of them ranked), ``W`` expected tokens and ``slots`` seats keeps its
+    batch full until its queue drains, so the ``k``-th in line starts after about
+    ``max(0, k - slots) / n * W / slots`` iterations; averaged over the places ``r + 1
+    .. n`` this is ``delta``. Its longest waiting request (critical path ``q_w``) then
+    ends ``a * (q_w + delta - max(q_i, W / slots))`` after the instance's fluid finish.
+    Without this term a layout of few wide instances, each with a long queue, was
+    scored as if every request started at once: at ``max_num_seqs`` 64 the planner
+    chose 6 x TP8 (predicted 120 s) over 12 x TP4, and the step took 172 s (163 s on
+    static TP4).
+    """
+    n_req = len(s.order)
+    n_bulk = n_req - start
+    waiting_bulk = np.flatnonzero(~s.ranked[start:])
+    if len(waiting_bulk) == 0 and s.ranked[:start].all():
+        return t
+    # the bulk's longest waiting request (q is sorted descending) and its ranked count
+    q_bulk = s.q[start + int(waiting_bulk[0])] if len(waiting_bulk) else 0.0
+    ranked_bulk = n_bulk - len(waiting_bulk)
+    q_a, m_a, _ = s.arrays
+    finish = t
+    for cost, n, _, lo in blocks:
+        hi = lo + n
+        a, c, p, slots = cost.iteration_s, cost.per_sequence_s, cost.prefill_per_token_s, cost.slots
+        q, m = q_a[lo:hi], m_a[lo:hi]
+        own_ranked = s.ranked[lo:hi]
+        # each instance's share x(T), as in _fluid_sweep: none before its own time, then
+        # the own regime (B per unit share) up to x*, then the iteration-bound one (D)
+        after = np.maximum(0.0, t - s.own_all(cost)[lo:hi])
+        b1 = c * work_m + p * work_p
+        d = (a / slots + c) * work_m + p * work_p
+        x_star = np.maximum(0.0, (slots * q - m) / work_m)
+        if b1 > 0:
+            x = np.where(after <= b1 * x_star, after / b1, x_star + (after - b1 * x_star) / d)
+        else:
+            x = np.where(after > 0, x_star + after / d, 0.0)
+        n_i = 1.0 + x * n_bulk
+        ranked = own_ranked + x * ranked_bulk
+        q_w = np.where(own_ranked, np.where(x * len(waiting_bulk) > 0, q_bulk, 0.0), q)
+        past = np.maximum(0.0, ranked + place * (n_i - ranked) - slots)
+        work = m + x * work_m
+        delta = np.where(q_w > 0, past / n_i * work / slots, 0.0)
+        late = float((q_w + delta - np.maximum(q, work / slots)).max())
+        if late > 0:
+            finish = max(finish, t + a * late)
+    return finish
 
 
 def _own_bound(cost: TpCost, s: _Sorted, lo: int, hi: int) -> float:
@@ -304,7 +387,7 @@ def _fluid_own_regime(
         q_min, m_max = s.q[hi - 1], s.m_max[hi - 1]
         if t > cost.iteration_s * q_min + b1 * (cost.slots * q_min - m_max) / work_m:
             return None  # an instance may reach its iteration-bound regime
-    return max(t, float(points[-1]))  # instances taking no share finish with their own request
+    return t
 
 
 def _fluid_sweep(
@@ -318,12 +401,10 @@ def _fluid_sweep(
     times: list[np.ndarray] = []
     slopes: list[np.ndarray] = []
     jumps: list[np.ndarray] = []
-    own_of: list[np.ndarray] = []
     for cost, n, _, lo in blocks:
         a, c, p = cost.iteration_s, cost.per_sequence_s, cost.prefill_per_token_s
         q, m = q_a[lo : lo + n], m_a[lo : lo + n]
         own = s.own_all(cost)[lo : lo + n]  # == a * q + c * m + p * pre on the slice
-        own_of.append(own)
         b1 = c * work_m + p * work_p
         d = (a / cost.slots + c) * work_m + p * work_p
         if work_m > 0:
@@ -342,7 +423,6 @@ def _fluid_sweep(
             slopes.append(np.full(len(q), inv_d))
             jumps.append(np.where(np.isfinite(x_star), x_star, 1.0))
     t = np.concatenate(times)
-    own_max = max((float(x.max()) for x in own_of if len(x)), default=0.0)
     order = np.argsort(t, kind="stable")
     t = t[order]
     slope_after = np.cumsum(np.concatenate(slopes)[order])
@@ -355,14 +435,14 @@ def _fluid_sweep(
         last_slope = float(slope_after[-1])
         if last_slope <= 0:
             return math.inf
-        return max(own_max, float(t[-1]) + (1.0 - float(value_after[-1])) / last_slope)
+        return float(t[-1]) + (1.0 - float(value_after[-1])) / last_slope
     k = int(hit[0])
     before = float(value_after[k] - jump[k])
     if k > 0 and before >= 1.0:
         finish = float(t[k - 1]) + (1.0 - float(value_after[k - 1])) / float(slope_before[k])
     else:
         finish = float(t[k])
-    return max(own_max, finish)  # instances taking no share finish with their own request
+    return finish
 
 
 def _bottleneck_transport(

@@ -186,3 +186,55 @@ def choices_key(prob: Problem) -> ProfileKey:
     from collections import Counter
 
     return _profile_key({8: Counter(prob.current_pattern.values())})
+
+
+def fresh_problem(n_nodes: int, n_req: int, pattern: tuple[int, ...], seed: int = 0) -> Problem:
+    """``n_req`` requests just arrived (queued, no KV), on nodes of ``pattern``."""
+    rng = random.Random(seed)
+    nodes = tuple(NodeGpus(f"n{i}", tuple(range(8))) for i in range(n_nodes))
+    insts = [i for n in nodes for i in canonical_instances(n.name, n.gpus, pattern)]
+    reqs = tuple(Request(f"r{i:04d}", rng.randint(200, 1500)) for i in range(n_req))
+    state = ComputeState(nodes, tuple(insts), reqs)
+    return build_problem(state, build_forecast(HISTORY, [], [0] * n_req, max_tokens=16384), PM)
+
+
+def test_a_queue_first_come_first_served_delays_the_longest_waiting_request() -> None:
+    """One TP8 instance, fresh requests: within its seats every request starts at once
+    and the estimate is the instance model's; beyond them the step's longest request,
+    at its place ``late_place`` in the queue, starts once the requests ahead of it have
+    freed a seat, ``max(0, place * n - slots) / n * W / slots`` iterations in."""
+    for n_req in (100, 250, 600, 1500):
+        prob = fresh_problem(1, n_req, (8,), seed=n_req)
+        cost = prob.costs[8]
+        everyone = range(n_req)
+        srt = _sorted_requests(prob, list(everyone))
+        model = prob.run(8, everyone)
+        got = _fluid_makespan(prob, {8: 1}, srt)
+        work = sum(prob.m) / cost.slots
+        q = max(prob.q)
+        delay = max(0.0, prob.late_place * n_req - cost.slots) / n_req * work
+        want = model + cost.iteration_s * max(0.0, q + delay - max(q, work))
+        assert got == pytest.approx(want, rel=1e-9), n_req
+        if n_req <= cost.slots:
+            assert got == pytest.approx(model, rel=1e-9)
+        elif delay > 0:
+            assert got > model
+
+
+def test_the_queue_delay_favours_more_instances_for_a_long_queue() -> None:
+    """1,024 fresh requests on 2 nodes: TP8 queues 512 per instance for its seats, TP4
+    256 (within its seats: no delay). Holding KV (running),
+    the same requests start at once and the estimate is the divisible load's."""
+    prob = fresh_problem(2, 1024, (8,))
+    srt = _sorted_requests(prob, list(range(1024)))
+    assert prob.late_place > 0.5  # several requests may reach the cap: the last of them
+    assert prob.costs[4].slots == 256 < 512 <= prob.costs[8].slots * 2
+    tp8 = _fluid_makespan(prob, {8: 2}, srt) - fluid_by_bisection(prob, {8: 2})
+    tp4 = _fluid_makespan(prob, {4: 4}, srt) - fluid_by_bisection(prob, {4: 4})
+    assert tp8 > 10.0  # seconds
+    assert tp4 == pytest.approx(0.0, abs=1e-6)
+    running = problem(2, [0] * 1024, [700] * 1024)
+    srt = _sorted_requests(running, list(range(1024)))
+    for counts in ({8: 2}, {4: 4}):
+        want = fluid_by_bisection(running, counts)
+        assert _fluid_makespan(running, counts, srt) == pytest.approx(want, rel=1e-6)

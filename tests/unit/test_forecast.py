@@ -6,6 +6,7 @@ import math
 import random
 from itertools import pairwise
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,6 +18,8 @@ from scheduler.forecast import (
     holt,
     log_mean,
     predict_remaining,
+    reach_probability_groups,
+    survival_arrays,
 )
 
 pytestmark = pytest.mark.unit
@@ -126,3 +129,33 @@ def test_bulk_prediction_matches_per_request_and_is_sane(
     pts = sorted(set(generated))
     s = [fc.survival_at(x) for x in pts]
     assert all(a >= b - 1e-12 for a, b in pairwise(s))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    cap=st.sampled_from([None, 4096, 16384]),
+    xs=st.lists(st.floats(-10, 40_000, allow_nan=False), min_size=1, max_size=40),
+)
+def test_survival_arrays_are_survival_at(seed: int, cap: int | None, xs: list[float]) -> None:
+    rng = random.Random(seed)
+    done = [int(rng.lognormvariate(7.0, 1.0)) for _ in range(rng.randint(0, 300))]
+    if cap is not None:
+        done = [min(cap, x) for x in done]
+    fc = build_forecast(
+        [done] if done else [], [], [rng.randint(0, 3000) for _ in range(20)], max_tokens=cap
+    )
+    got = survival_arrays(fc, np.array(xs))
+    assert got.tolist() == pytest.approx([fc.survival_at(x) for x in xs], rel=1e-12, abs=0)
+
+
+def test_reaching_the_critical_path_at_a_cap_is_the_caps_mass() -> None:
+    """A capped distribution's high quantiles are the cap: the chance of reaching it is
+    the cap's whole mass (here 1 %), not one minus the quantile."""
+    lengths = list(range(1, 991)) + [1000] * 10
+    fc = build_forecast(completed=lengths, max_tokens=1000)
+    _, quant = predict_remaining(fc, [0, 0], 0.9999)
+    assert quant == [1000.0, 1000.0]
+    reach = reach_probability_groups(fc, [0, 500], [None, None], np.array([1000.0, 500.0]))
+    assert reach[0] == pytest.approx(0.01)
+    assert reach[1] == pytest.approx(10 / 500)  # past 500 tokens: 500 of 1,000 left
