@@ -270,17 +270,18 @@ def _fcfs_finish(
 
     The fluid split has every request start at once. An engine admits its queue in
     arrival order, though: only requests the plan ranks first (they hold KV, or their
-    group is predicted long: ``admit_order``) start ahead; any other waiting request,
-    the step's longest among them, sits at a random place. An instance with ``n``
-    requests (``r`` of them ranked), ``W`` expected tokens and ``slots`` seats keeps its
-    batch full until its queue drains, so the ``k``-th in line starts after about
-    ``max(0, k - slots) / n * W / slots`` iterations; averaged over the places ``r + 1
-    .. n`` this is ``delta``. Its longest waiting request (critical path ``q_w``) then
-    ends ``a * (q_w + delta - max(q_i, W / slots))`` after the instance's fluid finish.
-    Without this term a layout of few wide instances, each with a long queue, was
-    scored as if every request started at once: at ``max_num_seqs`` 64 the planner
-    chose 6 x TP8 (predicted 120 s) over 12 x TP4, and the step took 172 s (163 s on
-    static TP4).
+    group is predicted long: ``admit_order``) start ahead; the others wait in line, the
+    step's longest among them at no particular place. An instance with ``n`` requests
+    (``r`` of them ranked), ``W`` expected tokens and ``slots`` seats keeps its batch full
+    until its queue drains, so the ``k``-th in line starts after about ``max(0, k -
+    slots) / n * W / slots`` iterations. Of the ``K`` waiting requests that may reach
+    their critical path (``Problem.late_place``: ``K / (K + 1)``), the last in line
+    decides: at place ``k = r + place * (n - r)`` it starts ``delta`` iterations in, and
+    with its critical path ``q_w`` the instance ends ``a * (q_w + delta - max(q_i, W /
+    slots))`` after its fluid finish. Without this term a layout of few wide instances,
+    each with a long queue, was scored as if every request started at once: at
+    ``max_num_seqs`` 64 the planner chose 6 x TP8 (predicted 120 s) over 12 x TP4, and
+    the step took 172 s (163 s on static TP4).
     """
     n_req = len(s.order)
     n_bulk = n_req - start
