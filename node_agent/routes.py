@@ -26,7 +26,6 @@ from orchestrrl.routing import (
     RouteSpec,
     RuleChange,
     RuleSpec,
-    route_sort_key,
     rule_sort_key,
     simple_routes,
 )
@@ -78,7 +77,8 @@ def _rule(index: int, rule: node_agent_pb2.PolicyRule) -> RuleSpec:
 
 def response_to_pb(command_id: str, result: RoutesResult) -> node_agent_pb2.ApplyRoutesResponse:
     """Routes are added in place (``repeated.add``): a message built on its own and then
-    handed to its parent is copied, and a response can list tens of thousands."""
+    handed to its parent is copied, and a response can list tens of thousands. They come
+    from the read-back's columns, in route order, without a RouteSpec each."""
     routes, rules = result.routes, result.rules
     response = node_agent_pb2.ApplyRoutesResponse(
         command_id=command_id,
@@ -97,13 +97,13 @@ def response_to_pb(command_id: str, result: RoutesResult) -> node_agent_pb2.Appl
         ],
     )
     add = response.routes.add
-    for r in sorted(routes.routes, key=route_sort_key):
+    for destination, shape in routes.read_back.sorted_rows():
         add(
-            destination=r.destination,
-            gateways=r.gateways,
-            device=r.device or "",
-            table=r.table,
-            metric=r.metric,
+            destination=destination,
+            gateways=shape.gateways,
+            device=shape.device or "",
+            table=shape.table,
+            metric=shape.metric,
         )
     return response
 

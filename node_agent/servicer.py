@@ -278,7 +278,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
                 "routes_applied",
                 command_id=request.command_id,
                 netns=request.netns or None,
-                routes=len(result.routes.routes),
+                routes=len(result.routes.read_back),
                 rules=len(result.rules.rules),
                 added=result.routes.added + result.rules.added,
                 replaced=result.routes.replaced,

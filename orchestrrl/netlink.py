@@ -79,19 +79,22 @@ from orchestrrl.logs import get_logger
 from orchestrrl.routing import (
     KernelHop,
     RouteChange,
+    RouteColumns,
     RouteDiff,
     RouteKey,
+    RouteShape,
     RouteSpec,
     RuleChange,
     RuleSpec,
     by_key,
     collector_paused,
+    columns_satisfy,
     diff_indexed,
     diff_routes,
     diff_rules,
     foreign_conflicts,
     index_routes,
-    kernel_routes,
+    route_shape,
     unknown_devices,
 )
 
@@ -128,10 +131,15 @@ class RoutePlan:
 
     want: dict[RouteKey, RouteSpec]  # the desired routes by key
     prune: bool
-    observed: tuple[RouteSpec, ...]  # OrchestrRL's routes when the plan was made
+    read: RouteColumns  # OrchestrRL's routes when the plan was made
     diff: RouteDiff
     links: dict[str, LinkInfo]
     names: dict[int, str]  # ifindex -> link name
+
+    @property
+    def observed(self) -> tuple[RouteSpec, ...]:
+        """OrchestrRL's routes when the plan was made."""
+        return self.read.specs()
 
 
 @dataclass(frozen=True)
@@ -534,29 +542,30 @@ class _RouteSocket:
 _DST_AT = 24  # offset of the destination address in an RTM_NEWROUTE body laid out as
 # rtmsg (12 bytes), RTA_TABLE (8), RTA_DST (4 + address): how the kernel writes them
 _DST_END: dict[int, int] = {socket.AF_INET: _DST_AT + 4, socket.AF_INET6: _DST_AT + 16}
-# family, "/length", length, maker of RouteSpecs (see _OwnedReader)
-_Shape = tuple[int, str, int, Callable[[str, bytes, int], RouteSpec]]
 _LAYOUT = struct.Struct("=HHIHH")  # RTA_TABLE (len, type, u32), RTA_DST (len, type)
+# Routes read back, column-wise: their shapes and packed destinations (RouteColumns)
+_Batch = tuple[list[RouteShape], list[bytes]]
 
 
 class _OwnedReader:
-    """OrchestrRL's routes (protocol ``OWNER_PROTO``, unicast) as RouteSpecs, from the
-    RTM_NEWROUTE bodies of dumps, for :meth:`_RouteSocket.dump`.
+    """OrchestrRL's routes (protocol ``OWNER_PROTO``, unicast) as batches of
+    :class:`RouteColumns` (shapes, packed destinations), from the RTM_NEWROUTE bodies of
+    dumps, for :meth:`_RouteSocket.dump`.
 
     Routes that differ only in their destination (the bulk of a dump: a fabric has many
     routes over a few hop sets) have the same bytes but for the address: the first route
-    of each such shape is decoded in full, the others only to their address."""
+    of each such shape is decoded in full, the others only cut out their address."""
 
     def __init__(self, names: dict[int, str], netns: str | None) -> None:
         self._names = names
         self._netns = netns
         self._decoder = rtnl.RouteDecoder()
-        # body without the address -> (family, "/length", length, maker); None: skip it
-        self._shapes: dict[bytes, _Shape | None] = {}
+        # body without the address -> its shape; None: not ours, skip it
+        self._shapes: dict[bytes, RouteShape | None] = {}
         # (message length, end of the address in the body) -> layout, see bulk()
         self._layouts: dict[tuple[int, int], struct.Struct] = {}
 
-    def __call__(self, chunk: bytes, start: int, end: int) -> RouteSpec | None:
+    def __call__(self, chunk: bytes, start: int, end: int) -> _Batch | None:
         if end - start < _DST_AT:
             return self._first(chunk, start, end, start, b"")
         dst_end = start + _DST_END.get(chunk[start], 0)  # rtm_family
@@ -566,11 +575,9 @@ class _OwnedReader:
             return None
         if shape is _UNKNOWN:
             return self._first(chunk, start, end, dst_end, key)
-        family, suffix, length, make = shape
-        packed = chunk[_DST_AT + start : dst_end]
-        return make(socket.inet_ntop(family, packed) + suffix, packed, length)
+        return [shape], [chunk[_DST_AT + start : dst_end]]
 
-    def bulk(self, chunk: bytes, seq: int) -> list[RouteSpec] | None:
+    def bulk(self, chunk: bytes, seq: int) -> list[_Batch] | None:
         """The routes of a whole datagram (for :meth:`_RouteSocket.dump`), when it holds
         only RTM_NEWROUTE messages of dump ``seq``, uninterrupted, all of one length and
         family with the usual layout (the bulk of a dump): the messages are cut apart in
@@ -597,35 +604,37 @@ class _OwnedReader:
             or any(f & rtnl.NLM_F_DUMP_INTR for f in set(flags))
         ):
             return None
-        found: list[RouteSpec] = []
-        add, shapes, ntop = found.append, self._shapes, socket.inet_ntop
+        distinct_heads, distinct_tails = set(heads), set(tails)
+        if len(distinct_heads) == len(distinct_tails) == 1:  # one shape (the usual case)
+            shape = self._shapes.get(distinct_heads.pop() + distinct_tails.pop(), _UNKNOWN)
+            if shape is None:
+                return []
+            if shape is not _UNKNOWN:
+                return [([shape] * len(addresses), list(addresses))]
+        found: list[RouteShape] = []
+        found_at: list[bytes] = []
+        shapes = self._shapes
         last_head = last_tail = b""
-        shape: _Shape | None = _UNKNOWN
+        known: RouteShape | None = _UNKNOWN
         start = rtnl.NLMSGHDR.size
         for head, packed, tail in zip(heads, addresses, tails, strict=True):
-            if head != last_head or tail != last_tail or shape is _UNKNOWN:
+            if head != last_head or tail != last_tail or known is _UNKNOWN:
                 last_head, last_tail = head, tail
-                shape = shapes.get(head + tail, _UNKNOWN)
-            if shape is not None:
-                if shape is _UNKNOWN:
-                    route = self._first(
-                        chunk,
-                        start,
-                        start + length - rtnl.NLMSGHDR.size,
-                        start + dst_end,
-                        head + tail,
-                    )
-                    if route is not None:
-                        add(route)
-                else:
-                    family, suffix, prefix_length, make = shape
-                    add(make(ntop(family, packed) + suffix, packed, prefix_length))
+                known = shapes.get(head + tail, _UNKNOWN)
+            if known is _UNKNOWN:
+                row = self._first(
+                    chunk, start, start + length - rtnl.NLMSGHDR.size, start + dst_end, head + tail
+                )
+                if row is not None:
+                    found += row[0]
+                    found_at += row[1]
+            elif known is not None:
+                found.append(known)
+                found_at.append(packed)
             start += length
-        return found
+        return [(found, found_at)]
 
-    def _first(
-        self, chunk: bytes, start: int, end: int, dst_end: int, key: bytes
-    ) -> RouteSpec | None:
+    def _first(self, chunk: bytes, start: int, end: int, dst_end: int, key: bytes) -> _Batch | None:
         """Decode in full; remember the shape if the body has the usual layout."""
         wire = self._decoder.decode(chunk[start:end])
         usual = start < dst_end <= end and len(self._shapes) < rtnl.HOP_CACHE
@@ -645,19 +654,14 @@ class _OwnedReader:
         if not hops:  # not remembered: warned about every time
             log.warning("owned_route_unreadable", route=repr(wire), netns=self._netns)
             return None
-        make = kernel_routes(wire.version, hops, wire.table, wire.metric)
         address, _, length_text = wire.destination.partition("/")
-        family, length = rtnl.AF_OF[wire.version], int(length_text)
+        shape = route_shape(wire.version, hops, wire.table, int(length_text), wire.metric)
         if usual:
-            self._shapes[key] = (family, f"/{length}", length, make)
-        return make(wire.destination, socket.inet_pton(family, address), length)
+            self._shapes[key] = shape
+        return [shape], [socket.inet_pton(rtnl.AF_OF[wire.version], address)]
 
 
-def _unknown(destination: str, packed: bytes, length: int) -> RouteSpec:
-    raise AssertionError("never called: marks a shape not seen yet")
-
-
-_UNKNOWN: _Shape = (-1, "", -1, _unknown)
+_UNKNOWN = RouteShape(4, 0, 0, 0, ((), (), None, 0))  # marks a shape not seen yet
 
 
 _family_table = operator.attrgetter("family", "table")
@@ -930,15 +934,15 @@ class Netlink:
         """The routes OrchestrRL installed (protocol ``OWNER_PROTO``), in every table."""
         sock = await self._require()
         names = {link.index: link.name for link in (await self.links()).values()}
-        return frozenset(await self._owned_routes(sock, names))
+        return frozenset((await self._owned_routes(sock, names)).specs())
 
-    async def _owned_routes(self, sock: _RouteSocket, names: dict[int, str]) -> list[RouteSpec]:
+    async def _owned_routes(self, sock: _RouteSocket, names: dict[int, str]) -> RouteColumns:
         reader = _OwnedReader(names, self.netns)
-        owned = []
+        batches: list[_Batch] = []
         with collector_paused():
             for version in (4, 6):
-                owned += await sock.dump(version, reader, proto=OWNER_PROTO, bulk=reader.bulk)
-        return owned
+                batches += await sock.dump(version, reader, proto=OWNER_PROTO, bulk=reader.bulk)
+        return RouteColumns.from_batches(batches)
 
     async def _foreign_keys(
         self, sock: _RouteSocket, desired: Iterable[RouteSpec]
@@ -979,8 +983,8 @@ class Netlink:
         links = await self.links()
         self._check_devices(want, links)
         names = {link.index: link.name for link in links.values()}
-        observed = await self._owned_routes(sock, names)
-        have = by_key(observed)
+        read = await self._owned_routes(sock, names)
+        have = by_key(read.specs())
         diff = diff_indexed(have, keys, prune)
         if sorted_conflicts:
             new: Sequence[RouteSpec] = diff.add
@@ -990,7 +994,7 @@ class Netlink:
         return RoutePlan(
             want=keys,
             prune=prune,
-            observed=tuple(observed),
+            read=read,
             diff=diff,
             links=links,
             names=names,
@@ -1048,7 +1052,7 @@ class Netlink:
     async def _carry_out(self, sock: _RouteSocket, plan: RoutePlan) -> RouteChange:
         diff = plan.diff
         if diff.empty:
-            final = frozenset(plan.observed)
+            final = plan.read
         else:
             await self._apply(sock, diff, plan.observed, plan.links)
             final = await self._settle(sock, plan.names, plan.want, plan.prune)
@@ -1057,7 +1061,7 @@ class Netlink:
             removed=len(diff.remove),
             replaced=len(diff.replace),
             unchanged=len(plan.want) - len(diff.add) - len(diff.replace),
-            routes=final,
+            read_back=final,
         )
         if not diff.empty:
             log.info(
@@ -1074,7 +1078,7 @@ class Netlink:
         """What an ensure would still change now (empty: the kernel matches ``desired``)."""
         sock = await self._require()
         names = {link.index: link.name for link in (await self.links()).values()}
-        return diff_routes(await self._owned_routes(sock, names), desired, prune)
+        return diff_routes((await self._owned_routes(sock, names)).specs(), desired, prune)
 
     async def _apply(
         self,
@@ -1130,15 +1134,19 @@ class Netlink:
         names: dict[int, str],
         want: dict[RouteKey, RouteSpec],
         prune: bool,
-    ) -> frozenset[RouteSpec]:
-        """Read back until the kernel shows the desired state (or give up after a while)."""
+    ) -> RouteColumns:
+        """Read back until the kernel shows the desired state (or give up after a while).
+        The read-back is compared column-wise first; RouteSpecs are built only when that
+        finds a difference (to say which, or to wait for the kernel)."""
         deadline = time.monotonic() + self.verify_timeout_s
         delay = 0.01
         while True:
             observed = await self._owned_routes(sock, names)
-            remaining = diff_indexed(by_key(observed), want, prune)
+            if columns_satisfy(observed, want, prune):
+                return observed
+            remaining = diff_indexed(by_key(observed.specs()), want, prune)
             if remaining.empty:
-                return frozenset(observed)
+                return observed
             if time.monotonic() >= deadline:
                 first = (remaining.add or remaining.replace or remaining.remove)[0]
                 raise errors.Aborted(

@@ -47,8 +47,9 @@ import ipaddress
 import operator
 import re
 import socket
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from typing import NamedTuple, Protocol
 
 from orchestrrl import errors
@@ -645,32 +646,224 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def kernel_routes(
-    family: int, nexthops: tuple[KernelHop, ...], table: int, metric: int
-) -> Callable[[str, bytes, int], RouteSpec]:
-    """A maker of the routes the kernel reports with these next hops, table and metric,
-    given (destination text, packed address, prefix length): what
-    :meth:`RouteSpec.from_kernel` builds, with the hops normalised once for all of them
-    (a dump has tens of thousands of routes over a few hop sets)."""
-    nexthops_, gateways, device, hops_hash = _kernel_hop_set(nexthops)
-    new = object.__new__
+Slot = tuple[int, int, int, int]  # family, table, prefix length, metric: a key but its address
 
-    def make(destination: str, packed: bytes, length: int) -> RouteSpec:
-        route = new(RouteSpec)  # RouteSpec._set written out: one call less per route
+
+class RouteShape:
+    """Everything of a route but its destination address, as the kernel reports it:
+    family, table, prefix length, metric and next hops. A dump has tens of thousands of
+    routes in a few shapes: :class:`RouteColumns` keeps one shape and one packed address
+    per route and builds RouteSpecs only when asked. Shapes compare by identity; get them
+    from :func:`route_shape`, which interns them."""
+
+    __slots__ = (
+        "_af",
+        "_hops_hash",
+        "_suffix",
+        "device",
+        "family",
+        "gateways",
+        "length",
+        "metric",
+        "nexthops",
+        "slot",
+        "table",
+    )
+
+    def __init__(self, family: int, table: int, length: int, metric: int, hops: HopSet) -> None:
+        self.family, self.table, self.length, self.metric = family, table, length, metric
+        self.nexthops, self.gateways, self.device, self._hops_hash = hops
+        self.slot: Slot = (family, table, length, metric)
+        self._af, self._suffix = _FAMILY[family], f"/{length}"
+
+    def destination(self, packed: bytes) -> str:
+        """The destination text of the route of this shape to ``packed``."""
+        return socket.inet_ntop(self._af, packed) + self._suffix
+
+    def route(self, packed: bytes) -> RouteSpec:
+        """What :meth:`RouteSpec.from_kernel` builds for the route of this shape to
+        ``packed``, with the hops normalised once for all routes of the shape."""
+        family, table, metric = self.family, self.table, self.metric
+        destination = socket.inet_ntop(self._af, packed) + self._suffix
+        route = object.__new__(RouteSpec)  # RouteSpec._set written out: one call less
         values = route.__dict__
         values["destination"] = destination
-        values["nexthops"] = nexthops_
-        values["gateways"] = gateways
-        values["device"] = device
+        values["nexthops"] = self.nexthops
+        values["gateways"] = self.gateways
+        values["device"] = self.device
         values["table"] = table
         values["metric"] = metric
         values["family"] = family
         values["key"] = (family, table, destination, metric)
-        values["order"] = (family, table, packed, length, metric)
-        values["_hash"] = hash((destination, hops_hash, table, metric))
+        values["order"] = (family, table, packed, self.length, metric)
+        values["_hash"] = hash((destination, self._hops_hash, table, metric))
         return route
 
-    return make
+    def __repr__(self) -> str:
+        hops = " ".join(h.describe() for h in self.nexthops)
+        return (
+            f"RouteShape(IPv{self.family} /{self.length} {hops} "
+            f"table {self.table} metric {self.metric})"
+        )
+
+
+@functools.lru_cache(maxsize=_HOP_CACHE)
+def route_shape(
+    family: int, nexthops: tuple[KernelHop, ...], table: int, length: int, metric: int
+) -> RouteShape:
+    """The shared :class:`RouteShape` of the routes the kernel reports with these next
+    hops (gateway, device, onlink; at least one), table, prefix length and metric."""
+    return RouteShape(family, table, length, metric, _kernel_hop_set(nexthops))
+
+
+_shape_head = operator.attrgetter("family", "table")
+_shape_tail = operator.attrgetter("length", "metric")
+
+
+class RouteColumns:
+    """Routes column-wise, as read back from the kernel: route ``i`` is
+    ``shapes[i].route(packed[i])``. Checking a read-back against the desired routes
+    (:func:`columns_satisfy`) and answering a request (:meth:`sorted_rows`) need no
+    RouteSpec per route; :meth:`specs` builds them, once, for everything else. Equal
+    when they hold the same routes."""
+
+    __slots__ = ("_specs", "packed", "shapes")
+
+    def __init__(self, shapes: Sequence[RouteShape] = (), packed: Sequence[bytes] = ()) -> None:
+        if len(shapes) != len(packed):
+            raise ValueError(f"{len(shapes)} shapes for {len(packed)} addresses")
+        self.shapes, self.packed = shapes, packed
+        self._specs: tuple[RouteSpec, ...] | None = None
+
+    @classmethod
+    def from_batches(
+        cls, batches: Iterable[tuple[Sequence[RouteShape], Sequence[bytes]]]
+    ) -> RouteColumns:
+        """From batches of (shapes, packed addresses), one after the other."""
+        batches = list(batches)
+        if len(batches) == 1:
+            return cls(*batches[0])
+        shapes = list(chain.from_iterable(shapes for shapes, _ in batches))
+        return cls(shapes, list(chain.from_iterable(packed for _, packed in batches)))
+
+    def __len__(self) -> int:
+        return len(self.packed)
+
+    def specs(self) -> tuple[RouteSpec, ...]:
+        """The routes as RouteSpecs, in the order of the columns (built on first use)."""
+        if self._specs is None:
+            with collector_paused():
+                self._specs = tuple(map(RouteShape.route, self.shapes, self.packed))
+        return self._specs
+
+    def by_shape(self) -> dict[RouteShape, list[bytes]]:
+        """The packed destinations of each shape."""
+        shapes = set(self.shapes)
+        if len(shapes) == 1:  # the usual read-back: every route over one hop set
+            return {shapes.pop(): list(self.packed)}
+        groups: dict[RouteShape, list[bytes]] = {}
+        for shape, packed in zip(self.shapes, self.packed, strict=True):
+            groups.setdefault(shape, []).append(packed)
+        return groups
+
+    def sorted_rows(self) -> list[tuple[str, RouteShape]]:
+        """(destination, shape) of every route, in :func:`route_sort_key` order."""
+        distinct = set(self.shapes)
+        if len(distinct) == 1:  # one shape: the order is the addresses'
+            shape = distinct.pop()
+            return list(zip(map(shape.destination, sorted(self.packed)), repeat(shape)))
+        ordered = sorted(
+            zip(
+                map(_shape_head, self.shapes),
+                self.packed,
+                map(_shape_tail, self.shapes),
+                range(len(self.packed)),
+                strict=True,
+            )
+        )
+        shapes = self.shapes
+        return [
+            (shapes[index].destination(packed), shapes[index]) for _, packed, _, index in ordered
+        ]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RouteColumns):
+            return NotImplemented
+        return frozenset(self.specs()) == frozenset(other.specs())
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"RouteColumns({len(self)} routes in {len(set(self.shapes))} shapes)"
+
+
+_slot_of_order = operator.itemgetter(0, 1, 3, 4)  # of an order: its Slot
+_slot_parts = tuple(map(operator.itemgetter, (0, 1, 3, 4)))  # of an order: each of its Slot
+_destination_of = operator.itemgetter(2)  # of an order: the packed destination
+
+
+def _destinations_by_shape(
+    routes: Sequence[RouteSpec],
+) -> list[tuple[Slot, tuple[NextHop, ...], set[bytes]]]:
+    """(slot, next hops, packed destinations) of routes grouped by slot and hop set
+    (interned hop sets: grouped by identity); a request of one shape, the usual one, is
+    recognised in C."""
+    hop_sets = list(map(_hops_of, routes))
+    orders = list(map(_by_order, routes))
+    if (
+        routes
+        and len(set(map(id, hop_sets))) == 1
+        and all(len(set(map(part, orders))) == 1 for part in _slot_parts)
+    ):
+        return [(_slot_of_order(orders[0]), hop_sets[0], set(map(_destination_of, orders)))]
+    groups: dict[tuple[Slot, int], tuple[Slot, tuple[NextHop, ...], set[bytes]]] = {}
+    for order, hops in zip(orders, hop_sets, strict=True):
+        slot = _slot_of_order(order)
+        group = groups.get((slot, id(hops)))
+        if group is None:
+            group = groups[slot, id(hops)] = (slot, hops, set())
+        group[2].add(order[2])
+    return list(groups.values())
+
+
+def columns_satisfy(
+    observed: RouteColumns, want: Mapping[RouteKey, RouteSpec], prune: bool
+) -> bool:
+    """Whether ``diff_indexed(by_key(observed.specs()), want, prune)`` is empty, decided
+    without a RouteSpec per observed route: within each slot (family, table, prefix
+    length, metric), the packed destinations of each desired hop set must be among
+    those of the observed shapes whose hops satisfy it (see :func:`satisfies`), and,
+    with prune, every observed destination among the desired ones; sets of bytes,
+    compared in C, and each pair of hop sets once. False also when the kernel listed a
+    key twice (``by_key`` keeps the last): callers then diff the routes themselves,
+    which also tells what differs."""
+    seen: dict[Slot, list[tuple[RouteShape, set[bytes]]]] = {}
+    for shape, packed in observed.by_shape().items():
+        destinations = set(packed)
+        if len(destinations) != len(packed):
+            return False
+        seen.setdefault(shape.slot, []).append((shape, destinations))
+    for shapes in seen.values():
+        if len(shapes) > 1 and len(set().union(*(d for _, d in shapes))) != sum(
+            len(d) for _, d in shapes
+        ):
+            return False
+    in_slot: dict[Slot, list[set[bytes]]] = {}
+    for slot, hops, destinations in _destinations_by_shape(list(want.values())):
+        covered = [d for shape, d in seen.get(slot, ()) if same_hops(shape.nexthops, hops)]
+        if len(covered) == 1:
+            if not destinations <= covered[0]:
+                return False
+        elif not destinations <= set().union(*covered):
+            return False
+        in_slot.setdefault(slot, []).append(destinations)
+    if prune:
+        for slot, shapes in seen.items():
+            wanted_here = in_slot.get(slot, [])
+            allowed = wanted_here[0] if len(wanted_here) == 1 else set().union(*wanted_here)
+            if any(not d <= allowed for _, d in shapes):
+                return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -748,13 +941,18 @@ class RuleDiff(NamedTuple):
 
 @dataclass(frozen=True)
 class RouteChange:
-    """What an ensure did, and OrchestrRL's routes as read back afterwards."""
+    """What an ensure did, and OrchestrRL's routes as read back afterwards
+    (``read_back``, column-wise; ``routes`` as RouteSpecs, built on first use)."""
 
     added: int
     removed: int
     replaced: int
     unchanged: int
-    routes: frozenset[RouteSpec] = frozenset()
+    read_back: RouteColumns = field(default_factory=RouteColumns)
+
+    @functools.cached_property
+    def routes(self) -> frozenset[RouteSpec]:
+        return frozenset(self.read_back.specs())
 
 
 @dataclass(frozen=True)
@@ -821,7 +1019,11 @@ def satisfies(observed: RouteSpec, desired: RouteSpec) -> bool:
 
 
 def _same_hops(observed: RouteSpec, desired: RouteSpec) -> bool:
-    have, want = observed.nexthops, desired.nexthops
+    return same_hops(observed.nexthops, desired.nexthops)
+
+
+def same_hops(have: tuple[NextHop, ...], want: tuple[NextHop, ...]) -> bool:
+    """Whether observed next hops satisfy desired ones (see :func:`satisfies`)."""
     if have == want:  # interned hops: usually an identity comparison
         return True
     return len(have) == len(want) and all(

@@ -188,3 +188,28 @@ async def test_a_refusal_inside_a_long_run_of_one_template_names_its_route(
         assert "the 599 changes already made were rolled back" in str(info.value)
         await netns.run(["ip", "route", "del", taken], netns=switch.netns)
         assert await kernel_routes(switch.netns) == before
+
+
+@pytest.mark.parametrize(
+    ("change", "found"),
+    [
+        (["route", "del", "10.20.0.0/16", "proto", "77"], "1 missing"),
+        (["route", "replace", "10.20.0.0/16", "via", "10.9.0.3", "proto", "77"], "1 different"),
+        (["route", "add", "10.24.0.0/16", "via", "10.9.0.3", "proto", "77"], "1 stale"),
+        # someone else's route in place of ours: ours is missing
+        (["route", "replace", "10.20.0.0/16", "via", "10.9.0.2", "proto", "static"], "1 missing"),
+    ],
+)
+async def test_a_route_changed_behind_our_back_is_caught_by_the_read_back(
+    switch: Switch, change: list[str], found: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with Netlink(switch.netns, verify_timeout_s=0.05) as nl:
+        write = nl._apply
+
+        async def write_then_change(*args: object) -> None:
+            await write(*args)  # type: ignore[arg-type]
+            await netns.run(["ip", "-n", switch.netns, *change])
+
+        monkeypatch.setattr(nl, "_apply", write_then_change)
+        with pytest.raises(errors.Aborted, match=f"did not converge.*{found}"):
+            await nl.ensure_routes(DESIRED, prune=True)

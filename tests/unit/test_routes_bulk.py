@@ -18,12 +18,13 @@ from hypothesis import strategies as st
 from orchestrrl import errors, rtnl
 from orchestrrl.netlink import OWNER_PROTO, _OwnedReader, _rule_from_wire
 from orchestrrl.routing import (
+    RouteColumns,
     RouteSpec,
     RuleSpec,
     collector_paused,
     diff_indexed,
-    kernel_routes,
     parse_prefix,
+    route_shape,
     route_sort_key,
     satisfies,
     simple_routes,
@@ -138,6 +139,15 @@ def kernel_body(message: bytes) -> bytes:
     return message[rtnl.NLMSGHDR.size :]
 
 
+def read_route(reader: _OwnedReader, body: bytes) -> RouteSpec | None:
+    """One RTM_NEWROUTE body through the reader, as a RouteSpec (None: skipped)."""
+    batch = reader(body, 0, len(body))
+    if batch is None:
+        return None
+    ((shape,), (packed,)) = batch
+    return shape.route(packed)
+
+
 def test_the_owned_reader_reads_what_from_kernel_reads() -> None:
     encoder = rtnl.RouteEncoder(OWNER_PROTO, DEVICES)
     foreign = rtnl.RouteEncoder(OWNER_PROTO + 1, DEVICES)
@@ -153,7 +163,7 @@ def test_the_owned_reader_reads_what_from_kernel_reads() -> None:
     )
     reader = _OwnedReader(NAMES, None)
     for _ in range(2):  # the second time every shape is known
-        read = [reader(body, 0, len(body)) for body in bodies]
+        read = [read_route(reader, body) for body in bodies]
         assert read.pop(3) is None  # another protocol's route
         assert read == routes
         for got, body in zip(read, bodies[:3] + bodies[4:], strict=True):
@@ -185,14 +195,21 @@ def test_the_owned_reader_skips_routes_it_cannot_read_and_remembers_no_shape() -
     assert reader._shapes == {}
 
 
-def test_kernel_routes_build_what_from_kernel_builds() -> None:
+def test_route_shapes_build_what_from_kernel_builds() -> None:
     hops = (("10.0.0.2", "p0", False), ("10.0.0.1", "p1", True))
-    make = kernel_routes(4, hops, 100, 3)
-    route = make("10.1.0.0/16", socket.inet_aton("10.1.0.0"), 16)
+    shape = route_shape(4, hops, 100, 16, 3)
+    assert route_shape(4, hops, 100, 16, 3) is shape  # interned
+    route = shape.route(socket.inet_aton("10.1.0.0"))
     expected = RouteSpec.from_kernel(4, "10.1.0.0/16", hops, 100, 3)
     assert route == expected
     assert hash(route) == hash(expected)
     assert route_sort_key(route) == route_sort_key(expected)
+    assert (route.key, route.device, route.gateways) == (
+        expected.key,
+        expected.device,
+        expected.gateways,
+    )
+    assert shape.destination(socket.inet_aton("10.1.0.0")) == "10.1.0.0/16"
 
 
 @given(
@@ -350,20 +367,31 @@ def test_the_owned_reader_reads_a_whole_datagram_as_message_by_message() -> None
     ]
     bodies = [b for b in bodies if len(b) == len(v4[0])]
     assert len(bodies) >= 6
-    one_by_one = [r for b in bodies if (r := _OwnedReader(NAMES, None)(b, 0, len(b)))]
+    one_by_one = [r for b in bodies if (r := read_route(_OwnedReader(NAMES, None), b))]
     reader = _OwnedReader(NAMES, None)
     for _ in range(2):  # the second time every shape is known
-        got = reader.bulk(dump_datagram(bodies, 5), 5)
+        batches = reader.bulk(dump_datagram(bodies, 5), 5)
+        assert batches is not None
+        got = list(RouteColumns.from_batches(batches).specs())
         assert got == one_by_one
-        assert got is not None
         assert [(r.key, r.order, r.device, hash(r)) for r in got] == [
             (r.key, r.order, r.device, hash(r)) for r in one_by_one
         ]
     v6 = kernel_body(encoder.encode(1, "add", RouteSpec("fd01::/64", ("fd00::1",), "p0")))
-    assert (
-        reader.bulk(dump_datagram([v6, v6], 5), 5)
-        == [RouteSpec("fd01::/64", ("fd00::1",), "p0")] * 2
+    for _ in range(2):  # a datagram of one shape: unknown, then known
+        batches = reader.bulk(dump_datagram([v6, v6], 5), 5)
+        assert batches is not None
+        assert (
+            list(RouteColumns.from_batches(batches).specs())
+            == [RouteSpec("fd01::/64", ("fd00::1",), "p0")] * 2
+        )
+    foreign_only = kernel_body(
+        foreign.encode(97, "add", RouteSpec("10.9.0.0/24", ("10.0.0.1",), "p0"))
     )
+    for _ in range(2):  # a datagram of another protocol's routes: nothing, known or not
+        batches = reader.bulk(dump_datagram([foreign_only] * 3, 5), 5)
+        assert batches is not None
+        assert len(RouteColumns.from_batches(batches)) == 0
     # anything but a run of one dump's route messages of one length: read one by one
     assert reader.bulk(dump_datagram(bodies, 5), 6) is None  # another request's
     assert reader.bulk(dump_datagram(bodies, 5, rtnl.NLM_F_DUMP_INTR), 5) is None
