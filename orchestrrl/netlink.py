@@ -562,7 +562,8 @@ class _OwnedReader:
         self._decoder = rtnl.RouteDecoder()
         # body without the address -> its shape; None: not ours, skip it
         self._shapes: dict[bytes, RouteShape | None] = {}
-        # (message length, end of the address in the body) -> layout, see bulk()
+        # (message length, end of the address in the body) -> layout, see bulk(); with
+        # the length negated, the layout that cuts out only the address (_one_shape)
         self._layouts: dict[tuple[int, int], struct.Struct] = {}
 
     def __call__(self, chunk: bytes, start: int, end: int) -> _Batch | None:
@@ -581,7 +582,8 @@ class _OwnedReader:
         """The routes of a whole datagram (for :meth:`_RouteSocket.dump`), when it holds
         only RTM_NEWROUTE messages of dump ``seq``, uninterrupted, all of one length and
         family with the usual layout (the bulk of a dump): the messages are cut apart in
-        C (``struct.iter_unpack``). None otherwise: read them one by one."""
+        C (``struct.iter_unpack``), and a datagram of one known shape is recognised as a
+        whole (:meth:`_one_shape`). None otherwise: read them one by one."""
         size = len(chunk)
         if size < rtnl.NLMSGHDR.size + _DST_AT:
             return None
@@ -589,6 +591,9 @@ class _OwnedReader:
         dst_end = _DST_END.get(chunk[rtnl.NLMSGHDR.size], 0)  # rtm_family
         if length & 3 or not dst_end or length < rtnl.NLMSGHDR.size + dst_end or size % length:
             return None
+        same = self._one_shape(chunk, seq, length, dst_end)
+        if same is not None:
+            return same
         layout = self._layouts.get((length, dst_end))
         if layout is None:
             tail = length - rtnl.NLMSGHDR.size - dst_end
@@ -604,13 +609,6 @@ class _OwnedReader:
             or any(f & rtnl.NLM_F_DUMP_INTR for f in set(flags))
         ):
             return None
-        distinct_heads, distinct_tails = set(heads), set(tails)
-        if len(distinct_heads) == len(distinct_tails) == 1:  # one shape (the usual case)
-            shape = self._shapes.get(distinct_heads.pop() + distinct_tails.pop(), _UNKNOWN)
-            if shape is None:
-                return []
-            if shape is not _UNKNOWN:
-                return [([shape] * len(addresses), list(addresses))]
         found: list[RouteShape] = []
         found_at: list[bytes] = []
         shapes = self._shapes
@@ -633,6 +631,30 @@ class _OwnedReader:
                 found_at.append(packed)
             start += length
         return [(found, found_at)]
+
+    def _one_shape(self, chunk: bytes, seq: int, length: int, dst_end: int) -> list[_Batch] | None:
+        """The routes of a datagram of messages of ``length`` bytes that are all its first
+        message but for the destination address (one dump's routes of one known shape:
+        the bulk of a dump). Checked by rebuilding the datagram from the first message
+        and the addresses and comparing, in C; None when it is not so (or the shape is
+        not known yet)."""
+        head = rtnl.NLMSGHDR.size
+        _, kind, flags, first_seq, _ = rtnl.NLMSGHDR.unpack_from(chunk, 0)
+        if kind != rtnl.RTM_NEWROUTE or first_seq != seq or flags & rtnl.NLM_F_DUMP_INTR:
+            return None
+        before, after = chunk[: head + _DST_AT], chunk[head + dst_end : length]
+        shape = self._shapes.get(before[head:] + after, _UNKNOWN)
+        if shape is _UNKNOWN:
+            return None
+        cut = self._layouts.get((-length, dst_end))
+        if cut is None:
+            cut = struct.Struct(f"={head + _DST_AT}x{dst_end - _DST_AT}s{len(after)}x")
+            self._layouts[-length, dst_end] = cut
+        addresses = list(map(_first_item, cut.iter_unpack(chunk)))
+        rebuilt = b"".join(chain.from_iterable(zip(repeat(before), addresses, repeat(after))))
+        if rebuilt != chunk:
+            return None
+        return [] if shape is None else [([shape] * len(addresses), addresses)]
 
     def _first(self, chunk: bytes, start: int, end: int, dst_end: int, key: bytes) -> _Batch | None:
         """Decode in full; remember the shape if the body has the usual layout."""
@@ -662,6 +684,7 @@ class _OwnedReader:
 
 
 _UNKNOWN = RouteShape(4, 0, 0, 0, ((), (), None, 0))  # marks a shape not seen yet
+_first_item = operator.itemgetter(0)
 
 
 _family_table = operator.attrgetter("family", "table")

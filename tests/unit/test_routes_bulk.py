@@ -439,3 +439,27 @@ def test_diff_indexed_finds_what_a_key_by_key_comparison_finds(
     have, want = routes(observed), routes(desired)
     diff = diff_indexed(have, want, prune)
     assert (set(diff.add), set(diff.replace), set(diff.remove)) == reference_diff(have, want, prune)
+
+
+def test_a_datagram_of_one_shape_is_read_whole_and_anything_else_message_by_message() -> None:
+    encoder = rtnl.RouteEncoder(OWNER_PROTO, DEVICES)
+    routes = [RouteSpec(f"10.1.{i}.0/24", ("10.0.0.1",), "p0") for i in range(6)]
+    bodies = [kernel_body(encoder.encode(i, "add", r)) for i, r in enumerate(routes)]
+    reader = _OwnedReader(NAMES, None)
+
+    def read(datagram: bytes, seq: int = 5) -> list[RouteSpec] | None:
+        batches = reader.bulk(datagram, seq)
+        return None if batches is None else list(RouteColumns.from_batches(batches).specs())
+
+    for _ in range(2):  # unknown shape, then known
+        assert read(dump_datagram(bodies, 5)) == routes
+    # the same bodies but one with another metric (same length): two shapes
+    other = RouteSpec("10.1.9.0/24", ("10.0.0.1",), "p0", metric=7)
+    mixed = [*bodies[:3], kernel_body(encoder.encode(9, "add", other)), *bodies[3:]]
+    assert read(dump_datagram(mixed, 5)) == [*routes[:3], other, *routes[3:]]
+    # one message of the datagram interrupted, or of another dump: not read whole
+    interrupted = dump_datagram(bodies[:5], 5) + dump_datagram(
+        bodies[5:], 5, rtnl.NLM_F_MULTI | rtnl.NLM_F_DUMP_INTR
+    )
+    assert read(interrupted) is None
+    assert read(dump_datagram(bodies[:5], 5) + dump_datagram(bodies[5:], 6)) is None
