@@ -1007,13 +1007,18 @@ class Netlink:
         self._check_devices(want, links)
         names = {link.index: link.name for link in links.values()}
         read = await self._owned_routes(sock, names)
-        have = by_key(read.specs())
-        diff = diff_indexed(have, keys, prune)
-        if sorted_conflicts:
-            new: Sequence[RouteSpec] = diff.add
+        if len(read) >= len(keys) and read and columns_satisfy(read, keys, prune):
+            # Nothing to change (the usual re-apply), decided column-wise: every desired
+            # key is ours already, so none can conflict.
+            diff = RouteDiff((), (), ())
         else:
-            new = [r for r in want if r.key not in have] if have else want
-        await self._check_conflicts(sock, new, keys)
+            have = by_key(read.specs())
+            diff = diff_indexed(have, keys, prune)
+            if sorted_conflicts:
+                new: Sequence[RouteSpec] = diff.add
+            else:
+                new = [r for r in want if r.key not in have] if have else want
+            await self._check_conflicts(sock, new, keys)
         return RoutePlan(
             want=keys,
             prune=prune,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -15,10 +15,12 @@ import pytest
 from node_agent.commands import CommandLog
 from node_agent.nics import SysfsNics
 from node_agent.roce import RoceConfigurator
-from node_agent.routes import HostRoutes
+from node_agent.routes import HostRoutes, request_from_pb
 from node_agent.servicer import SERVICE_NAME, NodeAgentService
 from node_agent.telemetry import Collector
-from orchestrrl import grpcutil
+from orchestrrl import errors, grpcutil
+from orchestrrl.netlink import Netlink
+from orchestrrl.routing import RuleChange, RuleSpec
 from orchestrrl.v1 import node_agent_pb2 as pb
 from orchestrrl.v1 import node_agent_pb2_grpc as pb_grpc
 from sim_backends import netns
@@ -172,3 +174,25 @@ async def test_configure_roce_on_a_veth_is_not_applied_and_says_why(
     )
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert "nics[0].interface='nope0' is not valid" in message
+
+
+class FailingRules(Netlink):
+    """A netlink adapter whose rule changes fail (after the routes were applied)."""
+
+    async def ensure_rules(self, desired: Iterable[RuleSpec], prune: bool) -> RuleChange:
+        raise errors.FailedPrecondition("rules refused (test)")
+
+
+@pytest.mark.parametrize(
+    "routes",
+    [(LOCAL,), (ECMP, LOCAL)],  # a change (one route pruned), or none (the same routes)
+)
+async def test_routes_are_put_back_when_the_rules_fail(
+    switch: Switch, routes: tuple[pb.Route, ...]
+) -> None:
+    first = request_from_pb(request("r1", switch.netns, ECMP, LOCAL))
+    await HostRoutes().apply(first)
+    before = await kernel_routes(switch.netns)
+    with pytest.raises(errors.FailedPrecondition, match="rules refused"):
+        await HostRoutes(FailingRules).apply(request_from_pb(request("r2", switch.netns, *routes)))
+    assert await kernel_routes(switch.netns) == before

@@ -49,6 +49,7 @@ async def test_applying_the_same_set_twice_changes_nothing(switch: Switch) -> No
         again = await nl.ensure_routes(DESIRED, prune=True)
         assert (again.added, again.replaced, again.removed, again.unchanged) == (0, 0, 0, 5)
         assert await kernel_routes(switch.netns) == before
+        assert again.routes == await nl.routes()
         assert (await nl.verify_routes(DESIRED, prune=True)).empty
 
 
