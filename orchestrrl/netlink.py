@@ -562,9 +562,10 @@ class _OwnedReader:
         self._decoder = rtnl.RouteDecoder()
         # body without the address -> its shape; None: not ours, skip it
         self._shapes: dict[bytes, RouteShape | None] = {}
-        # (message length, end of the address in the body) -> layout, see bulk(); with
-        # the length negated, the layout that cuts out only the address (_one_shape)
+        # (message length, end of the address in the body) -> layout, see bulk(); and
+        # the layout that cuts out only the address, see _one_shape()
         self._layouts: dict[tuple[int, int], struct.Struct] = {}
+        self._cuts: dict[tuple[int, int], struct.Struct] = {}
 
     def __call__(self, chunk: bytes, start: int, end: int) -> _Batch | None:
         if end - start < _DST_AT:
@@ -646,10 +647,10 @@ class _OwnedReader:
         shape = self._shapes.get(before[head:] + after, _UNKNOWN)
         if shape is _UNKNOWN:
             return None
-        cut = self._layouts.get((-length, dst_end))
+        cut = self._cuts.get((length, dst_end))
         if cut is None:
             cut = struct.Struct(f"={head + _DST_AT}x{dst_end - _DST_AT}s{len(after)}x")
-            self._layouts[-length, dst_end] = cut
+            self._cuts[length, dst_end] = cut
         addresses = list(map(_first_item, cut.iter_unpack(chunk)))
         rebuilt = b"".join(chain.from_iterable(zip(repeat(before), addresses, repeat(after))))
         if rebuilt != chunk:

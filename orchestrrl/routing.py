@@ -36,6 +36,12 @@ A route is identified by its key (family, table, destination, metric), like the 
 does: two desired routes with the same key are an error, and a desired route whose key
 is held by a route that OrchestrRL did not install is refused rather than overwritten.
 A route whose hops differ in any of gateway, device or onlink is replaced.
+
+Routes read back from the kernel come by the ten thousand in a few shapes (everything
+but the destination address: :class:`RouteShape`), so they are kept column-wise
+(:class:`RouteColumns`: a shape and a packed address per route) and checked against the
+desired routes as sets of addresses (:func:`columns_satisfy`); RouteSpecs are built from
+them only when something differs or a caller asks.
 """
 
 from __future__ import annotations
