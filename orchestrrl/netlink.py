@@ -621,12 +621,12 @@ class _OwnedReader:
                 last_head, last_tail = head, tail
                 known = shapes.get(head + tail, _UNKNOWN)
             if known is _UNKNOWN:
-                row = self._first(
+                first = self._first(
                     chunk, start, start + length - rtnl.NLMSGHDR.size, start + dst_end, head + tail
                 )
-                if row is not None:
-                    found += row[0]
-                    found_at += row[1]
+                if first is not None:
+                    found += first[0]
+                    found_at += first[1]
             elif known is not None:
                 found.append(known)
                 found_at.append(packed)
@@ -1008,7 +1008,7 @@ class Netlink:
         self._check_devices(want, links)
         names = {link.index: link.name for link in links.values()}
         read = await self._owned_routes(sock, names)
-        if len(read) >= len(keys) and read and columns_satisfy(read, keys, prune):
+        if read and len(read) >= len(keys) and columns_satisfy(read, keys, prune):
             # Nothing to change (the usual re-apply), decided column-wise: every desired
             # key is ours already, so none can conflict.
             diff = RouteDiff((), (), ())
