@@ -508,6 +508,101 @@ def reach_probability_groups(
         return np.where(here > 0, np.minimum(1.0, there / here), 0.0)
 
 
+def remaining_square_groups(
+    forecast: LengthForecast, generated: Sequence[int], groups: Sequence[str | None]
+) -> np.ndarray:
+    """Per request, ``E[R^2]``, the second moment of its remaining tokens ``R``, its
+    length scaled by its group's ``exp(d_p)`` as in :func:`predict_remaining_groups`.
+
+    ``E[R^2 | L > g] = 2 * int_g^cap (x - g) S(x) dx / S(g)``, from the step function's
+    first two moments and the exponential tail in closed form. The attention cost of a
+    token grows with its context, so the context a token is decoded at, averaged over
+    the tokens still to come, is ``sum_r (ctx_r m_r + E[R_r^2] / 2) / sum_r m_r``:
+    under a long tail about twice the average over requests (the long ones hold most
+    tokens).
+    """
+    gen = np.asarray(generated, dtype=np.float64)
+    if len(gen) == 0:
+        return np.zeros(0)
+    scales = forecast.group_log_scale
+    f = np.exp(np.array([scales.get(g, 0.0) if g is not None else 0.0 for g in groups]))
+    g_s = gen / f
+    cap = math.inf if forecast.max_tokens is None else float(forecast.max_tokens)
+    # a scaled length f L is capped too: L up to cap / f counts
+    upper = np.minimum(cap, cap / f)
+    first = _first_moment_to(forecast, upper)
+    area = _area_to(forecast, upper)
+    s_g = survival_arrays(forecast, g_s)
+    area_g = _area_to(forecast, g_s)
+    first_g = _first_moment_to(forecast, g_s)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        square = 2.0 * ((first - first_g) - g_s * (area - area_g)) / s_g
+    # past the survival floor: the memoryless tail (E[R^2] = 2 theta^2) within the cap
+    theta = forecast.tail_mean
+    floor = np.minimum(2.0 * theta * theta, np.square(np.maximum(0.0, upper - g_s)))
+    out: np.ndarray = f * f * np.where(s_g > 1e-12, np.maximum(square, 0.0), floor)
+    return out
+
+
+def _area_to(forecast: LengthForecast, lengths: np.ndarray) -> np.ndarray:
+    """``int_0^y S(x) dx`` for each ``y`` (capped at ``max_tokens``): what
+    ``forecast._integral_to`` gives, and with no knot at all the exponential tail from 0,
+    as ``_total_area`` takes it."""
+    y = np.asarray(lengths, dtype=np.float64)
+    if forecast.max_tokens is not None:
+        y = np.minimum(y, float(forecast.max_tokens))
+    y = np.maximum(y, 0.0)
+    knots = np.asarray(forecast.knots, dtype=np.float64)
+    if not len(knots):  # S = exp(-x / theta)
+        theta = forecast.tail_mean
+        out: np.ndarray = theta * (1.0 - np.exp(-y / theta))
+        return out
+    surv = np.asarray(forecast.survival, dtype=np.float64)
+    area = np.asarray(forecast.area, dtype=np.float64)
+    last, s, theta = knots[-1], surv[-1], forecast.tail_mean
+    beyond = y > last
+    inside = np.where(beyond, last, y)
+    i = np.searchsorted(knots, inside, side="right")
+    prev = np.maximum(i - 1, 0)
+    out = np.where(i > 0, area[prev] + surv[prev] * (inside - knots[prev]), inside)
+    if beyond.any():
+        out[beyond] = area[-1] + s * theta * (1.0 - np.exp(-(y[beyond] - last) / theta))
+    return out
+
+
+def _first_moment_to(forecast: LengthForecast, lengths: np.ndarray) -> np.ndarray:
+    """``int_0^y x S(x) dx`` for each ``y`` (capped at ``max_tokens``; with no knot, the
+    exponential tail from 0, as :func:`_area_to`)."""
+    y = np.asarray(lengths, dtype=np.float64)
+    if forecast.max_tokens is not None:
+        y = np.minimum(y, float(forecast.max_tokens))
+    y = np.maximum(y, 0.0)
+    knots = np.asarray(forecast.knots, dtype=np.float64)
+    if not len(knots):  # S = exp(-x / theta)
+        theta = forecast.tail_mean
+        rest = np.where(np.isfinite(y), (y + theta) * np.exp(-np.minimum(y, 1e300) / theta), 0.0)
+        return theta * theta - theta * rest
+    surv = np.asarray(forecast.survival, dtype=np.float64)
+    # at each knot: S is 1 up to the first, surv[i - 1] between knots i - 1 and i
+    steps = surv[:-1] * (knots[1:] ** 2 - knots[:-1] ** 2) / 2.0
+    at_knot = np.concatenate(([knots[0] ** 2 / 2.0], knots[0] ** 2 / 2.0 + np.cumsum(steps)))
+    last, s, theta = knots[-1], surv[-1], forecast.tail_mean
+    beyond = y > last
+    inside = np.where(beyond, last, y)
+    i = np.searchsorted(knots, inside, side="right")  # knots[:i] <= y
+    prev = np.maximum(i - 1, 0)
+    out = np.where(
+        i > 0, at_knot[prev] + surv[prev] * (inside**2 - knots[prev] ** 2) / 2.0, inside**2 / 2.0
+    )
+    if beyond.any():  # the exponential tail past the last knot (its whole mass at infinity)
+        yb = y[beyond]
+        finite = np.isfinite(yb)
+        rest = np.zeros(len(yb))
+        rest[finite] = (yb[finite] + theta) * np.exp(-(yb[finite] - last) / theta)
+        out[beyond] = at_knot[-1] + s * theta * ((last + theta) - rest)
+    return out
+
+
 def predict_remaining_groups(
     forecast: LengthForecast,
     generated: Sequence[int],

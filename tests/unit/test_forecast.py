@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from itertools import pairwise
@@ -19,6 +20,7 @@ from scheduler.forecast import (
     log_mean,
     predict_remaining,
     reach_probability_groups,
+    remaining_square_groups,
     survival_arrays,
 )
 
@@ -159,3 +161,39 @@ def test_reaching_the_critical_path_at_a_cap_is_the_caps_mass() -> None:
     reach = reach_probability_groups(fc, [0, 500], [None, None], np.array([1000.0, 500.0]))
     assert reach[0] == pytest.approx(0.01)
     assert reach[1] == pytest.approx(10 / 500)  # past 500 tokens: 500 of 1,000 left
+
+
+@pytest.mark.parametrize("cap", [16384, None])
+def test_the_remaining_second_moment_integrates_the_survival_function(cap: int | None) -> None:
+    """``E[R^2 | L > g] = 2 int_g (x - g) S(x) dx / S(g)``, against the trapezoid rule
+    on a fine grid, past the knots into the exponential tail; a group scaled by ``f``
+    has ``f^2`` times the moment at ``g / f``."""
+    rng = random.Random(4)
+    done = [min(16384, int(rng.lognormvariate(7.3, 1.0))) for _ in range(800)]
+    fc = build_forecast([done], [], [rng.randint(0, 3000) for _ in range(40)], max_tokens=cap)
+    gs = [0, 100, 1500, 5000, 12000]
+    got = remaining_square_groups(fc, gs, [None] * len(gs))
+    upper = cap if cap is not None else 400_000
+    xs = np.linspace(0.0, upper, 400_001)
+    surv = survival_arrays(fc, xs)
+    for g, value in zip(gs, got.tolist(), strict=True):
+        past = xs >= g
+        want = np.trapezoid(2.0 * (xs[past] - g) * surv[past], xs[past]) / fc.survival_at(g)
+        assert value == pytest.approx(want, rel=1e-3)  # the grid: 1 token per step
+        assert value >= fc.remaining_mean(g) ** 2  # E[R^2] >= E[R]^2
+    scaled = dataclasses.replace(fc, group_log_scale={"long": math.log(2.0)})
+    two = remaining_square_groups(scaled, [3000, 3000], ["long", None])
+    assert two[1] == pytest.approx(remaining_square_groups(fc, [3000], [None])[0])
+    if cap is None:
+        assert two[0] == pytest.approx(4.0 * remaining_square_groups(fc, [1500], [None])[0])
+    else:  # the scaled length is capped too: 2 L up to the cap, so L up to cap / 2
+        past = (xs >= 1500) & (xs <= cap / 2)
+        want = np.trapezoid(2.0 * (xs[past] - 1500) * surv[past], xs[past]) / fc.survival_at(1500)
+        assert two[0] == pytest.approx(4.0 * want, rel=1e-3)
+        assert two[0] <= (cap - 3000) ** 2
+
+
+def test_the_second_moment_of_a_forecast_without_observations_is_the_exponentials() -> None:
+    fc = build_forecast()
+    square = remaining_square_groups(fc, [0, 500], [None, None])
+    assert square.tolist() == pytest.approx([2.0 * fc.tail_mean**2] * 2)  # memoryless
