@@ -530,11 +530,9 @@ def remaining_square_groups(
     cap = math.inf if forecast.max_tokens is None else float(forecast.max_tokens)
     # a scaled length f L is capped too: L up to cap / f counts
     upper = np.minimum(cap, cap / f)
-    first = _first_moment_to(forecast, upper)
-    area = _area_to(forecast, upper)
+    area, first = _moments_to(forecast, upper)
+    area_g, first_g = _moments_to(forecast, g_s)
     s_g = survival_arrays(forecast, g_s)
-    area_g = _area_to(forecast, g_s)
-    first_g = _first_moment_to(forecast, g_s)
     with np.errstate(divide="ignore", invalid="ignore"):
         square = 2.0 * ((first - first_g) - g_s * (area - area_g)) / s_g
     # past the survival floor: the memoryless tail (E[R^2] = 2 theta^2) within the cap
@@ -544,62 +542,46 @@ def remaining_square_groups(
     return out
 
 
-def _area_to(forecast: LengthForecast, lengths: np.ndarray) -> np.ndarray:
-    """``int_0^y S(x) dx`` for each ``y`` (capped at ``max_tokens``): what
-    ``forecast._integral_to`` gives, and with no knot at all the exponential tail from 0,
-    as ``_total_area`` takes it."""
+def _moments_to(forecast: LengthForecast, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``int_0^y S(x) dx`` (what ``forecast._integral_to`` gives) and ``int_0^y x S(x)
+    dx`` for each ``y``, capped at ``max_tokens``; with no knot at all, the exponential
+    tail from 0, as ``_total_area`` takes it."""
     y = np.asarray(lengths, dtype=np.float64)
     if forecast.max_tokens is not None:
         y = np.minimum(y, float(forecast.max_tokens))
     y = np.maximum(y, 0.0)
+    theta = forecast.tail_mean
     knots = np.asarray(forecast.knots, dtype=np.float64)
     if not len(knots):  # S = exp(-x / theta)
-        theta = forecast.tail_mean
-        out: np.ndarray = theta * (1.0 - np.exp(-y / theta))
-        return out
+        return theta * (1.0 - np.exp(-y / theta)), theta * (theta - _tail_weight(y, 0.0, theta))
     surv = np.asarray(forecast.survival, dtype=np.float64)
     area = np.asarray(forecast.area, dtype=np.float64)
-    last, s, theta = knots[-1], surv[-1], forecast.tail_mean
-    beyond = y > last
-    inside = np.where(beyond, last, y)
-    i = np.searchsorted(knots, inside, side="right")
-    prev = np.maximum(i - 1, 0)
-    out = np.where(i > 0, area[prev] + surv[prev] * (inside - knots[prev]), inside)
-    if beyond.any():
-        out[beyond] = area[-1] + s * theta * (1.0 - np.exp(-(y[beyond] - last) / theta))
-    return out
-
-
-def _first_moment_to(forecast: LengthForecast, lengths: np.ndarray) -> np.ndarray:
-    """``int_0^y x S(x) dx`` for each ``y`` (capped at ``max_tokens``; with no knot, the
-    exponential tail from 0, as :func:`_area_to`)."""
-    y = np.asarray(lengths, dtype=np.float64)
-    if forecast.max_tokens is not None:
-        y = np.minimum(y, float(forecast.max_tokens))
-    y = np.maximum(y, 0.0)
-    knots = np.asarray(forecast.knots, dtype=np.float64)
-    if not len(knots):  # S = exp(-x / theta)
-        theta = forecast.tail_mean
-        rest = np.where(np.isfinite(y), (y + theta) * np.exp(-np.minimum(y, 1e300) / theta), 0.0)
-        return theta * theta - theta * rest
-    surv = np.asarray(forecast.survival, dtype=np.float64)
-    # at each knot: S is 1 up to the first, surv[i - 1] between knots i - 1 and i
+    # the first moment at each knot: S is 1 up to the first, surv[i - 1] between knots
+    # i - 1 and i
     steps = surv[:-1] * (knots[1:] ** 2 - knots[:-1] ** 2) / 2.0
-    at_knot = np.concatenate(([knots[0] ** 2 / 2.0], knots[0] ** 2 / 2.0 + np.cumsum(steps)))
-    last, s, theta = knots[-1], surv[-1], forecast.tail_mean
+    first = np.concatenate(([knots[0] ** 2 / 2.0], knots[0] ** 2 / 2.0 + np.cumsum(steps)))
+    last, s = knots[-1], surv[-1]
     beyond = y > last
     inside = np.where(beyond, last, y)
     i = np.searchsorted(knots, inside, side="right")  # knots[:i] <= y
     prev = np.maximum(i - 1, 0)
-    out = np.where(
-        i > 0, at_knot[prev] + surv[prev] * (inside**2 - knots[prev] ** 2) / 2.0, inside**2 / 2.0
+    known = i > 0
+    area_y = np.where(known, area[prev] + surv[prev] * (inside - knots[prev]), inside)
+    first_y = np.where(
+        known, first[prev] + surv[prev] * (inside**2 - knots[prev] ** 2) / 2.0, inside**2 / 2.0
     )
-    if beyond.any():  # the exponential tail past the last knot (its whole mass at infinity)
+    if beyond.any():  # past the last knot, S decays exponentially (its whole mass at infinity)
         yb = y[beyond]
-        finite = np.isfinite(yb)
-        rest = np.zeros(len(yb))
-        rest[finite] = (yb[finite] + theta) * np.exp(-(yb[finite] - last) / theta)
-        out[beyond] = at_knot[-1] + s * theta * ((last + theta) - rest)
+        area_y[beyond] = area[-1] + s * theta * (1.0 - np.exp(-(yb - last) / theta))
+        first_y[beyond] = first[-1] + s * theta * ((last + theta) - _tail_weight(yb, last, theta))
+    return area_y, first_y
+
+
+def _tail_weight(y: np.ndarray, start: float, theta: float) -> np.ndarray:
+    """``(y + theta) exp(-(y - start) / theta)``, 0 at infinity."""
+    out = np.zeros(len(y))
+    finite = np.isfinite(y)
+    out[finite] = (y[finite] + theta) * np.exp(-(y[finite] - start) / theta)
     return out
 
 
