@@ -465,6 +465,15 @@ class EtcdStore:
             [t.delete(self._k("pending")), t.delete(self._k("pending-stage"))],
         )
 
+    async def schedule_memory(self) -> bytes | None:
+        return await self._get("read the schedule memory", self._k("schedule-memory"))
+
+    async def save_schedule_memory(self, blob: bytes) -> None:
+        t = self._t
+        await self._fenced_write(
+            "save the schedule memory", [], [t.put(self._k("schedule-memory"), blob)]
+        )
+
     async def record_outcome(self, outcome: RequestOutcome) -> RequestOutcome:
         """Record ``outcome`` unless its id has one already; returns the one recorded."""
         what = "record an outcome"

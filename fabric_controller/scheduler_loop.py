@@ -110,6 +110,7 @@ class ComputeScheduler:
         self.enabled = enabled
         self._wall = wall_clock
         self._tracker = scheduling.StepTracker()
+        self._saving: asyncio.Task[None] | None = None
         self._rounds = 0
         self._moved: dict[str, float] = {}  # request id -> when the loop last moved it
         self._actions: collections.deque[ActionRecord] = collections.deque(maxlen=ACTIONS_KEPT)
@@ -121,15 +122,66 @@ class ComputeScheduler:
         return replace(self._view, actions=tuple(self._actions))
 
     async def run(self) -> None:
-        """Plan and act every interval (runs until cancelled)."""
-        while True:
-            await asyncio.sleep(self.config.interval_s)
-            try:
-                await self.round()
-            except errors.OrlError as exc:
-                log.warning("compute_round_failed", error=str(exc))
-            except Exception:  # a bug here must not take the fabric controller down
-                log.exception("compute_round_crashed", note="next round in the interval")
+        """Plan and act every interval (runs until cancelled), from the memory the store
+        holds."""
+        await self.restore()
+        try:
+            while True:
+                await asyncio.sleep(self.config.interval_s)
+                try:
+                    await self.round()
+                except errors.OrlError as exc:
+                    log.warning("compute_round_failed", error=str(exc))
+                except Exception:  # a bug here must not take the fabric controller down
+                    log.exception("compute_round_crashed", note="next round in the interval")
+        finally:
+            if self._saving is not None:
+                self._saving.cancel()
+
+    # -- the memory that outlives a step (in the controller's store) --
+
+    async def restore(self) -> None:
+        """Start from the saved memory: the forecast's history and the groups remembered
+        for their next epoch survive a restart and a failover (a new leader runs this
+        when its term begins). An unreadable or invalid memory is logged and left out:
+        the loop then learns again, as on a fresh store."""
+        try:
+            raw = await self.c.store.schedule_memory()
+            if raw is None:
+                return
+            history, remembered = await asyncio.to_thread(scheduling.memory_load, raw)
+        except errors.OrlError as exc:
+            log.warning("schedule_memory_not_restored", error=str(exc))
+            return
+        self._tracker = scheduling.restored(history[-self.config.history_steps :], remembered)
+        log.info("schedule_memory_restored", steps=len(history), groups=len(remembered))
+
+    def _save_soon(self) -> None:
+        """Save the memory in the background (encoding tens of thousands of groups
+        takes a while; the round goes on); a save still running is left to finish, and
+        the next step's saves what both taught."""
+        if self._saving is None or self._saving.done():
+            self._saving = asyncio.create_task(self._save(self._tracker))
+
+    async def saved(self) -> None:
+        """Wait for the save in flight, if any."""
+        if self._saving is not None:
+            await asyncio.wait([self._saving])
+
+    async def _save(self, tracker: scheduling.StepTracker) -> None:
+        try:
+            blob, left_out = await asyncio.to_thread(scheduling.memory_blob, tracker)
+            await self.c.store.save_schedule_memory(blob)
+        except errors.OrlError as exc:
+            log.warning("schedule_memory_not_saved", error=str(exc))
+            return
+        log.info(
+            "schedule_memory_saved",
+            steps=len(tracker.history),
+            groups=len(tracker.remembered) - left_out,
+            groups_left_out=left_out,
+            bytes=len(blob),
+        )
 
     # -- one round --
 
@@ -164,9 +216,12 @@ class ComputeScheduler:
             return scheduling.Decision("idle", None, "compute scheduling is off")
         views, skipped, addresses = self._views()
         now = self._wall()
+        before = self._tracker
         self._tracker = scheduling.observe(
             self._tracker, views, now, self.config.history_steps, self.config.groups_remembered
         )
+        if self._tracker.history is not before.history:  # a step ended: what it taught
+            self._save_soon()
         if not views:
             nothing = scheduling.Decision("idle", None, "no generation node reports")
             self._note(now, nothing, skipped)

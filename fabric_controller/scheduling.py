@@ -32,7 +32,9 @@ One round:
 from __future__ import annotations
 
 import collections
+import json
 import math
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -324,6 +326,104 @@ def remember(
     for group in list(out)[: max(0, len(out) - limit)]:
         del out[group]
     return out
+
+
+# -- the loop's memory across restarts and failovers --------------------------------------
+
+MEMORY_VERSION = 1
+# a saved memory stays under etcd's default request limit (1.5 MiB)
+MEMORY_LIMIT_BYTES = 1 << 20
+MEMORY_TEXT_LIMIT = 64 << 20  # what a saved memory may inflate to
+
+
+def memory_blob(tracker: StepTracker, limit: int = MEMORY_LIMIT_BYTES) -> tuple[bytes, int]:
+    """What the loop learnt that outlives a step, for the controller's store: the
+    completed lengths of past steps (the forecast's history) and the groups remembered
+    for their next epoch, as zlib-compressed JSON. When that exceeds ``limit`` bytes the
+    least recently seen groups are left out. Returns (blob, groups left out)."""
+    groups = list(tracker.remembered.items())  # least recently seen first
+
+    def encode(kept: int) -> bytes:
+        doc = {
+            "version": MEMORY_VERSION,
+            "history": [list(h) for h in tracker.history],
+            "groups": [[g, list(p.lengths), p.step_log_mean] for g, p in groups[-kept:]]
+            if kept
+            else [],
+        }
+        return zlib.compress(json.dumps(doc, separators=(",", ":")).encode(), 6)
+
+    blob = encode(len(groups))
+    if len(blob) <= limit:
+        return blob, 0
+    lo, hi = 0, len(groups)  # encode(lo) fits (or lo == 0), encode(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if len(encode(mid)) <= limit:
+            lo = mid
+        else:
+            hi = mid
+    blob = encode(lo)
+    if len(blob) > limit:
+        raise errors.FailedPrecondition(
+            f"schedule memory: {len(tracker.history)} step(s) of history alone take "
+            f"{len(blob)} bytes, over the {limit}-byte limit"
+        )
+    return blob, len(groups) - lo
+
+
+def memory_load(raw: bytes) -> tuple[tuple[tuple[int, ...], ...], dict[str, PriorLengths]]:
+    """(history, remembered groups) from a :func:`memory_blob`; ``InvalidArgument``
+    naming what is wrong when the bytes are not one."""
+    try:
+        inflate = zlib.decompressobj()
+        text = inflate.decompress(raw, MEMORY_TEXT_LIMIT)
+        if inflate.unconsumed_tail or not inflate.eof:
+            raise ValueError(f"not a whole memory of at most {MEMORY_TEXT_LIMIT} bytes")
+        doc = json.loads(text)
+    except (zlib.error, ValueError) as exc:
+        raise errors.InvalidArgument(f"schedule memory: not a saved memory ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("version") != MEMORY_VERSION:
+        found = doc.get("version") if isinstance(doc, dict) else type(doc).__name__
+        raise errors.field_error("schedule memory version", found, str(MEMORY_VERSION))
+    history, groups = doc.get("history"), doc.get("groups")
+    if not isinstance(history, list) or not all(
+        isinstance(h, list) and all(type(x) is int and x >= 0 for x in h) for h in history
+    ):
+        raise errors.InvalidArgument(
+            "schedule memory: history must be a list of lists of lengths >= 0"
+        )
+    remembered: dict[str, PriorLengths] = {}
+    if not isinstance(groups, list):
+        raise errors.InvalidArgument("schedule memory: groups must be a list")
+    for i, entry in enumerate(groups):
+        ok = (
+            isinstance(entry, list)
+            and len(entry) == 3
+            and isinstance(entry[0], str)
+            and 0 < len(entry[0]) <= MAX_ID_CHARS
+            and isinstance(entry[1], list)
+            and all(type(x) is int for x in entry[1])
+            and isinstance(entry[2], int | float)
+            and not isinstance(entry[2], bool)
+        )
+        if not ok:
+            raise errors.InvalidArgument(
+                f"schedule memory: groups[{i}] must be [group id, [lengths], log-mean]"
+            )
+        try:
+            remembered[entry[0]] = PriorLengths(tuple(entry[1]), float(entry[2]))
+        except errors.InvalidArgument as exc:
+            raise errors.InvalidArgument(f"schedule memory: groups[{i}]: {exc}") from None
+    return tuple(tuple(h) for h in history), remembered
+
+
+def restored(
+    history: Sequence[Sequence[int]], remembered: Mapping[str, PriorLengths]
+) -> StepTracker:
+    """A tracker that starts from a saved memory (the step in progress is read anew
+    from the nodes' reports)."""
+    return StepTracker(history=tuple(tuple(h) for h in history), remembered=dict(remembered))
 
 
 def observe(

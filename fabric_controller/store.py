@@ -16,6 +16,7 @@ import asyncio
 import json
 import sqlite3
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,14 @@ CREATE TABLE IF NOT EXISTS outcomes (
     message     TEXT NOT NULL,
     explanation TEXT NOT NULL,
     recorded_at REAL NOT NULL
+);
+-- What the compute-scheduling loop learnt that outlives a step (one row, opaque to the
+-- store: fabric_controller.scheduling.memory_blob). Added without a schema version:
+-- controllers that do not know it leave it alone.
+CREATE TABLE IF NOT EXISTS schedule_memory (
+    id       INTEGER PRIMARY KEY CHECK (id = 1),
+    blob     BLOB NOT NULL,
+    saved_at REAL NOT NULL
 );
 """
 # Columns v4 added to tables of older files (ALTER TABLE, see Store._upgrade).
@@ -213,6 +222,15 @@ class EpochStore(Protocol):
     async def abandon(self) -> None:
         """In one transaction: clear the journal (nothing if it is empty); committed
         epochs and outcomes are untouched."""
+        ...
+
+    async def schedule_memory(self) -> bytes | None:
+        """The compute-scheduling loop's saved memory (opaque bytes), or None."""
+        ...
+
+    async def save_schedule_memory(self, blob: bytes) -> None:
+        """In one transaction: replace the saved memory with ``blob`` (a leader's write,
+        fenced like the others)."""
         ...
 
 
@@ -461,6 +479,14 @@ class Store:
     def abandon_sync(self) -> None:
         self._write("DELETE FROM pending WHERE id = 1", ())
 
+    def schedule_memory_sync(self) -> bytes | None:
+        with self._lock:
+            row = self._db.execute("SELECT blob FROM schedule_memory WHERE id = 1").fetchone()
+        return None if row is None else bytes(row[0])
+
+    def save_schedule_memory_sync(self, blob: bytes) -> None:
+        self._write("INSERT OR REPLACE INTO schedule_memory VALUES (1, ?, ?)", (blob, time.time()))
+
     def commit_sync(
         self, record: EpochRecord, outcome: RequestOutcome | None = None
     ) -> EpochRecord:
@@ -538,3 +564,9 @@ class Store:
 
     async def abandon(self) -> None:
         await asyncio.to_thread(self.abandon_sync)
+
+    async def schedule_memory(self) -> bytes | None:
+        return await asyncio.to_thread(self.schedule_memory_sync)
+
+    async def save_schedule_memory(self, blob: bytes) -> None:
+        await asyncio.to_thread(self.save_schedule_memory_sync, blob)

@@ -151,9 +151,11 @@ async def test_a_deposed_leaders_writes_are_refused(etcd1: EtcdCluster) -> None:
                 a.store.record_outcome(
                     RequestOutcome("z", Phase.TRAINING, 1, False, False, "m", "", 1.0)
                 ),
+                a.store.save_schedule_memory(b"stale memory"),
             ):
                 with pytest.raises(NotLeader, match=f"fencing token {old}.*held by b:1"):
                     await write
+            assert await b.store.schedule_memory() is None
             assert (await b.store.current()).epoch == 1
             still = await b.store.pending()
             assert still is not None and still.stage == "planned"  # A's advance did nothing
@@ -210,3 +212,17 @@ async def test_quorum_lost_and_regained(etcd3: EtcdCluster) -> None:
         assert await store.commit(record(2), outcome) == record(2)
         await store.commit(record(3))
         assert (await store.current()).epoch == 3 and await store.outcome("r2") == outcome
+
+
+async def test_the_schedule_memory_is_one_fenced_key(leader: Leader) -> None:
+    """The compute-scheduling loop's memory (opaque bytes, up to its 1 MiB bound) is
+    written by the leader and read by the next one; an unfenced store only reads it."""
+    store = leader.store
+    assert await store.schedule_memory() is None
+    big = bytes(range(256)) * 4096  # 1 MiB: memory_blob's bound, under etcd's limit
+    await store.save_schedule_memory(big)
+    await store.save_schedule_memory(big[:-1])  # replaces
+    reader = await EtcdStore.open(leader.etcd)
+    assert await reader.schedule_memory() == big[:-1]
+    with pytest.raises(errors.FailedPrecondition, match="not fenced"):
+        await reader.save_schedule_memory(b"x")
