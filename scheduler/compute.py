@@ -207,7 +207,7 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
     left = pl.place_lpt(new_queue)
     unplaceable.extend(left)
     if not changed:
-        keep_s = pl.makespan()
+        keep_s = max(pl.queued_runs(), default=0.0)
     pl.balance(cost_fn, max(config.move_margin_s, EPS))
 
     # predicted times, migrations, reshards
@@ -258,8 +258,9 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
         stall[k] += cost
         migration_total += cost
     switching = max(pauses.values(), default=0.0)
-    planned = switching + max((stall[k] + pl.run[k] for k in range(n_inst)), default=0.0)
-    steady = pl.makespan()
+    runs = pl.queued_runs()
+    planned = switching + max((stall[k] + runs[k] for k in range(n_inst)), default=0.0)
+    steady = max(runs, default=0.0)
     reshards = []
     for n in sorted(changed):
         before = prob.by_node[n]  # sorted by id

@@ -24,9 +24,10 @@ instance's KV cache holds at the step's mean final context (capped by the engine
 each sequence-iteration costs ``c_t``.
 
 The model has every request of an instance start at once. Engines admit a queue longer
-than their seats first come, first served, so layout scoring for large cases adds the
-delay of an instance's longest waiting request (``layout._fcfs_finish``, with
-``Problem.late_place``); placement, balancing and the plan's predicted times do not.
+than their seats first come, first served, so layout scoring for large cases and the
+plan's predicted times add the delay of an instance's longest waiting request
+(:func:`fcfs_late`, with ``Problem.late_place``); placement and balancing, which move
+requests between instances, use the model as it is.
 """
 
 from __future__ import annotations
@@ -330,6 +331,53 @@ class Problem:
             sum(self.mi[r] for r in ms) / SCALE,
             sum(self.pre[r] for r in ms),
         )
+
+
+def fcfs_late(
+    n: np.ndarray,
+    ranked: np.ndarray,
+    q: np.ndarray,
+    q_wait: np.ndarray,
+    work: np.ndarray,
+    slots: np.ndarray | float,
+    place: float,
+) -> np.ndarray:
+    """Iterations by which instances end past the instance model's ``max(q, work /
+    slots)`` because their queue is first come, first served (0 or less: none).
+
+    An instance with ``n`` requests (``ranked`` of them start ahead: they hold KV, or
+    the plan admits them first), ``work`` expected tokens and ``slots`` seats keeps its
+    batch full until its queue drains, so the ``k``-th in line starts after about
+    ``max(0, k - slots) / n * work / slots`` iterations. Its longest waiting request
+    (critical path ``q_wait``; 0: none waits) is taken at place ``k = ranked + place *
+    (n - ranked)``, ``place`` being ``Problem.late_place``, and ends ``q_wait`` later.
+    """
+    past = np.maximum(0.0, ranked + place * (n - ranked) - slots)
+    delay = np.where(q_wait > 0, past / np.maximum(n, 1.0) * work / slots, 0.0)
+    late: np.ndarray = q_wait + delay - np.maximum(q, work / slots)
+    return late
+
+
+def queue_delays(prob: Problem, r_a: np.ndarray, k_a: np.ndarray, tps: Sequence[int]) -> np.ndarray:
+    """Per instance (``tps``: their TP degrees), the seconds :func:`fcfs_late` adds to
+    its run when it holds requests ``r_a[i]`` on instances ``k_a[i]``."""
+    n_inst = len(tps)
+    q_all, mi_all, _, _ = prob.arrays
+    starts = (prob.kv_array | prob.long_group_array)[r_a]
+    q_r = q_all[r_a]
+    n = np.bincount(k_a, minlength=n_inst).astype(np.float64)
+    ranked = np.bincount(k_a, weights=starts.astype(np.float64), minlength=n_inst)
+    work = np.bincount(k_a, weights=mi_all[r_a].astype(np.float64), minlength=n_inst) / SCALE
+    q = np.zeros(n_inst)
+    np.maximum.at(q, k_a, q_r)
+    q_wait = np.zeros(n_inst)
+    np.maximum.at(q_wait, k_a[~starts], q_r[~starts])
+    costs = [prob.costs[t] for t in tps]
+    a = np.array([c.iteration_s for c in costs])
+    slots = np.array([c.slots for c in costs], dtype=np.float64)
+    late = fcfs_late(n, ranked, q, q_wait, work, slots, prob.late_place)
+    delays: np.ndarray = a * np.maximum(0.0, late)
+    return delays
 
 
 @functools.lru_cache(maxsize=4096)  # a pure value, asked for again at every re-plan

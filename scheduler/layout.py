@@ -33,6 +33,7 @@ from scheduler.compute_problem import (
     Pattern,
     Problem,
     TpCost,
+    fcfs_late,
     node_pause,
     pattern_label,
 )
@@ -266,22 +267,14 @@ def _fcfs_finish(
     start: int,
     place: float,
 ) -> float:
-    """The latest finish once each instance's queue is first come, first served.
-
-    The fluid split has every request start at once. An engine admits its queue in
-    arrival order, though: only requests the plan ranks first (they hold KV, or their
-    group is predicted long: ``admit_order``) start ahead; the others wait in line, the
-    step's longest among them at no particular place. An instance with ``n`` requests
-    (``r`` of them ranked), ``W`` expected tokens and ``slots`` seats keeps its batch full
-    until its queue drains, so the ``k``-th in line starts after about ``max(0, k -
-    slots) / n * W / slots`` iterations. Of the ``K`` waiting requests that may reach
-    their critical path (``Problem.late_place``: ``K / (K + 1)``), the last in line
-    decides: at place ``k = r + place * (n - r)`` it starts ``delta`` iterations in, and
-    with its critical path ``q_w`` the instance ends ``a * (q_w + delta - max(q_i, W /
-    slots))`` after its fluid finish. Without this term a layout of few wide instances,
-    each with a long queue, was scored as if every request started at once: at
-    ``max_num_seqs`` 64 the planner chose 6 x TP8 (predicted 120 s) over 12 x TP4, and
-    the step took 172 s (163 s on static TP4).
+    """The latest finish once each instance's queue is first come, first served
+    (:func:`scheduler.compute_problem.fcfs_late`), each instance holding its own request
+    and its fluid share ``x(T)`` of the bulk: ``1 + x N`` requests, ``m_i + x W_m``
+    tokens, and as waiting request the bulk's longest unranked one (or its own, when
+    that is unranked). Without this term a layout of few wide instances, each with a
+    long queue, was scored as if every request started at once: at ``max_num_seqs`` 64
+    the planner chose 6 x TP8 (predicted 120 s) over 12 x TP4, and the step took 172 s
+    (163 s on static TP4).
     """
     n_req = len(s.order)
     n_bulk = n_req - start
@@ -308,13 +301,9 @@ def _fcfs_finish(
             x = np.where(after <= b1 * x_star, after / b1, x_star + (after - b1 * x_star) / d)
         else:
             x = np.where(after > 0, x_star + after / d, 0.0)
-        n_i = 1.0 + x * n_bulk
-        ranked = own_ranked + x * ranked_bulk
         q_w = np.where(own_ranked, np.where(x * len(waiting_bulk) > 0, q_bulk, 0.0), q)
-        past = np.maximum(0.0, ranked + place * (n_i - ranked) - slots)
-        work = m + x * work_m
-        delta = np.where(q_w > 0, past / n_i * work / slots, 0.0)
-        late = float((q_w + delta - np.maximum(q, work / slots)).max())
+        n_i, ranked, work = 1.0 + x * n_bulk, own_ranked + x * ranked_bulk, m + x * work_m
+        late = float(fcfs_late(n_i, ranked, q, q_w, work, slots, place).max())
         if late > 0:
             finish = max(finish, t + a * late)
     return finish

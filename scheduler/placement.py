@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from scheduler.compute_problem import SCALE, MoveCost, Problem
+from scheduler.compute_problem import SCALE, MoveCost, Problem, queue_delays
 from scheduler.compute_state import Instance
 
 
@@ -257,6 +257,15 @@ class Placement:
 
     def makespan(self) -> float:
         return max(self.run, default=0.0)
+
+    def queued_runs(self) -> list[float]:
+        """Per instance, its run plus the delay its first-come-first-served queue puts
+        on its longest waiting request (:func:`queue_delays`): what a plan predicts."""
+        where = self.where
+        r_a = np.fromiter(where.keys(), dtype=np.int64, count=len(where))
+        k_a = np.fromiter(where.values(), dtype=np.int64, count=len(where))
+        delays: list[float] = queue_delays(self.prob, r_a, k_a, self.tp).tolist()
+        return [run + d for run, d in zip(self.run, delays, strict=True)]
 
     def candidates(self, src: int) -> list[int]:
         if self.all_candidates:
@@ -518,7 +527,8 @@ class MoveCostFrom:
 
 
 def keep_makespan(prob: Problem, placeable: Sequence[int], all_cand: bool) -> float:
-    """Makespan if nothing changes: current placement, queued requests by LPT."""
+    """Makespan if nothing changes: current placement, queued requests by LPT, each
+    instance's run with its queue delay (as :meth:`Placement.queued_runs`)."""
     instances = list(prob.instances.values())  # by id
     n = len(instances)
     plc = np.array(placeable, dtype=np.int64)
@@ -546,12 +556,13 @@ def keep_makespan(prob: Problem, placeable: Sequence[int], all_cand: bool) -> fl
         run = a * iters + c_ * m
         run = run + p * sum_pre
         run = np.where((m <= 0) & (sum_pre <= 0) & (qmax <= 0), 0.0, run)
+        run = run + queue_delays(prob, plc, cur, [len(inst.gpus) for inst in instances])
         return float(run[present].max()) if present.any() else 0.0
     if all_cand:
         keep = Placement(prob, instances, all_cand)
         keep.load((r, keep.index[c]) for r in placeable if (c := prob.current[r]) is not None)
         keep.place_lpt(queued)
-        return keep.makespan()
+        return max(keep.queued_runs(), default=0.0)
     return _lpt_makespan(prob, instances, placeable, queued)
 
 
@@ -606,10 +617,18 @@ def _lpt_makespan(
     if len(typed) == 1 and typed[0][1]:
         # one TP degree (a uniform layout): LPT in batches (see _lpt_uniform)
         cap = typed[0][0]
-        _lpt_uniform(prob, order, cap, (a_[0], c_[0], p_[0], inv[0]), qmax, sum_m, sum_pre, run)
+        r_lpt, k_lpt, _ = _lpt_uniform(
+            prob, order, cap, (a_[0], c_[0], p_[0], inv[0]), qmax, sum_m, sum_pre, run
+        )
     else:
-        _lpt_typed(prob, order, typed, (a_, c_, p_, inv), qmax, sum_m, sum_pre, run)
-    return max(run, default=0.0)
+        placed: list[tuple[int, int]] = []
+        _lpt_typed(prob, order, typed, (a_, c_, p_, inv), qmax, sum_m, sum_pre, run, placed)
+        r_lpt = np.array([r for r, _ in placed], dtype=np.int64)
+        k_lpt = np.array([k for _, k in placed], dtype=np.int64)
+    delays = queue_delays(
+        prob, np.concatenate((r_on, r_lpt)), np.concatenate((k_on, k_lpt)), tp
+    ).tolist()
+    return max((r + d for r, d in zip(run, delays, strict=True)), default=0.0)
 
 
 def _lpt_typed(
