@@ -31,6 +31,7 @@ class MemoryStore:
         self.epochs: dict[int, EpochRecord] = {}
         self.outcomes: dict[str, RequestOutcome] = {}
         self.journal: PendingRecord | None = None
+        self.memory: bytes | None = None
 
     @property
     def location(self) -> str:
@@ -79,6 +80,12 @@ class MemoryStore:
 
     async def abandon(self) -> None:
         self.journal = None
+
+    async def schedule_memory(self) -> bytes | None:
+        return self.memory
+
+    async def save_schedule_memory(self, blob: bytes) -> None:
+        self.memory = blob
 
 
 class Crash(Exception):
