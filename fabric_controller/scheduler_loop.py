@@ -158,8 +158,8 @@ class ComputeScheduler:
 
     def _save_soon(self) -> None:
         """Save the memory in the background (encoding tens of thousands of groups
-        takes a while; the round goes on); a save still running is left to finish, and
-        the next step's saves what both taught."""
+        takes a while; the round goes on). A save still running is left to finish; the
+        save at the next step's end then carries what both steps taught."""
         if self._saving is None or self._saving.done():
             self._saving = asyncio.create_task(self._save(self._tracker))
 

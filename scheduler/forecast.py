@@ -469,6 +469,15 @@ def prior_log_scales(
     return dict(zip(names, d.tolist(), strict=True))
 
 
+def group_factors(forecast: LengthForecast, groups: Sequence[str | None]) -> np.ndarray:
+    """Per request, its group's length scale ``exp(d_p)`` (1 for groups not listed in
+    ``forecast.group_log_scale`` and for requests without a group)."""
+    scales = forecast.group_log_scale
+    logs = [scales.get(g, 0.0) if g is not None else 0.0 for g in groups]
+    factors: np.ndarray = np.exp(np.array(logs, dtype=np.float64))
+    return factors
+
+
 def survival_arrays(forecast: LengthForecast, lengths: np.ndarray) -> np.ndarray:
     """``forecast.survival_at`` of many lengths at once (the same values, up to the
     rounding of numpy's exponential in the tail)."""
@@ -497,11 +506,10 @@ def reach_probability_groups(
     least ``remaining - 1``), its length scaled by its group's ``exp(d_p)`` as in
     :func:`predict_remaining_groups`. A quantile sits where the survival function steps
     down: at a capped distribution's cap this is the cap's whole mass, not ``1 - q``."""
-    scales = forecast.group_log_scale
     gen = np.asarray(generated, dtype=np.float64)
-    f = np.exp(np.array([scales.get(g, 0.0) if g is not None else 0.0 for g in groups]))
     if len(gen) == 0:
         return np.zeros(0)
+    f = group_factors(forecast, groups)
     here = survival_arrays(forecast, gen / f)
     there = survival_arrays(forecast, (gen + np.asarray(remaining) - 1.0) / f)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -524,8 +532,7 @@ def remaining_square_groups(
     gen = np.asarray(generated, dtype=np.float64)
     if len(gen) == 0:
         return np.zeros(0)
-    scales = forecast.group_log_scale
-    f = np.exp(np.array([scales.get(g, 0.0) if g is not None else 0.0 for g in groups]))
+    f = group_factors(forecast, groups)
     g_s = gen / f
     cap = math.inf if forecast.max_tokens is None else float(forecast.max_tokens)
     # a scaled length f L is capped too: L up to cap / f counts
@@ -599,7 +606,7 @@ def predict_remaining_groups(
     if not scales:
         return predict_remaining_arrays(forecast, generated, q)
     gen = np.asarray(generated, dtype=np.int64)
-    f = np.exp(np.array([scales.get(g, 0.0) if g is not None else 0.0 for g in groups]))
+    f = group_factors(forecast, groups)
     scaled = np.floor(gen / f + 0.5).astype(np.int64)
     mean, quant = predict_remaining_arrays(forecast, scaled, q)
     cap = math.inf if forecast.max_tokens is None else float(forecast.max_tokens)

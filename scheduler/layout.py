@@ -288,25 +288,39 @@ def _fcfs_finish(
     finish = t
     for cost, n, _, lo in blocks:
         hi = lo + n
-        a, c, p, slots = cost.iteration_s, cost.per_sequence_s, cost.prefill_per_token_s, cost.slots
         q, m = q_a[lo:hi], m_a[lo:hi]
         own_ranked = s.ranked[lo:hi]
         # each instance's share x(T), as in _fluid_sweep: none before its own time, then
         # the own regime (B per unit share) up to x*, then the iteration-bound one (D)
         after = np.maximum(0.0, t - s.own_all(cost)[lo:hi])
-        b1 = c * work_m + p * work_p
-        d = (a / slots + c) * work_m + p * work_p
-        x_star = np.maximum(0.0, (slots * q - m) / work_m)
+        b1, d, x_star = _share_regimes(cost, q, m, work_m, work_p)
         if b1 > 0:
             x = np.where(after <= b1 * x_star, after / b1, x_star + (after - b1 * x_star) / d)
         else:
             x = np.where(after > 0, x_star + after / d, 0.0)
         q_w = np.where(own_ranked, np.where(x * len(waiting_bulk) > 0, q_bulk, 0.0), q)
         n_i, ranked, work = 1.0 + x * n_bulk, own_ranked + x * ranked_bulk, m + x * work_m
-        late = float(fcfs_late(n_i, ranked, q, q_w, work, slots, place).max())
+        late = float(fcfs_late(n_i, ranked, q, q_w, work, cost.slots, place).max())
         if late > 0:
-            finish = max(finish, t + a * late)
+            finish = max(finish, t + cost.iteration_s * late)
     return finish
+
+
+def _share_regimes(
+    cost: TpCost, q: np.ndarray, m: np.ndarray, work_m: float, work_p: float
+) -> tuple[float, float, np.ndarray]:
+    """How a share ``x`` of the bulk costs an instance of ``cost`` whose own requests
+    have critical paths ``q`` and work ``m``: ``B`` per unit share in the own regime,
+    ``D`` in the iteration-bound one, and ``x*``, the share where the first ends (inf
+    when the bulk has no tokens to decode)."""
+    c, p = cost.per_sequence_s, cost.prefill_per_token_s
+    b1 = c * work_m + p * work_p
+    d = (cost.iteration_s / cost.slots + c) * work_m + p * work_p
+    if work_m > 0:
+        x_star = np.maximum(0.0, (cost.slots * q - m) / work_m)
+    else:
+        x_star = np.full(len(q), np.inf)
+    return b1, d, x_star
 
 
 def _own_bound(cost: TpCost, s: _Sorted, lo: int, hi: int) -> float:
@@ -392,15 +406,9 @@ def _fluid_sweep(
     slopes: list[np.ndarray] = []
     jumps: list[np.ndarray] = []
     for cost, n, _, lo in blocks:
-        a, c, p = cost.iteration_s, cost.per_sequence_s, cost.prefill_per_token_s
         q, m = q_a[lo : lo + n], m_a[lo : lo + n]
         own = s.own_all(cost)[lo : lo + n]  # == a * q + c * m + p * pre on the slice
-        b1 = c * work_m + p * work_p
-        d = (a / cost.slots + c) * work_m + p * work_p
-        if work_m > 0:
-            x_star = np.maximum(0.0, (cost.slots * q - m) / work_m)
-        else:
-            x_star = np.full(len(q), np.inf)
+        b1, d, x_star = _share_regimes(cost, q, m, work_m, work_p)
         inv_d = 1.0 / d if d > 0 else 0.0
         if b1 > 0:
             t_star = own + b1 * x_star
