@@ -21,6 +21,25 @@ Bulk throughput per GPU, tolerance 15 %:
     (tensorrt_llm/bench/build/tuning.py, calc_engine_setting), and its default
     scheduler admits a request only with KV for its whole length, so the running batch is
     the KV-capacity batch at ISL + OSL tokens, and the mean context is ISL + OSL / 2.
+
+Bulk throughput per GPU at a stated batch, tolerance 15 %:
+    TensorRT-LLM's performance.md up to v0.9.0 printed the batch of every row, A100 in
+    FP16 (its H100 tables are FP8, which the model does not represent):
+    https://github.com/NVIDIA/TensorRT-LLM/blob/v0.9.0/docs/source/performance.md (and
+    v0.8.0, v0.6.1), "out tok/s/GPU", gptSessionBenchmark: static batching, every
+    sequence exactly ISL in and OSL out, so the batch is the stated one throughout and the
+    mean context is ISL + OSL / 2; 128-in rows are decode-bound (prefill <= 5 % of the
+    run). The model passes on MHA Llama-2-7B and is 17-22 % fast at 70B TP4/TP8 and 66 %
+    fast on GQA Mistral-7B. A second, H100 FP16 source with stated batches agrees
+    (argonne-lcf/LLM-Inference-Bench, arXiv 2411.00136, Plots/All_results.csv, batch
+    16-64, ISL = OSL 128-2048): Llama-3-70B TP4 is 1.08-1.26x fast with TensorRT-LLM and
+    1.13-1.34x with vLLM, Llama-2-7B TP1/TP2 0.91-1.19x. So the known misses are the
+    model's, not the inferred batches': decode at bulk batches is slower than its
+    roofline terms, more so with grouped-query attention. The model credits GQA its whole
+    KV-byte saving, while those TensorRT-LLM versions say their GQA decode kernels (XQA)
+    were "experimental and not enabled by default" (performance.md, "Benchmarking per
+    Model"). Not fixed here: a change to the decode terms moves every simulated result
+    (issue 15).
 """
 
 from __future__ import annotations
@@ -29,7 +48,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from scheduler.perf_model import H100, LLAMA3_8B, LLAMA3_70B, ModelShape, PerfModel
+from scheduler.perf_model import A100, H100, LLAMA3_8B, LLAMA3_70B, ModelShape, PerfModel
 
 pytestmark = pytest.mark.unit
 
@@ -122,8 +141,9 @@ def test_bulk_throughput_per_gpu_tp1_within_15_percent() -> None:
     reason=(
         "known miss: at the KV-capacity batch (~190 at TP4, ~580 at TP8) the model is "
         "1.4x (TP4) and 2.2x (TP8) faster per GPU than TensorRT-LLM 0.14's FP16 Llama-3-70B "
-        "on H100; it matches only at ~130 sequences per instance. Not fixed in this change "
-        "(see issue 15); the simulator keeps max_num_seqs at 256 per instance"
+        "on H100; it matches only at ~130 sequences per instance. At stated batches it is "
+        "1.17-1.22x fast too (below), so part of the miss is the model's decode, not the "
+        "inferred batch. Not fixed (issue 15); the simulator keeps max_num_seqs at 256"
     ),
 )
 @pytest.mark.parametrize("case", BULK_THROUGHPUT[1:], ids=lambda c: f"{c.model.name}-tp{c.tp}")
@@ -134,6 +154,83 @@ def test_bulk_throughput_per_gpu_large_tp_within_15_percent(case: ThroughputCase
     assert abs(error) <= 0.15, (
         f"{case.model.name} TP{case.tp} batch {batch}: model {modelled:.0f} tok/s/GPU vs "
         f"{case.measured_per_gpu:.0f} ({error:+.1%}); source: {case.source}"
+    )
+
+
+TRTLLM_PERF = "https://github.com/NVIDIA/TensorRT-LLM/blob/{}/docs/source/performance.md"
+# shapes from the ckpt_config.json printed in TensorRT-LLM v0.8.0's performance.md (the
+# Hugging Face config.json values: layers, hidden, heads, KV heads, FFN, vocab)
+LLAMA2_7B = ModelShape("Llama-2-7B", 32, 4096, 32, 32, 11008, 32000, qkv_bias=False)
+LLAMA2_70B = ModelShape("Llama-2-70B", 80, 8192, 64, 8, 28672, 32000, qkv_bias=False)
+MISTRAL_7B = ModelShape("Mistral-7B", 32, 4096, 32, 8, 14336, 32000, qkv_bias=False)
+
+
+@dataclass(frozen=True)
+class StatedBatchCase:
+    model: ModelShape
+    tp: int
+    batch: int
+    input_tokens: int
+    output_tokens: int
+    measured_per_gpu: float  # output tokens/s per GPU, as printed
+    source: str
+
+
+def _known_miss(case: StatedBatchCase, why: str) -> object:
+    return pytest.param(case, marks=pytest.mark.xfail(strict=True, reason=why))
+
+
+STATED_BATCH = (
+    StatedBatchCase(
+        LLAMA2_7B, 1, 32, 128, 2048, 1484, TRTLLM_PERF.format("v0.9.0") + " A100 LLaMA 7B b32"
+    ),
+    StatedBatchCase(
+        LLAMA2_7B, 1, 32, 128, 2048, 1518, TRTLLM_PERF.format("v0.8.0") + " A100 LLaMA 7B b32"
+    ),
+    _known_miss(
+        StatedBatchCase(
+            LLAMA2_7B, 2, 64, 2048, 2048, 782, TRTLLM_PERF.format("v0.6.1") + " A100 LLaMA 7B TP2"
+        ),
+        "known miss: model 1.18x the measured per-GPU throughput",
+    ),
+    _known_miss(
+        StatedBatchCase(
+            LLAMA2_70B, 4, 128, 128, 2048, 595, TRTLLM_PERF.format("v0.8.0") + " A100 70B TP4"
+        ),
+        "known miss: model 1.17x",
+    ),
+    _known_miss(
+        StatedBatchCase(
+            LLAMA2_70B, 8, 512, 128, 2048, 684, TRTLLM_PERF.format("v0.9.0") + " A100 70B TP8"
+        ),
+        "known miss: model 1.22x",
+    ),
+    _known_miss(
+        StatedBatchCase(
+            MISTRAL_7B, 1, 120, 128, 2048, 3776, TRTLLM_PERF.format("v0.9.0") + " A100 Mistral"
+        ),
+        "known miss: model 1.66x (grouped-query attention, 4 query heads per KV head)",
+    ),
+)
+
+
+@pytest.mark.parametrize(
+    "case",
+    STATED_BATCH,
+    ids=lambda c: f"{c.model.name}-tp{c.tp}-b{c.batch}-{c.source.split('/')[6]}",
+)
+def test_bulk_throughput_per_gpu_at_a_stated_batch_within_15_percent(
+    case: StatedBatchCase,
+) -> None:
+    pm = PerfModel(case.model, A100)
+    # the stated batch fits the model's KV cache: it runs as printed
+    assert case.batch * (case.input_tokens + case.output_tokens) <= pm.kv_capacity_tokens(case.tp)
+    mean_context = case.input_tokens + case.output_tokens / 2
+    modelled = pm.decode_tokens_per_s(case.tp, case.batch, mean_context) / case.tp
+    error = modelled / case.measured_per_gpu - 1.0
+    assert abs(error) <= 0.15, (
+        f"{case.model.name} TP{case.tp} batch {case.batch} on A100: model {modelled:.0f} "
+        f"tok/s/GPU vs {case.measured_per_gpu:.0f} ({error:+.1%}); source: {case.source}"
     )
 
 
