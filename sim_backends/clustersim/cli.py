@@ -87,11 +87,12 @@ def _run(args: argparse.Namespace) -> int:
 
         ceil = suite_row(scenario)
         print("generation per steady step against its ceilings:")
+        width = max(len(h) for h in CEILING_HEADER)
         for head, value in zip(
             CEILING_HEADER[1:], ceiling_rows({scenario.name: ceil})[0][1:], strict=True
         ):
             shown = f"{value:.2f}" if isinstance(value, float) else str(value)
-            print(f"  {head:<14} {shown}")
+            print(f"  {head:<{width}} {shown}")
         print("end to end (pipeline step time per steady step):")
         for head, value in zip(E2E_HEADER[1:], e2e_rows({scenario.name: ceil})[0][1:], strict=True):
             shown = f"{value:.2f}" if isinstance(value, float) else str(value)

@@ -36,7 +36,11 @@ Policies: ``static`` (fixed layout, requests split evenly up front), ``proactive
 (``plan_compute`` with reactive moves disabled: ``move_margin_s`` = infinity),
 ``reactive`` (``balance``: layout fixed, moves off stragglers), ``adaptive`` (both),
 ``oracle`` (:func:`~sim_backends.clustersim.oracle.oracle_plan`: knows every length;
-a clairvoyant baseline charged the same reshard pauses and move costs).
+a clairvoyant baseline charged the same reshard pauses and move costs), ``prompt-oracle``
+(``adaptive`` told every prompt's difficulty: :func:`perfect_priors`, as if this very
+step had been each prompt's previous epoch; the ceiling of what the epoch prior and the
+siblings, group-level signals, can give the adaptive policy, short of each response's
+own length).
 
 Only the planner decides; the simulator does what the plan says and keeps time.
 """
@@ -105,6 +109,23 @@ class GenStepResult:
     reasons: tuple[str, ...]  # the planner's reason for every plan that changed something
     # (plan time, the planner's predicted rest of the step after its plan) per plan
     predicted: tuple[tuple[float, float], ...] = ()
+
+
+def group_name(r: RolloutRequest) -> str:
+    """The request's GRPO group: the samples of one prompt."""
+    return f"p{r.prompt}"
+
+
+def perfect_priors(requests: Sequence[RolloutRequest]) -> dict[str, PriorLengths]:
+    """Every prompt's prior as if its previous epoch had drawn exactly this step's
+    responses (no drift between the two): the best epoch prior a real RL loop could have,
+    which the ``prompt-oracle`` policy is given. It tells how long each prompt's responses
+    run on the whole, not which of its samples is the long one."""
+    by_group: dict[str, list[int]] = {}
+    for r in requests:
+        by_group.setdefault(group_name(r), []).append(r.response_tokens)
+    step_log_mean = sum(math.log(r.response_tokens) for r in requests) / max(1, len(requests))
+    return {g: PriorLengths(tuple(v), step_log_mean) for g, v in by_group.items()}
 
 
 def gen_node_names(n: int) -> tuple[str, ...]:
@@ -200,7 +221,7 @@ class _Req:
 
     def __init__(self, r: RolloutRequest) -> None:
         self.id = r.id
-        self.group = f"p{r.prompt}"  # the GRPO group: the samples of one prompt
+        self.group = group_name(r)
         self.prompt = r.prompt_tokens
         self.length = r.response_tokens
         self.generated = 0  # tokens generated as of the instance's iteration it0
@@ -449,6 +470,8 @@ class GenerationSim:
             self.lengths[r.id] = r.length
             if rr.previous is not None and r.group not in previous:
                 previous[r.group] = PriorLengths(rr.previous.lengths, rr.previous.step_log_mean)
+        if self.policy == "prompt-oracle":
+            previous = perfect_priors(requests)
         self.group_prior = prior_log_scales(previous)
         self.unfinished = len(self.reqs)
         ordered = [self.reqs[rr.id] for rr in requests]

@@ -565,15 +565,25 @@ def step_bounds(s: Scenario, perf: PerfModel) -> tuple[float, ...]:
 
 
 def ceilings(
-    static_gen_s: Mapping[int, float], adaptive_s: float, oracle_s: float, bound_s: float
+    static_gen_s: Mapping[int, float],
+    adaptive_s: float,
+    oracle_s: float,
+    bound_s: float,
+    prompt_oracle_s: float | None = None,
 ) -> dict[str, object]:
     """One compute result against its ceilings (mean generation seconds per step each):
     every static TP, the best, adaptive, oracle and bound, their speedups over the best
     static layout, and the share of the oracle's gain the adaptive policy captures,
-    ``(best / adaptive - 1) / (best / oracle - 1)`` (None when the oracle gains nothing)."""
+    ``(best / adaptive - 1) / (best / oracle - 1)`` (None when the oracle gains nothing).
+    ``prompt_oracle_s``, when run: the adaptive policy told every prompt's difficulty (the
+    ``prompt-oracle`` policy), and the share of the oracle's gain it captures."""
     tp = min(static_gen_s, key=lambda t: (static_gen_s[t], t))
     best = static_gen_s[tp]
     gain = best / oracle_s - 1.0
+
+    def share(s: float) -> float | None:
+        return (best / s - 1.0) / gain if gain > 1e-9 else None
+
     return {
         "static_gen_s": {str(t): v for t, v in sorted(static_gen_s.items())},
         "best_static_tp": tp,
@@ -584,5 +594,8 @@ def ceilings(
         "adaptive_speedup": best / adaptive_s,
         "oracle_speedup": best / oracle_s,
         "bound_speedup": best / bound_s,
-        "captured": (best / adaptive_s - 1.0) / gain if gain > 1e-9 else None,
+        "captured": share(adaptive_s),
+        "prompt_oracle_s": prompt_oracle_s,
+        "prompt_oracle_speedup": None if prompt_oracle_s is None else best / prompt_oracle_s,
+        "prompt_oracle_captured": None if prompt_oracle_s is None else share(prompt_oracle_s),
     }

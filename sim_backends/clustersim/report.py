@@ -44,6 +44,7 @@ CEILING_HEADER = (
     "oracle s",
     "bound s",
     "adaptive/best",
+    "prompt-oracle/best",
     "oracle/best",
     "bound/best",
     "captured",
@@ -52,11 +53,14 @@ CEILING_HEADER = (
 
 def ceiling_rows(results: Mapping[str, Mapping[str, Any]]) -> list[list[object]]:
     """Rows of :data:`CEILING_HEADER` (generation seconds per steady step; speedups over
-    the best static layout; the share of the oracle's gain the adaptive policy captures)."""
+    the best static layout; the share of the oracle's gain the adaptive policy captures;
+    the prompt-oracle's speedup and share, "-" where it was not run)."""
     rows: list[list[object]] = []
     for name, c in results.items():
         st = c["static_gen_s"]
         cap = c["captured"]
+        prompt = c.get("prompt_oracle_speedup")
+        prompt_share = c.get("prompt_oracle_captured")
         rows.append(
             [
                 name,
@@ -66,6 +70,9 @@ def ceiling_rows(results: Mapping[str, Mapping[str, Any]]) -> list[list[object]]
                 c["oracle_s"],
                 c["bound_s"],
                 f"{c['adaptive_speedup']:.3f}x",
+                "-"
+                if prompt is None
+                else f"{prompt:.3f}x" + ("" if prompt_share is None else f" ({prompt_share:.0%})"),
                 f"{c['oracle_speedup']:.3f}x",
                 f"{c['bound_speedup']:.3f}x",
                 "n/a (oracle gains nothing)" if cap is None else f"{cap:.0%}",
@@ -321,7 +328,12 @@ def write_report(out: Mapping[str, Any], runs: Mapping[str, RunResult], outdir: 
             "reshard and move costs); `bound` is the fluid lower bound no scheduler can beat "
             "under the performance model (bound.py). Speedups are over the best static "
             "layout; `captured` = (best/adaptive - 1) / (best/oracle - 1), the share of the "
-            "oracle's gain the adaptive policy captures."
+            "oracle's gain the adaptive policy captures. `prompt-oracle` (suite only) is the "
+            "adaptive policy told every prompt's difficulty, as if this very step had been "
+            "each prompt's previous epoch (generation.py `perfect_priors`), with its share of "
+            "the oracle's gain in brackets: what group-level length information (the epoch "
+            "prior, the siblings) can give at best; the rest of the oracle's gain needs each "
+            "response's own length, which no real scheduler has at the step start."
         )
         md.append("")
         if ceil:
@@ -333,9 +345,20 @@ def write_report(out: Mapping[str, Any], runs: Mapping[str, RunResult], outdir: 
             shares = [c["captured"] for c in suite.values() if c["captured"] is not None]
             if shares:
                 md.append("")
+                prompt_shares = [
+                    c["prompt_oracle_captured"]
+                    for c in suite.values()
+                    if c.get("prompt_oracle_captured") is not None
+                ]
+                told = (
+                    f"; the prompt-oracle's: {sum(prompt_shares) / len(prompt_shares):.0%} "
+                    f"over {len(prompt_shares)}"
+                    if prompt_shares
+                    else ""
+                )
                 md.append(
                     f"Mean captured share over {len(shares)} scenario(s) where the oracle "
-                    f"gains: {sum(shares) / len(shares):.0%}."
+                    f"gains: {sum(shares) / len(shares):.0%}{told}."
                 )
             caps = seqs_caps(suite)
             if caps:

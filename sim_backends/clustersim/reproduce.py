@@ -399,7 +399,7 @@ def tasks(plan: Plan, out: dict[str, Any], runs: dict[str, RunResult]) -> Iterat
             one = with_max_num_seqs(s, cap)
 
             def one_cap(s: Scenario = one, rows: dict[str, Any] = rows) -> None:
-                rows[str(s.generation.max_num_seqs)] = suite_row(s)
+                rows[str(s.generation.max_num_seqs)] = suite_row(s, prompt_oracle=False)
 
             yield f"max_num_seqs sweep {s.name}: {cap} sequences per instance", one_cap
 
@@ -430,9 +430,11 @@ def _chosen(rows: dict[str, Any]) -> str:
     return f"{best.gen_gpus}/{best.train_gpus}"
 
 
-def suite_row(s: Scenario) -> dict[str, Any]:
+def suite_row(s: Scenario, prompt_oracle: bool = True) -> dict[str, Any]:
     """One scenario against its ceilings: every static TP, adaptive (from the best static
-    layout), oracle and the fluid bound, in mean generation seconds per steady step; and
+    layout), prompt-oracle (adaptive told every prompt's difficulty), oracle and the fluid
+    bound (``prompt_oracle`` False: not run, as in the ``max_num_seqs`` sweep, which does
+    not report it), in mean generation seconds per steady step; and
     the same runs end to end through the pipeline (training and weight sync) on the
     scenario's split (``split.choose = "auto"``: the one :func:`resolve_split` picks)."""
     chooser = s.split.choose
@@ -442,6 +444,7 @@ def suite_row(s: Scenario) -> dict[str, Any]:
     statics = {t: _mean_steady([g.seconds for g in gens]) for t, gens in per_tp.items()}
     tp = min(statics, key=lambda t: (statics[t], t))
     adaptive = run_generation(s, perf, "adaptive", tp)
+    told = run_generation(s, perf, "prompt-oracle", tp) if prompt_oracle else None
     oracle = run_generation(s, perf, "oracle", tp)
     bounds = step_bounds(s, perf)
     row = ceilings(
@@ -449,6 +452,7 @@ def suite_row(s: Scenario) -> dict[str, Any]:
         _mean_steady([g.seconds for g in adaptive]),
         _mean_steady([g.seconds for g in oracle]),
         _mean_steady(list(bounds)),
+        prompt_oracle_s=None if told is None else _mean_steady([g.seconds for g in told]),
     )
 
     def pipe(gens: tuple[GenStepResult, ...], policy: str) -> RunResult:

@@ -49,7 +49,7 @@ from scheduler.perf_model import HARDWARE, MODELS, default_model
 from sim_backends.clustersim.models import SHAPES
 from sim_backends.clustersim.parallel import Parallelism
 
-POLICIES = ("static", "proactive", "reactive", "adaptive", "oracle")
+POLICIES = ("static", "proactive", "reactive", "adaptive", "prompt-oracle", "oracle")
 SPLIT_CHOICES = ("fixed", "auto")
 PLACEMENTS = ("contiguous", "scattered")
 FABRIC_KINDS = ("fat-tree", "fat-tree-oversub", "rail-optimised", "static-optical", "rfabric")
@@ -170,7 +170,9 @@ class GenerationConfig:
         instances up front as verl does), ``proactive`` (the compute planner re-plans the
         layout and dispatch at every ``replan_interval_s``, no reactive moves of running
         requests), ``reactive`` (fixed layout; the planner's balancing moves requests off
-        stragglers), ``adaptive`` (both), ``oracle`` (knows every response length: the
+        stragglers), ``adaptive`` (both), ``prompt-oracle`` (``adaptive`` told every
+        prompt's difficulty, not each response's length: the ceiling of group-level
+        length information), ``oracle`` (knows every response length: the
     clairvoyant baseline of :mod:`.oracle`). ``static_tp`` 0 picks the best uniform layout by
         simulating each (``orl-sim`` reports which). ``max_num_seqs``: vLLM's default 256.
     """

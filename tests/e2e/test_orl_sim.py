@@ -90,6 +90,11 @@ def test_reproduce_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
         assert c["bound_s"] <= c["adaptive_s"]
         assert c["captured"] is None or isinstance(c["captured"], float)
         assert set(c["static_gen_s"]) == {"1", "2", "4", "8"}
+    for c in results["suite"].values():  # the adaptive policy told each prompt's difficulty
+        assert c["bound_s"] <= c["prompt_oracle_s"]
+        assert c["prompt_oracle_speedup"] == c["best_static_s"] / c["prompt_oracle_s"]
+    assert "prompt-oracle/best" in report and "the prompt-oracle's:" in report
+    for c in rows:
         # end to end: step times on the split used, both speedups, the bounding side
         assert (c["gen_gpus"], c["train_gpus"]) == (48, 16)
         assert c["adaptive_e2e_speedup"] == c["static_step_s"] / c["adaptive_step_s"]

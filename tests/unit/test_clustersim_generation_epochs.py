@@ -57,3 +57,29 @@ def test_history_reaches_the_planner_and_changes_nothing_else() -> None:
     bare = [replace(r, dataset_prompt=None) for r in off]
     c = simulate_step(PERF, bare, layout, policy="adaptive", max_response_tokens=2048)
     assert c == b
+
+
+def test_the_prompt_oracle_is_told_each_prompts_lengths_of_this_very_step() -> None:
+    """``prompt-oracle``: the adaptive policy with a perfect epoch prior (this step's own
+    lengths per prompt, no drift), whatever the requests carry; first epoch or not."""
+    from sim_backends.clustersim.generation import perfect_priors
+
+    fresh = step_workload(replace(CFG, dataset_prompts=0, samples_per_prompt=8), 1, 0).requests
+    assert all(r.previous is None for r in fresh)  # nothing to learn from in the workload
+    priors = perfect_priors(fresh)
+    assert sorted(priors) == sorted({f"p{r.prompt}" for r in fresh})
+    for g, prior in priors.items():
+        assert sorted(prior.lengths) == sorted(
+            r.response_tokens for r in fresh if f"p{r.prompt}" == g
+        )
+    sim = GenerationSim(PERF, 8, {"gen000": (4, 4)}, "prompt-oracle", 5.0, DEFAULT_CONFIG, 2048, ())
+    sim.run(fresh)
+    assert sim.group_prior == prior_log_scales(priors) and sim.group_prior
+    # the long prompts are told apart from the start: their prior scale is the largest
+    mean_len = {g: sum(p.lengths) / len(p.lengths) for g, p in priors.items()}
+    assert max(sim.group_prior, key=sim.group_prior.__getitem__) == max(
+        mean_len, key=mean_len.__getitem__
+    )
+    blind = GenerationSim(PERF, 8, {"gen000": (4, 4)}, "adaptive", 5.0, DEFAULT_CONFIG, 2048, ())
+    blind.run(fresh)
+    assert blind.group_prior == {}

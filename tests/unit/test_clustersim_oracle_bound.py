@@ -91,7 +91,12 @@ def test_fluid_bound_is_below_every_policy(lengths: list[tuple[int, int]], nodes
     tps = (1, 2, 4, 8)
     bound = fluid_bound(PERF, lengths, 8 * nodes, tps, 256)
     assert bound.seconds == max(bound.work_s, bound.path_s, bound.coupled_s) > 0
-    for policy, tp in [*(("static", t) for t in tps), ("oracle", 8), ("adaptive", 4)]:
+    for policy, tp in [
+        *(("static", t) for t in tps),
+        ("oracle", 8),
+        ("adaptive", 4),
+        ("prompt-oracle", 4),
+    ]:
         res = simulate_step(PERF, reqs, uniform_layout(names, 8, tp), policy=policy)
         assert bound.seconds <= res.seconds * (1 + 1e-9), (policy, tp)
 

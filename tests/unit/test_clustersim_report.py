@@ -178,3 +178,23 @@ def test_the_max_num_seqs_sweep_is_said_with_its_range() -> None:
     assert line.index("64: best static") < line.index("256: best static")  # by cap
     assert "adaptive policy gains 1.020x-1.083x" in line and "oracle 1.111x-1.300x" in line
     assert seqs_discussion({"s": {}}) == []
+
+
+def test_the_ceiling_row_shows_the_prompt_oracle_beside_the_oracle_when_it_ran() -> None:
+    from sim_backends.clustersim.pipeline import ceilings
+    from sim_backends.clustersim.report import CEILING_HEADER, ceiling_rows
+
+    statics = {4: 120.0, 8: 100.0}
+    told = ceilings(statics, 98.0, 90.0, 70.0, prompt_oracle_s=95.0)
+    assert told["prompt_oracle_speedup"] == pytest.approx(100 / 95)
+    # its share of the oracle's gain, as the adaptive policy's
+    assert told["prompt_oracle_captured"] == pytest.approx((100 / 95 - 1) / (100 / 90 - 1))
+    (row,) = ceiling_rows({"s": told})
+    shown = dict(zip(CEILING_HEADER, row, strict=True))
+    assert shown["prompt-oracle/best"] == "1.053x (47%)"
+    assert shown["captured"] == f"{(100 / 98 - 1) / (100 / 90 - 1):.0%}"
+    (bare,) = ceiling_rows({"s": ceilings(statics, 98.0, 90.0, 70.0)})
+    assert dict(zip(CEILING_HEADER, bare, strict=True))["prompt-oracle/best"] == "-"
+    # an oracle that gains nothing: no share for either
+    flat = ceilings(statics, 101.0, 100.0, 70.0, prompt_oracle_s=100.0)
+    assert flat["captured"] is None and flat["prompt_oracle_captured"] is None
