@@ -81,8 +81,16 @@ def ceiling_rows(results: Mapping[str, Mapping[str, Any]]) -> list[list[object]]
     return rows
 
 
-def ceiling_table(results: Mapping[str, Mapping[str, Any]]) -> str:
-    return _table(CEILING_HEADER, ceiling_rows(results))
+def ceiling_table(results: Mapping[str, Mapping[str, Any]], first: str = "scenario") -> str:
+    """:func:`ceiling_rows` under :data:`CEILING_HEADER` (its first column named
+    ``first``), without the prompt-oracle column when no row ran it."""
+    header = (first, *CEILING_HEADER[1:])
+    rows = ceiling_rows(results)
+    k = header.index("prompt-oracle/best")
+    if all(r[k] == "-" for r in rows):
+        header = header[:k] + header[k + 1 :]
+        rows = [r[:k] + r[k + 1 :] for r in rows]
+    return _table(header, rows)
 
 
 def seqs_caps(results: Mapping[str, Mapping[str, Any]]) -> str:
@@ -465,12 +473,7 @@ def write_report(out: Mapping[str, Any], runs: Mapping[str, RunResult], outdir: 
                 continue
             md.append(f"### {name}")
             md.append("")
-            md.append(
-                _table(
-                    ("max_num_seqs", *CEILING_HEADER[1:]),
-                    ceiling_rows(dict(_by_cap(rows))),
-                )
-            )
+            md.append(ceiling_table(dict(_by_cap(rows)), first="max_num_seqs"))
             md.append("")
     md += ["## Plots", ""]
     for name, caption in plots:

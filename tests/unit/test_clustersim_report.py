@@ -198,3 +198,16 @@ def test_the_ceiling_row_shows_the_prompt_oracle_beside_the_oracle_when_it_ran()
     # an oracle that gains nothing: no share for either
     flat = ceilings(statics, 101.0, 100.0, 70.0, prompt_oracle_s=100.0)
     assert flat["captured"] is None and flat["prompt_oracle_captured"] is None
+
+
+def test_a_table_where_no_row_ran_the_prompt_oracle_leaves_its_column_out() -> None:
+    from sim_backends.clustersim.pipeline import ceilings
+    from sim_backends.clustersim.report import ceiling_table
+
+    statics = {4: 120.0, 8: 100.0}
+    bare = ceiling_table({"64": ceilings(statics, 98.0, 90.0, 70.0)}, first="max_num_seqs")
+    assert bare.startswith("| max_num_seqs |") and "prompt-oracle" not in bare
+    told = ceiling_table(
+        {"a": ceilings(statics, 98.0, 90.0, 70.0), "b": ceilings(statics, 98.0, 90.0, 70.0, 95.0)}
+    )
+    assert "| prompt-oracle/best |" in told and "| - |" in told
