@@ -84,7 +84,7 @@ def ceiling_rows(results: Mapping[str, Mapping[str, Any]]) -> list[list[object]]
 def ceiling_table(results: Mapping[str, Mapping[str, Any]], first: str = "scenario") -> str:
     """:func:`ceiling_rows` under :data:`CEILING_HEADER` (its first column named
     ``first``), without the prompt-oracle column when no row ran it."""
-    header = (first, *CEILING_HEADER[1:])
+    header: tuple[str, ...] = (first, *CEILING_HEADER[1:])
     rows = ceiling_rows(results)
     k = header.index("prompt-oracle/best")
     if all(r[k] == "-" for r in rows):
