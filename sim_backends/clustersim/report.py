@@ -339,8 +339,8 @@ def write_report(out: Mapping[str, Any], runs: Mapping[str, RunResult], outdir: 
             "oracle's gain the adaptive policy captures. `prompt-oracle` (suite only) is the "
             "adaptive policy told every prompt's difficulty, as if this very step had been "
             "each prompt's previous epoch (generation.py `perfect_priors`), with its share of "
-            "the oracle's gain in brackets: what group-level length information (the epoch "
-            "prior, the siblings) can give at best; the rest of the oracle's gain needs each "
+            "the oracle's gain in brackets: what the adaptive policy makes, at best, of "
+            "group-level length information (the epoch prior, the siblings); short of each "
             "response's own length, which no real scheduler has at the step start."
         )
         md.append("")
