@@ -10,6 +10,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -373,8 +374,8 @@ async def _serve_with(
                 tg.create_task(watchdog()),
                 tg.create_task(reloader.serve(wait_hangup)),
             ]
-            await wait_stop()
-            log.info("stopping")
+            failed = await _stop_or_gateway_failure(wait_stop, rollout.gateway)
+            log.info("stopping", why=failed or "asked to stop")
             sd_notify("STOPPING=1")
             for task in loops:
                 task.cancel()
@@ -388,7 +389,29 @@ async def _serve_with(
         if stop_metrics is not None:
             await asyncio.to_thread(stop_metrics)
     log.info("stopped")
-    return EXIT_OK
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+async def _stop_or_gateway_failure(
+    wait_stop: Callable[[], Awaitable[object]], gateway: GatewayEngine | None
+) -> str:
+    """Wait until the daemon is asked to stop ("") or its gateway fails (why): a gateway
+    whose task died serves nothing, so the agent exits with an error and its service
+    manager restarts it (systemd: Restart=on-failure)."""
+    stop = asyncio.ensure_future(wait_stop())
+    waits: set[asyncio.Future[Any]] = {stop}
+    if gateway is not None:
+        waits.add(asyncio.ensure_future(gateway.wait_failed()))
+    try:
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+    if stop in done:
+        return ""
+    why = str(next(iter(done)).result())
+    log.error("gateway_failed_agent_exits", why=why)
+    return f"the gateway failed: {why}"
 
 
 def cpu_accounting(engine: object, gpus: GpuBackend) -> dict[str, float]:

@@ -88,6 +88,7 @@ class ScriptedEngine:
         self.fail_starts = fail_starts
         self.fail_calls = 0  # the next calls answer with an error (the process stays up)
         self.hung = False  # calls cannot connect and health checks fail, the process runs
+        self.bug: Exception | None = None  # the next call raises this (not an EngineFailed)
         self.capabilities: frozenset[str] = frozenset()
         self._exit: asyncio.Future[int] | None = None
         self._calls: dict[str, asyncio.Event] = {}
@@ -131,6 +132,9 @@ class ScriptedEngine:
         if self.fail_calls > 0:
             self.fail_calls -= 1
             raise EngineFailed(f"instance {self.placement.index}: HTTP 500 (injected)")
+        if self.bug is not None:
+            bug, self.bug = self.bug, None
+            raise bug
         self.record.submissions.append((self.placement, submission))
         abort = self._calls[submission.engine_request_id] = asyncio.Event()
         seq = list(submission.prompt)

@@ -435,3 +435,39 @@ async def test_a_request_moves_between_instances_of_its_node(cluster: Cluster) -
     assert await a.engine.restore_requests(exported) == ()
     assert await reader == greedy(prompt(0), 60)
     assert req.hops == ["a"]
+
+
+async def test_a_gateway_task_that_dies_fails_the_gateway_loudly(cluster: Cluster) -> None:
+    """An unexpected error in any of the gateway's tasks (here a call's: an adapter bug)
+    is not swallowed: every request in flight fails naming it, health turns bad, new
+    requests are refused and ``wait_failed`` returns (the agent then exits)."""
+    node = await cluster.add("a", (1, 1), delay=0.01)
+    running = node.engine.submit(prompt(0), 1000, GREEDY)
+    await eventually(lambda: len(running.output) > 0)
+    for server in node.live():  # the running call has started: only new calls raise
+        server.bug = ZeroDivisionError("adapter bug")
+    doomed = node.engine.submit(prompt(1), 10, GREEDY)
+    why = await asyncio.wait_for(node.engine.wait_failed(), 10)
+    assert "ZeroDivisionError('adapter bug')" in why
+    for req in (running, doomed):
+        with pytest.raises(RequestFailed, match="adapter bug"):
+            await read_all(req)
+    assert all(h.startswith("failed: a gateway task died") for h in node.engine.instance_health())
+    with pytest.raises(errors.Unavailable, match="gateway failed"):
+        node.engine.submit(prompt(2), 3, GREEDY)
+
+
+async def test_the_agent_stops_with_an_error_when_its_gateway_fails(cluster: Cluster) -> None:
+    from node_agent.daemon import _stop_or_gateway_failure
+
+    node = await cluster.add("a", (1,), delay=0.01)
+    never = asyncio.Event()
+    waiting = asyncio.create_task(_stop_or_gateway_failure(never.wait, node.engine))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    node.live()[0].bug = RuntimeError("boom")
+    node.engine.submit(prompt(0), 5, GREEDY)
+    assert "RuntimeError('boom')" in await asyncio.wait_for(waiting, 10)
+    stop = asyncio.Event()
+    stop.set()
+    assert await _stop_or_gateway_failure(stop.wait, None) == ""
