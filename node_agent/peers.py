@@ -60,6 +60,7 @@ class GrpcPeers:
                     tuple(chunk.token_ids),
                     chunk.weight_version,
                     FINISH.get(chunk.finish_reason),
+                    tuple(chunk.logprobs),
                 )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:

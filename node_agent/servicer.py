@@ -256,6 +256,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
                     token_ids=chunk.token_ids,
                     weight_version=chunk.weight_version,
                     finish_reason=chunk.finish or "",
+                    logprobs=chunk.logprobs,
                 )
         except RequestFailed as exc:
             raise errors.FailedPrecondition(f"request failed: {exc}") from exc

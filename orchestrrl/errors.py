@@ -43,6 +43,10 @@ class Unavailable(OrlError):
     """A dependency (switch, agent, controller) could not be reached."""
 
 
+class DeadlineExceeded(OrlError):
+    """The operation did not finish in the time it was given; nothing was changed."""
+
+
 def field_error(field: str, value: object, allowed: str) -> InvalidArgument:
     """The one shape of a bad-input message: field, value (``shown``), what is allowed."""
     return InvalidArgument(f"{field}={shown(value)} is not valid: {allowed}")

@@ -31,6 +31,7 @@ STATUS_OF: dict[type[errors.OrlError], grpc.StatusCode] = {
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
     errors.Aborted: grpc.StatusCode.ABORTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from node_agent.engine import Destination
 from node_agent.engines.base import (
+    CAP_UPDATE_WEIGHTS,
     Chunk,
     EngineFailed,
     InstanceLoad,
@@ -32,25 +33,57 @@ from orchestrrl import errors
 VOCAB = 1000
 
 
-def next_token(sequence: Sequence[int], vocab: int = VOCAB) -> int:
-    """The rule: a hash of the whole sequence (order matters)."""
-    h = 17
+def _hash(sequence: Sequence[int], weights: int) -> int:
+    h = 17 + 7919 * weights
     for t in sequence:
         h = (h * 1_000_003 + t + 1) % 2_147_483_647
-    return h % vocab
+    return h
 
 
-def greedy(prompt: Sequence[int], n: int, eos: int | None = None) -> list[int]:
+def next_token(sequence: Sequence[int], vocab: int = VOCAB, weights: int = 0) -> int:
+    """The rule: a hash of the whole sequence (order matters) under ``weights`` (a
+    different model continues differently)."""
+    return _hash(sequence, weights) % vocab
+
+
+def logprob(sequence: Sequence[int], weights: int = 0) -> float:
+    """The "log-probability" the scripted model reports for the token it appends to
+    ``sequence``: a fixed function of the sequence and the weights, in (-10, 0)."""
+    return -((_hash(sequence, weights) // VOCAB) % 997 + 1) / 100.0
+
+
+def greedy(prompt: Sequence[int], n: int, eos: int | None = None, weights: int = 0) -> list[int]:
     """What an uninterrupted call of :class:`ScriptedEngine` returns."""
     seq = list(prompt)
     out: list[int] = []
     for _ in range(n):
-        t = next_token(seq)
+        t = next_token(seq, weights=weights)
         seq.append(t)
         out.append(t)
         if t == eos:
             break
     return out
+
+
+def greedy_logprobs(
+    prompt: Sequence[int], output: Sequence[int], weights: Sequence[int] | int = 0
+) -> list[float]:
+    """The logprobs the scripted engine reports for ``output`` after ``prompt``; with a
+    list, token ``i`` was generated under ``weights[i]``."""
+    per = [weights] * len(output) if isinstance(weights, int) else list(weights)
+    seq = list(prompt)
+    out = []
+    for t, w in zip(output, per, strict=True):
+        out.append(logprob(seq, w))
+        seq.append(t)
+    return out
+
+
+def weights_of(model: str) -> int:
+    """The scripted weights a model path names: ``.../scripted-<n>`` (else 0)."""
+    name = model.rstrip("/").rsplit("/", 1)[-1]
+    head, _, tail = name.rpartition("-")
+    return int(tail) if head.endswith("scripted") and tail.isdigit() else 0
 
 
 @dataclass
@@ -78,6 +111,8 @@ class ScriptedEngine:
         start_delay_s: float = 0.0,
         eos: int | None = None,
         fail_starts: int = 0,
+        model: str = "scripted-0",
+        in_place_updates: bool = False,
     ) -> None:
         self.placement = placement
         self.record = record or EngineRecord()
@@ -89,7 +124,13 @@ class ScriptedEngine:
         self.fail_calls = 0  # the next calls answer with an error (the process stays up)
         self.hung = False  # calls cannot connect and health checks fail, the process runs
         self.bug: Exception | None = None  # the next call raises this (not an EngineFailed)
-        self.capabilities: frozenset[str] = frozenset()
+        self.capabilities: frozenset[str] = (
+            frozenset({CAP_UPDATE_WEIGHTS}) if in_place_updates else frozenset()
+        )
+        self._model = model  # loaded at the next start
+        self.weights = weights_of(model)  # what it serves now
+        self.updates: list[str] = []  # in-place updates made
+        self.fail_updates = 0  # the next in-place updates fail (the old weights stay)
         self._exit: asyncio.Future[int] | None = None
         self._calls: dict[str, asyncio.Event] = {}
         self.generated = 0
@@ -103,6 +144,10 @@ class ScriptedEngine:
         if self.fail_starts > 0:
             self.fail_starts -= 1
             raise errors.Unavailable(f"scripted instance {self.placement.index}: start failed")
+        if not self._model.startswith("missing"):
+            self.weights = weights_of(self._model)
+        else:
+            raise errors.Unavailable(f"scripted instance {self.placement.index}: no {self._model}")
         self._exit = asyncio.get_running_loop().create_future()
         self.record.started.append(self.placement)
 
@@ -138,6 +183,9 @@ class ScriptedEngine:
         self.record.submissions.append((self.placement, submission))
         abort = self._calls[submission.engine_request_id] = asyncio.Event()
         seq = list(submission.prompt)
+        stops = set(submission.sampling.stop_token_ids)
+        if self.eos is not None and not submission.sampling.ignore_eos:
+            stops.add(self.eos)
         try:
             for n in range(submission.max_tokens):
                 await asyncio.sleep(self.token_delay_s)
@@ -145,14 +193,15 @@ class ScriptedEngine:
                     raise EngineFailed(f"instance {self.placement.index} exited", instance=True)
                 if abort.is_set():
                     raise EngineFailed("aborted")
-                t = next_token(seq)
+                lp = (logprob(seq, self.weights),) if submission.logprobs else ()
+                t = next_token(seq, weights=self.weights)
                 seq.append(t)
                 self.generated += 1
                 last = n + 1 == submission.max_tokens
-                if t == self.eos and not submission.sampling.ignore_eos:
-                    yield Chunk((t,), "stop")
+                if t in stops:
+                    yield Chunk((t,), "stop", lp)
                     return
-                yield Chunk((t,), "length" if last else None)
+                yield Chunk((t,), "length" if last else None, lp)
         finally:
             self._calls.pop(submission.engine_request_id, None)
 
@@ -173,6 +222,26 @@ class ScriptedEngine:
 
     async def healthy(self) -> bool:
         return self.alive and not self.hung
+
+    @property
+    def model(self) -> str:
+        return self._model
+
+    def use_model(self, path: str) -> None:
+        self._model = path
+
+    async def update_weights(self, path: str) -> None:
+        if CAP_UPDATE_WEIGHTS not in self.capabilities:
+            raise NotImplementedError("this scripted engine restarts to change weights")
+        await asyncio.sleep(self.start_delay_s)
+        if self.fail_updates > 0:
+            self.fail_updates -= 1
+            raise EngineFailed(f"scripted instance {self.placement.index}: cannot load {path}")
+        if self._calls:
+            raise EngineFailed(f"{len(self._calls)} call(s) in flight during a weight update")
+        self._model = path
+        self.weights = weights_of(path)
+        self.updates.append(path)
 
     async def pause(self) -> None:
         raise NotImplementedError("the scripted engine cannot pause in place")

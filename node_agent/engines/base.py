@@ -25,6 +25,7 @@ Device = Literal["cpu", "cuda"]
 
 # Optional capabilities an adapter may have (EngineServer.capabilities).
 CAP_PAUSE = "pause"  # pause generation in place, keeping in-flight state
+CAP_UPDATE_WEIGHTS = "update_weights"  # load new weights into the running server
 
 
 @dataclass(frozen=True)
@@ -92,13 +93,18 @@ class Submission:
     prompt: tuple[int, ...]
     max_tokens: int
     sampling: Sampling = field(default_factory=Sampling)
+    logprobs: bool = False  # stream the sampled tokens' logprobs (Chunk.logprobs)
 
 
 class Chunk(NamedTuple):
-    """Tokens streamed back; ``finish`` is set on the last chunk of a finished call."""
+    """Tokens streamed back; ``finish`` is set on the last chunk of a finished call.
+    ``logprobs``: when the submission asked for them, the log-probability of each token
+    of ``token_ids`` under the model's distribution (log softmax of the raw logits, what
+    an RL trainer recomputes), one per token; empty otherwise."""
 
     token_ids: tuple[int, ...]
     finish: FinishReason | None = None
+    logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -186,3 +192,15 @@ class EngineServer(Protocol):
 
     async def resume(self) -> None:
         """Generate again after :meth:`pause`."""
+
+    @property
+    def model(self) -> str:
+        """The weights the server loads at its next start (and serves, unless updated in
+        place since): a path."""
+
+    def use_model(self, path: str) -> None:
+        """Load ``path`` at the next start (a restart-based weight update)."""
+
+    async def update_weights(self, path: str) -> None:
+        """Load the weights at ``path`` into the running server, no call in flight
+        (CAP_UPDATE_WEIGHTS); EngineFailed when it cannot, the old weights still served."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
@@ -213,6 +214,18 @@ class HttpEngine:
 
     def generate(self, submission: Submission) -> AsyncGenerator[Chunk, None]:
         raise NotImplementedError
+
+    @property
+    def model(self) -> str:
+        return self.settings.model
+
+    def use_model(self, path: str) -> None:
+        """Start on ``path`` from the next start on (a restart-based weight update)."""
+        self.settings = dataclasses.replace(self.settings, model=path)
+        self.process.argv = tuple(self.argv())
+
+    async def update_weights(self, path: str) -> None:
+        raise NotImplementedError(f"{self.kind} cannot load new weights in place")
 
     async def pause(self) -> None:
         raise NotImplementedError(f"{self.kind} cannot pause in place")

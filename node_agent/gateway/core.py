@@ -58,7 +58,7 @@ from node_agent.engines.base import (
 )
 from node_agent.gateway.figures import StepFigures, kv_usage
 from node_agent.gateway.handoff import Followers, check_imports, exported, import_result
-from node_agent.gateway.requests import Request, Where
+from node_agent.gateway.requests import RESUME, UPDATE_POLICIES, Request, Where
 from orchestrrl import errors
 from orchestrrl.logs import get_logger
 
@@ -166,6 +166,7 @@ class Instance:
     exit_status: int = 0
     checking: bool = False  # unreachable, its health being checked
     paused: bool = False  # paused in place
+    version: str = ""  # the weights it serves
     calls: set[str] = field(default_factory=set)  # calls holding a seat here
     load: InstanceLoad = field(default_factory=InstanceLoad)
 
@@ -249,6 +250,7 @@ class GatewayCore:
         self.resharding = False
         self.closed = False
         self.crashed = ""  # why the gateway stopped working (a task of its shell died)
+        self.updating = ""  # the weight version being loaded ("": no update)
         self._queue: list[tuple[int, str]] = []  # (seq, request id), sorted
         self._seq = 0
         self._keys = 0
@@ -262,7 +264,14 @@ class GatewayCore:
     def new_instance(self, placement: Placement, max_num_seqs: int, can_pause: bool) -> Instance:
         """An instance for ``placement`` (not in the layout until adopted)."""
         self._keys += 1
-        return Instance(self._keys, placement, max_num_seqs, can_pause, placement.index)
+        return Instance(
+            self._keys,
+            placement,
+            max_num_seqs,
+            can_pause,
+            placement.index,
+            version=self.weight_version,
+        )
 
     def instance(self, key: int) -> Instance | None:
         return next((i for i in self.instances if i.key == key), None)
@@ -385,11 +394,49 @@ class GatewayCore:
     # -- reshard ----------------------------------------------------------------------------
 
     def check_reshard(self, new_layout: Sequence[int]) -> tuple[int, ...]:
-        """``new_layout`` validated; refused while closed or resharding."""
+        """``new_layout`` validated; refused while closed, resharding or updating weights."""
         layout = validate_layout(new_layout, self.gpus)
         self._refuse_closed()
         self._refuse_while_resharding("reshard")
+        self._refuse_while_updating("reshard")
         return layout
+
+    # -- weight updates ---------------------------------------------------------------------
+
+    def begin_update(self, version: str, in_flight: str) -> list[Action]:
+        """Load weights ``version``: stop dispatching; the calls of requests that resume
+        on the new weights (their own policy, else ``in_flight``) are taken off and wait at
+        the queue's front; the others finish on the old weights. The shell waits until no
+        call holds a seat, loads the weights, then calls :meth:`end_update`."""
+        self._refuse_closed()
+        if not version or len(version) > 128:
+            raise errors.field_error("version", version, "a label of 1-128 characters")
+        if in_flight not in UPDATE_POLICIES:
+            raise errors.field_error("in_flight", in_flight, " or ".join(UPDATE_POLICIES))
+        self._refuse_while_resharding("update weights")
+        self._refuse_while_updating("update weights")
+        self.updating = version
+        actions: list[Action] = []
+        for rid in sorted(self._live, key=lambda r: self.requests[r].seq):
+            req = self.requests[rid]
+            if (req.update_policy or in_flight) == RESUME:
+                actions += self._detach(req)
+                self._enqueue(req)
+        return actions
+
+    def seats_taken(self) -> int:
+        """Calls holding a seat on any instance (live or ending)."""
+        return sum(len(i.calls) for i in self.instances)
+
+    def end_update(self, ok: bool) -> list[Action]:
+        """The update is over: every instance serves the new version (``ok``) or the old
+        one; dispatching goes on."""
+        if ok:
+            self.weight_version = self.updating
+            for inst in self.instances:
+                inst.version = self.updating
+        self.updating = ""
+        return self._dispatch()
 
     def plan_reshard(
         self,
@@ -442,8 +489,13 @@ class GatewayCore:
         max_tokens: int,
         sampling: Sampling,
         group: str = "",
+        *,
+        logprobs: bool = False,
+        update_policy: str = "",
     ) -> tuple[Request, list[Action]]:
-        """Queue a client's request; InvalidArgument / FailedPrecondition (queue full)."""
+        """Queue a client's request; InvalidArgument / FailedPrecondition (queue full).
+        ``logprobs``: report the sampled tokens' logprobs; ``update_policy``: what it does
+        at a weight update (FINISH, RESUME; "": the update's policy)."""
         self._refuse_closed()
         if not prompt:
             raise errors.field_error("prompt", [], "at least one token id")
@@ -451,6 +503,8 @@ class GatewayCore:
             raise errors.field_error("max_tokens", max_tokens, "an integer >= 1")
         sampling.check()
         check_group(group)
+        if update_policy and update_policy not in UPDATE_POLICIES:
+            raise errors.field_error("update_policy", update_policy, " or ".join(UPDATE_POLICIES))
         if rid in self.requests:
             raise errors.field_error("request_id", rid, "an id no request in flight here has")
         queued = len(self._queue)
@@ -460,6 +514,8 @@ class GatewayCore:
                 f"max_queue {self.config.max_queue}); retry later"
             )
         req = self._new(now, rid, tuple(prompt), max_tokens, sampling, group=group)
+        req.want_logprobs = logprobs
+        req.update_policy = update_policy
         self._enqueue(req)
         return req, self._dispatch()
 
@@ -486,17 +542,33 @@ class GatewayCore:
     # -- calls ------------------------------------------------------------------------------
 
     def call_tokens(
-        self, call_id: str, tokens: tuple[int, ...], finish: FinishReason | None
+        self,
+        call_id: str,
+        tokens: tuple[int, ...],
+        finish: FinishReason | None,
+        logprobs: tuple[float, ...] = (),
     ) -> bool:
-        """A call streamed ``tokens`` (and ``finish`` on its last chunk). False when the
-        call is over for the core (cancelled, its request moved on, or it just finished):
-        the shell stops reading it."""
+        """A call streamed ``tokens`` (and ``finish`` on its last chunk), with their
+        logprobs when asked. False when the call is over for the core (cancelled, its
+        request moved on, failed, or it just finished): the shell stops reading it."""
         call = self._calls.get(call_id)
         if call is None or not call.live:
             return False
         req = self.requests[call.request]
         if tokens:
-            req.append(tokens[: req.remaining], self.weight_version)
+            keep = req.remaining
+            try:
+                req.append(tokens[:keep], call.instance.version, logprobs[:keep])
+            except ValueError as exc:  # the engine cannot give what the client asked for
+                self._detach(req)
+                log.warning("request_failed", request=req.id, error=str(exc))
+                req.end(
+                    Where.FAILED,
+                    error=f"{self.kind} instance {call.instance.index}: {exc}",
+                    refused=True,
+                )
+                self._maybe_idle()
+                return False
             self.figures.tokens_total += len(tokens)
         if finish is None and req.remaining > 0:
             return True
@@ -706,12 +778,15 @@ class GatewayCore:
                 )
             req.output[:] = m.output_token_ids
             req.versions[:] = parsed.versions
+            req.want_logprobs = parsed.logprobs is not None
+            req.logprobs[:] = parsed.logprobs or ()
+            req.update_policy = parsed.update_policy
             here = parsed.hops[-1:] == (self.node,)
             req.hops[:] = parsed.hops if here else [*parsed.hops, self.node]
             if not req.origin and not self._followers.followed(req.id):
                 self._followers.orphaned(req.id, now)  # until its source follows it
             admitted.append(req)
-        seated = admitted[: inst.seats]
+        seated = admitted[: inst.seats] if not self.updating else []
         for req in admitted:
             self.figures.arrive()
             if req in seated:
@@ -731,7 +806,12 @@ class GatewayCore:
     # -- following a request released to another node --------------------------------------
 
     def follow_tokens(
-        self, request_id: str, tokens: tuple[int, ...], version: str, finish: FinishReason | None
+        self,
+        request_id: str,
+        tokens: tuple[int, ...],
+        version: str,
+        finish: FinishReason | None,
+        logprobs: tuple[float, ...] = (),
     ) -> bool:
         """Tokens of a request followed on another node; False once it is no longer
         followed (the shell stops reading)."""
@@ -739,7 +819,7 @@ class GatewayCore:
         if req is None or req.where is not Where.REMOTE:
             return False
         self._followers.progressed(request_id)
-        req.append(tokens, version)
+        req.append(tokens, version, logprobs)
         if finish is None:
             return True
         self._followers.stop_following(request_id)
@@ -838,7 +918,7 @@ class GatewayCore:
         """Seat queued requests, oldest first, on the instances with most free seats."""
         if self.resharding or self.paused or self.state is not EngineState.RUNNING:
             return []
-        if self.closed or self.crashed:
+        if self.closed or self.crashed or self.updating:
             return []
         actions: list[Action] = []
         while self._queue:
@@ -862,7 +942,9 @@ class GatewayCore:
         inst.calls.add(cid)
         req.where = Where.RUNNING
         req.instance = inst.index
-        sub = Submission(cid, req.prompt + tuple(req.output), req.remaining, req.sampling)
+        sub = Submission(
+            cid, req.prompt + tuple(req.output), req.remaining, req.sampling, req.want_logprobs
+        )
         return StartCall(cid, req.id, inst.key, sub)
 
     def _detach(self, req: Request) -> list[Action]:
@@ -961,6 +1043,13 @@ class GatewayCore:
             raise errors.Aborted(
                 f"cannot {what}: a reshard from {list(self.layout)} is in progress; "
                 "retry when it finishes"
+            )
+
+    def _refuse_while_updating(self, what: str) -> None:
+        if self.updating:
+            raise errors.Aborted(
+                f"cannot {what}: weights {self.updating!r} are being loaded; "
+                "retry when the update finishes"
             )
 
     def _refuse_closed(self) -> None:

@@ -38,6 +38,7 @@ from node_agent.engine import (
 )
 from node_agent.engines.base import (
     CAP_PAUSE,
+    CAP_UPDATE_WEIGHTS,
     Device,
     EngineFailed,
     EngineServer,
@@ -61,7 +62,7 @@ from node_agent.gateway.core import (
     StartFollow,
     StopInstance,
 )
-from node_agent.gateway.requests import Request, RequestFailed
+from node_agent.gateway.requests import FINISH, Request, RequestFailed
 from orchestrrl import errors
 from orchestrrl.logs import get_logger
 
@@ -78,6 +79,7 @@ class FollowChunk(NamedTuple):
     token_ids: tuple[int, ...]
     weight_version: str
     finish: FinishReason | None
+    logprobs: tuple[float, ...] = ()  # one per token when the request reports them
 
 
 class Peers(Protocol):
@@ -114,6 +116,19 @@ class GatewayConfig:
             orphan_grace_s=self.orphan_grace_s,
             follow_retries=self.follow_retries,
         )
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """What :meth:`GatewayEngine.update_weights` did."""
+
+    version: str
+    previous: str
+    stages: tuple[StageTiming, ...]  # drain (finishing requests), load
+    instances: int  # instances that loaded the new weights
+    resumed: int  # requests taken off to resume on the new weights
+    finished_on_old: int  # requests that finished on the old weights first
+    how: str  # "in place", "restart" (or both)
 
 
 def placements(layout: Sequence[int], device: Device, ports: PortPicker) -> list[Placement]:
@@ -161,6 +176,7 @@ class GatewayEngine:
         self._runner: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
         self._failed = asyncio.Event()
+        self._seats_changed = asyncio.Event()  # a call ended
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -275,7 +291,10 @@ class GatewayEngine:
 
     @weight_version.setter
     def weight_version(self, version: str) -> None:
+        """Relabel the weights served now (they were changed outside the gateway)."""
         self.core.weight_version = version
+        for inst in self.core.instances:
+            inst.version = version
 
     def instance_health(self) -> tuple[str, ...]:
         """ "up", "restarting" or "failed: why" per instance (status, tests)."""
@@ -299,11 +318,25 @@ class GatewayEngine:
         sampling: Sampling,
         request_id: str | None = None,
         group: str = "",
+        *,
+        logprobs: bool = False,
+        update_policy: str = "",
     ) -> Request:
         """Queue a client's request; InvalidArgument / FailedPrecondition (queue full).
-        ``group``: its sample group (GRPO: the prompt), see ``check_group``."""
+        ``group``: its sample group (GRPO: the prompt), see ``check_group``;
+        ``logprobs``: report the sampled tokens' logprobs; ``update_policy``: "finish" or
+        "resume" at a weight update ("": the update's own, see :meth:`update_weights`)."""
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
-        req, actions = self.core.submit(self._clock(), rid, prompt, max_tokens, sampling, group)
+        req, actions = self.core.submit(
+            self._clock(),
+            rid,
+            prompt,
+            max_tokens,
+            sampling,
+            group,
+            logprobs=logprobs,
+            update_policy=update_policy,
+        )
         self._act(actions)
         return req
 
@@ -331,7 +364,9 @@ class GatewayEngine:
             async for _ in req.tokens(start):
                 while pos < len(req.output):  # split at weight-version changes
                     version, end = _version_run(req.versions, pos, len(req.output))
-                    yield FollowChunk(tuple(req.output[pos:end]), version, None)
+                    yield FollowChunk(
+                        tuple(req.output[pos:end]), version, None, tuple(req.logprobs[pos:end])
+                    )
                     pos = end
             yield FollowChunk((), self.core.weight_version, req.finish or "length")
         finally:
@@ -481,6 +516,123 @@ class GatewayEngine:
         self._act(self.core.end_reshard(insts, old))
         return f"the old layout {list(old)} serves again"
 
+    # -- weight updates ------------------------------------------------------------------
+
+    async def update_weights(
+        self,
+        path: str,
+        version: str,
+        in_flight: str = FINISH,
+        *,
+        drain_timeout_s: float | None = None,
+    ) -> WeightUpdate:
+        """Load the weights at ``path`` (checked and in the engine's format) as ``version``
+        into every instance: no new call starts; the requests whose policy is "resume"
+        (their own, else ``in_flight``) stop and wait, those that "finish" complete on the
+        old weights; then each instance loads the weights (in place where the engine can,
+        else restarted on them) and dispatching goes on, every later token tagged
+        ``version``. All or nothing: when an instance cannot load them, those that did are
+        brought back to the old weights and FailedPrecondition says which and why; the
+        node serves the old version. One update at a time (a second is refused: Aborted).
+        ``drain_timeout_s``: how long to wait for the finishing requests (DeadlineExceeded
+        after it, nothing changed)."""
+        t0 = time.perf_counter()
+        previous = self.core.weight_version
+        actions = self.core.begin_update(version, in_flight)
+        resumed = sum(1 for a in actions if isinstance(a, CancelCall))
+        stages: list[StageTiming] = []
+        loaded: list[Instance] = []
+        try:
+            await self._act_and_wait(actions)
+            finishing = self.core.seats_taken()
+            await self._seats_free(drain_timeout_s, version)
+            stages.append(StageTiming("drain", time.perf_counter() - t0))
+            old = {i.key: self._servers[i.key].model for i in self.core.instances}
+            try:
+                for inst in list(self.core.instances):
+                    await self._load(inst, path)
+                    loaded.append(inst)
+            except (errors.OrlError, EngineFailed, NotImplementedError) as exc:
+                failed = self.core.instances[len(loaded)]
+                back = await self._roll_back([*loaded, failed], old)
+                raise errors.FailedPrecondition(
+                    f"weight update to {version!r} from {path}: {self.kind} instance "
+                    f"{failed.index} (TP{failed.placement.tp}) could not load it: {exc}; "
+                    f"{back}"
+                ) from exc
+            stages.append(StageTiming("load", time.perf_counter() - t0 - stages[0].seconds))
+            self._act(self.core.end_update(ok=True))
+        finally:
+            if self.core.updating:
+                self._act(self.core.end_update(ok=False))
+        how = {self._load_mode(i) for i in self.core.instances}
+        log.info(
+            "weights_updated",
+            version=version,
+            previous=previous,
+            path=path,
+            how=sorted(how),
+            resumed=resumed,
+            finished_on_old=finishing,
+            seconds=round(time.perf_counter() - t0, 3),
+        )
+        return WeightUpdate(
+            version,
+            previous,
+            tuple(stages),
+            len(loaded),
+            resumed,
+            finishing,
+            ", ".join(sorted(how)),
+        )
+
+    def _load_mode(self, inst: Instance) -> str:
+        server = self._servers[inst.key]
+        return "in place" if CAP_UPDATE_WEIGHTS in server.capabilities else "restart"
+
+    async def _load(self, inst: Instance, path: str) -> None:
+        """``inst`` serves the weights at ``path``: loaded in place, or restarted on them
+        (an instance that crashed loads them when its own restart comes)."""
+        server = self._servers[inst.key]
+        if CAP_UPDATE_WEIGHTS in server.capabilities and inst.up:
+            await server.update_weights(path)
+            server.use_model(path)  # a later restart loads them too
+            return
+        server.use_model(path)
+        if inst.up or inst.stopping:  # serving, or stopped by an update: (re)start it
+            await self._restart_now(inst)
+
+    async def _restart_now(self, inst: Instance) -> None:
+        await self._stop_instances([inst], forget=False)
+        await self._start_instances([inst])
+        self._watch(inst)
+
+    async def _roll_back(self, insts: Sequence[Instance], old: dict[int, str]) -> str:
+        """Bring ``insts`` back to their old weights; what happened, in words."""
+        failed = []
+        for inst in insts:
+            try:
+                await self._load(inst, old[inst.key])
+            except (errors.OrlError, EngineFailed, NotImplementedError) as exc:
+                failed.append(f"instance {inst.index}: {exc}")
+                log.error("weights_rollback_failed", instance=inst.index, error=str(exc))
+        if failed:
+            return "rolling back failed too (" + "; ".join(failed) + ")"
+        return f"the node serves {self.core.weight_version!r} again"
+
+    async def _seats_free(self, timeout_s: float | None, version: str) -> None:
+        """Wait until no call holds a seat (the finishing requests are done)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.core.seats_taken():
+                    self._seats_changed.clear()
+                    await self._seats_changed.wait()
+        except TimeoutError:
+            raise errors.DeadlineExceeded(
+                f"weight update to {version!r}: {self.core.seats_taken()} request(s) still "
+                f"running on the old weights after {timeout_s:g} s; nothing was changed"
+            ) from None
+
     # -- performing the core's actions -------------------------------------------------
 
     def _act(self, actions: Sequence[Action]) -> list[asyncio.Task[None]]:
@@ -536,7 +688,9 @@ class GatewayEngine:
         try:
             async with contextlib.aclosing(server.generate(a.submission)) as stream:
                 async for chunk in stream:
-                    if not self.core.call_tokens(a.call_id, chunk.token_ids, chunk.finish):
+                    if not self.core.call_tokens(
+                        a.call_id, chunk.token_ids, chunk.finish, chunk.logprobs
+                    ):
                         return
             self._act(
                 self.core.call_failed(
@@ -562,6 +716,7 @@ class GatewayEngine:
                 del self._calls[a.call_id]
             if not self.core.closed:
                 self._act(self.core.call_ended(a.call_id))
+            self._seats_changed.set()
 
     def _watch(self, inst: Instance) -> None:
         """Report when the instance's process exits (a crash unless it is stopping)."""
@@ -618,9 +773,15 @@ class GatewayEngine:
         try:
             async for chunk in self._peers.follow(a.destination, a.request_id, a.start):
                 if not self.core.follow_tokens(
-                    a.request_id, chunk.token_ids, chunk.weight_version, chunk.finish
+                    a.request_id,
+                    chunk.token_ids,
+                    chunk.weight_version,
+                    chunk.finish,
+                    chunk.logprobs,
                 ):
                     return
+        except ValueError as exc:  # the destination sent tokens without their logprobs
+            why, final = f"{a.destination.node} sent no logprobs: {exc}", True
         except errors.NotFound as exc:
             why, final = str(exc), True
         except RequestFailed as exc:
@@ -674,7 +835,7 @@ class GatewayEngine:
             if isinstance(result, BaseException):
                 raise result
 
-    async def _stop_instances(self, insts: Sequence[Instance]) -> None:
+    async def _stop_instances(self, insts: Sequence[Instance], *, forget: bool = True) -> None:
         self.core.stopping(insts)
         for inst in insts:
             watcher = self._watchers.pop(inst.key, None)
@@ -682,7 +843,7 @@ class GatewayEngine:
                 watcher.cancel()
         await asyncio.gather(*(self._servers[i.key].stop() for i in insts), return_exceptions=True)
         for inst in insts:  # gone for good (a kept or restarted instance is not stopped)
-            if inst not in self.core.instances or self.core.closed:
+            if forget and (inst not in self.core.instances or self.core.closed):
                 self._servers.pop(inst.key, None)
 
 

@@ -3,14 +3,20 @@
 RL rollout clients (verl, slime, AReaL style) point at the agent instead of at an engine:
 token-id prompts in, token ids out (``choices[].token_ids``, as vLLM returns them with
 ``return_token_ids``), streamed as server-sent events or in one answer. The gateway never
-tokenizes: ``text`` is always empty. Routes:
+tokenizes: ``text`` is always empty. ``n`` samples of one prompt are ``n`` requests of
+one sample group (ids ``<id>-0`` ... ``<id>-<n-1>``, a given seed ``s`` becomes ``s + i``);
+``logprobs: 0`` reports each sampled token's logprob (OpenAI's ``logprobs`` object, with
+``tokens`` as ``token_id:<id>``); every choice says which weights made which tokens
+(``orl.weight_versions``: runs of ``[first index, version]``). Routes:
 
 - ``POST /v1/completions`` (see :func:`parse_completion` for the accepted fields)
 - ``GET /v1/models``, ``GET /health``
 - ``POST /orl/v1/abort`` ``{"request_ids": [...]}``: all or none (unknown ids: 404)
 - ``GET /orl/v1/requests/{id}``: where a request is and how far it got
-- ``POST /orl/v1/weight_version`` ``{"version": "..."}``: the label recorded for the
-  tokens generated from now on (call it after pushing new weights to the engines)
+- ``POST /orl/v1/update_weights`` ``{"path", "version", "in_flight": "finish"|"resume"}``:
+  load new weights into every engine instance (see ``GatewayEngine.update_weights``)
+- ``POST /orl/v1/weight_version`` ``{"version": "..."}``: relabel the weights served now
+  (when they were changed outside the gateway)
 
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with 400
 (bad request, naming the field, the value and what is allowed), 401 (API key), 404,
@@ -20,11 +26,14 @@ A client that disconnects aborts its request.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hmac
 import json
 import math
 import re
-from collections.abc import Mapping
+import uuid
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +41,8 @@ from aiohttp import web
 
 from node_agent.engine import MAX_GROUP_CHARS, check_group
 from node_agent.engines.base import Sampling
-from node_agent.gateway.engine import GatewayEngine, QueueFull
-from node_agent.gateway.requests import Request, RequestFailed
+from node_agent.gateway.engine import GatewayEngine, QueueFull, WeightUpdate
+from node_agent.gateway.requests import UPDATE_POLICIES, Request, RequestFailed
 from orchestrrl import errors
 from orchestrrl.grpcutil import parse_address
 from orchestrrl.logs import get_logger
@@ -45,13 +54,13 @@ MAX_TOKEN_ID = 2**31 - 1
 MAX_ABORT_IDS = 10_000
 MAX_BODY_BYTES = 64 * 2**20  # a 1M-token prompt as JSON is ~8 MB
 
+MAX_N = 64  # samples of one prompt per request (GRPO groups are 4-64)
+
 # Fields of /v1/completions and how each is checked; any other field is refused.
 _IGNORED_DEFAULTS: dict[str, Any] = {
     # OpenAI fields the gateway accepts only at their no-op value
-    "n": 1,
     "best_of": 1,
     "echo": False,
-    "logprobs": None,
     "suffix": None,
     "stop": None,
     "presence_penalty": 0,
@@ -75,6 +84,9 @@ _FIELDS = frozenset(
         "request_id",
         "return_token_ids",
         "group",
+        "n",
+        "logprobs",
+        "on_weight_update",
         *_IGNORED_DEFAULTS,
     }
 )
@@ -114,6 +126,16 @@ class Completion:
     include_usage: bool
     request_id: str | None
     group: str = ""  # the request's sample group (GRPO: its prompt), see check_group
+    n: int = 1  # samples of the prompt (one request each)
+    logprobs: bool = False  # report the sampled tokens' logprobs
+    on_weight_update: str = ""  # "finish" or "resume" ("": the update's policy)
+
+    def sampling_of(self, i: int) -> Sampling:
+        """Sample ``i``'s settings: a seed ``s`` becomes ``s + i`` (distinct samples)."""
+        seed = self.sampling.seed
+        if seed is None or self.n == 1:
+            return self.sampling
+        return dataclasses.replace(self.sampling, seed=(seed + i + 2**63) % 2**64 - 2**63)
 
 
 @dataclass(frozen=True)
@@ -122,6 +144,7 @@ class GatewaySettings:
     max_context: int  # prompt + max_tokens, in tokens (the engines' context length)
     api_key: str | None = None  # clients must send "Authorization: Bearer KEY"
     max_tokens_default: int = 16  # OpenAI's default
+    max_n: int = MAX_N  # samples of one prompt per request
 
 
 def _int(body: Mapping[str, Any], name: str, lo: int, hi: int, default: int | None) -> int | None:
@@ -176,7 +199,25 @@ def parse_completion(
         )
     for name, default in _IGNORED_DEFAULTS.items():
         if name in body and body[name] not in (default, None):
+            if name == "stop":
+                raise bad(
+                    name, body[name], "null: the gateway does not tokenize; use stop_token_ids"
+                )
             raise bad(name, body[name], f"only {json.dumps(default)} is supported by the gateway")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (isinstance(logprobs, bool) or logprobs != 0):
+        raise bad(
+            "logprobs",
+            logprobs,
+            "null or 0 (each sampled token's logprob; top alternatives are not reported)",
+        )
+    policy = body.get("on_weight_update")
+    if policy is not None and policy not in UPDATE_POLICIES:
+        raise bad(
+            "on_weight_update",
+            policy,
+            '"finish" (on the old weights) or "resume" (on the new ones) at a weight update',
+        )
     model = body.get("model")
     if model is not None and model != settings.served_model:
         raise HttpError(
@@ -236,6 +277,8 @@ def parse_completion(
             f"a string of at most {MAX_GROUP_CHARS} characters (the sample "
             "group, e.g. the prompt's dataset index)",
         ) from None
+    n = _int(body, "n", 1, settings.max_n, 1)
+    assert n is not None
     return Completion(
         prompt,
         max_tokens,
@@ -244,6 +287,9 @@ def parse_completion(
         bool((options or {}).get("include_usage", False)),
         rid,
         group,
+        n,
+        logprobs is not None,
+        policy or "",
     )
 
 
@@ -262,6 +308,7 @@ class GatewayServer:
         app.router.add_post("/orl/v1/abort", self._abort)
         app.router.add_get("/orl/v1/requests/{request_id}", self._request)
         app.router.add_post("/orl/v1/weight_version", self._weight_version)
+        app.router.add_post("/orl/v1/update_weights", self._update_weights)
         self.app = app
 
     async def start(self, listen: str) -> str:
@@ -312,102 +359,160 @@ class GatewayServer:
             params = parse_completion(
                 await self._json(request), self.settings, request.headers.get("X-Request-Id")
             )
-            req = self._submit(params)
+            reqs = self._submit(params)
         except HttpError as exc:
             return _error(exc)
         try:
             if params.stream:
-                return await self._stream(request, req, params)
-            return await self._whole(req)
+                return await self._stream(request, reqs, params)
+            return await self._whole(reqs, params)
         finally:
-            if req.done:
-                self.engine.release(req)
-            else:  # the client went away (or the handler failed): nobody reads it
-                self.engine.abort([req.id], "aborted: the client disconnected")
+            for req in reqs:
+                if req.done:
+                    self.engine.release(req)
+                else:  # the client went away (or the handler failed): nobody reads it
+                    self.engine.abort([req.id], "aborted: the client disconnected")
 
-    def _submit(self, params: Completion) -> Request:
+    def _submit(self, params: Completion) -> list[Request]:
+        """The completion's ``n`` requests (all or none: a refusal aborts those queued)."""
+        base = params.request_id or f"cmpl-{uuid.uuid4().hex}"
+        ids = [base] if params.n == 1 else [f"{base}-{i}" for i in range(params.n)]
+        group = params.group or ("" if params.n == 1 else base)
+        reqs: list[Request] = []
         try:
-            return self.engine.submit(
-                params.prompt, params.max_tokens, params.sampling, params.request_id, params.group
-            )
+            for i, rid in enumerate(ids):
+                reqs.append(
+                    self.engine.submit(
+                        params.prompt,
+                        params.max_tokens,
+                        params.sampling_of(i),
+                        rid,
+                        group,
+                        logprobs=params.logprobs,
+                        update_policy=params.on_weight_update,
+                    )
+                )
         except QueueFull as exc:
+            self._undo(reqs)
             raise HttpError(429, "rate_limit_error", str(exc)) from None
         except errors.InvalidArgument as exc:
+            self._undo(reqs)
             raise HttpError(400, "invalid_request_error", str(exc), "request_id") from None
         except errors.Unavailable as exc:
+            self._undo(reqs)
             raise HttpError(503, "service_unavailable", str(exc)) from None
+        return reqs
 
-    async def _whole(self, req: Request) -> web.Response:
+    def _undo(self, reqs: list[Request]) -> None:
+        self.engine.abort([r.id for r in reqs], "aborted: its completion was refused")
+        for req in reqs:
+            self.engine.release(req)
+
+    async def _whole(self, reqs: list[Request], params: Completion) -> web.Response:
         try:
-            async for _ in req.tokens():
-                pass
+            async for i in _changes(reqs):
+                reqs[i].raise_if_failed()
         except RequestFailed as exc:
             return _error(_failure(exc))
-        return web.json_response(self._body(req, tuple(req.output), req.finish, usage=True))
+        choices = [
+            self._choice(i, req, 0, len(req.output), req.finish, params)
+            for i, req in enumerate(reqs)
+        ]
+        return web.json_response(self._body(reqs, choices, usage=True))
 
     async def _stream(
-        self, request: web.Request, req: Request, params: Completion
+        self, request: web.Request, reqs: list[Request], params: Completion
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
+        sent = [0] * len(reqs)
         try:
-            async for chunk in req.tokens():
-                if not resp.prepared:
-                    await resp.prepare(request)
-                await _event(resp, self._body(req, chunk, None))
+            async for i in _changes(reqs):
+                req = reqs[i]
+                if len(req.output) > sent[i]:
+                    if not resp.prepared:
+                        await resp.prepare(request)
+                    choice = self._choice(i, req, sent[i], len(req.output), None, params)
+                    sent[i] = len(req.output)
+                    await _event(resp, self._body(reqs, [choice]))
+                if req.done:
+                    req.raise_if_failed()
+                    if not resp.prepared:
+                        await resp.prepare(request)
+                    final = self._choice(i, req, sent[i], sent[i], req.finish, params, orl=True)
+                    await _event(resp, self._body(reqs, [final], orl=len(reqs) == 1))
         except RequestFailed as exc:
             if not resp.prepared:  # nothing sent yet: a plain error answer
                 return _error(_failure(exc))
             await _event(resp, _failure(exc).body())
             await resp.write(b"data: [DONE]\n\n")
             return resp
-        if not resp.prepared:
-            await resp.prepare(request)
-        await _event(resp, self._body(req, (), req.finish, usage=False, orl=True))
         if params.include_usage:
-            body = self._body(req, (), None, usage=True)
-            body["choices"] = []
+            body = self._body(reqs, [], usage=True)
             await _event(resp, body)
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
+    def _choice(
+        self,
+        index: int,
+        req: Request,
+        start: int,
+        end: int,
+        finish: str | None,
+        params: Completion,
+        *,
+        orl: bool | None = None,
+    ) -> dict[str, Any]:
+        """Choice ``index``: tokens ``start:end`` of ``req`` (with their logprobs), its
+        finish; its request id, weight-version runs and nodes on the last event (``orl``)
+        and in a whole answer."""
+        tokens = req.output[start:end]
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": "",
+            "token_ids": tokens,
+            "finish_reason": finish,
+            "logprobs": None,
+        }
+        if params.logprobs:
+            choice["logprobs"] = {
+                "tokens": [f"token_id:{t}" for t in tokens],
+                "token_logprobs": req.logprobs[start:end],
+                "top_logprobs": None,
+                "text_offset": [0] * len(tokens),
+            }
+        if orl or (orl is None and finish is not None):
+            choice["orl"] = _orl(req)
+        return choice
+
     def _body(
         self,
-        req: Request,
-        tokens: tuple[int, ...],
-        finish: str | None,
+        reqs: list[Request],
+        choices: list[dict[str, Any]],
         *,
         usage: bool = False,
         orl: bool | None = None,
     ) -> dict[str, Any]:
+        first = reqs[0]
         body: dict[str, Any] = {
-            "id": req.id,
+            "id": first.id if len(reqs) == 1 else first.id.rsplit("-", 1)[0],
             "object": "text_completion",
-            "created": int(req.created_wall),
+            "created": int(first.created_wall),
             "model": self.settings.served_model,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": "",
-                    "token_ids": list(tokens),
-                    "finish_reason": finish,
-                    "logprobs": None,
-                }
-            ],
+            "choices": choices,
         }
         if usage:
+            completion = sum(len(r.output) for r in reqs)
             body["usage"] = {
-                "prompt_tokens": len(req.prompt),
-                "completion_tokens": len(req.output),
-                "total_tokens": len(req.prompt) + len(req.output),
+                "prompt_tokens": len(first.prompt),
+                "completion_tokens": completion,
+                "total_tokens": len(first.prompt) + completion,
             }
-        if orl or (orl is None and usage):
-            body["orl"] = {
-                "weight_versions": [list(v) for v in req.versions],
-                "nodes": list(req.hops),
-            }
+        if len(reqs) == 1 and (orl or (orl is None and usage)):
+            body["orl"] = _orl(first)  # (one sample: also at the top, as before choices had it)
         return body
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -494,6 +599,26 @@ class GatewayServer:
             }
         )
 
+    async def _update_weights(self, request: web.Request) -> web.Response:
+        try:
+            self._check_key(request)
+            path, version, in_flight, timeout = parse_update(await self._json(request))
+        except HttpError as exc:
+            return _error(exc)
+        try:
+            done = await self.engine.update_weights(
+                path, version, in_flight, drain_timeout_s=timeout
+            )
+        except errors.InvalidArgument as exc:
+            return _error(HttpError(400, "invalid_request_error", str(exc)))
+        except errors.Aborted as exc:
+            return _error(HttpError(409, "conflict", str(exc)))
+        except errors.DeadlineExceeded as exc:
+            return _error(HttpError(504, "timeout", str(exc)))
+        except errors.OrlError as exc:
+            return _error(HttpError(500, "engine_error", str(exc)))
+        return web.json_response(update_answer(done))
+
     async def _weight_version(self, request: web.Request) -> web.Response:
         try:
             self._check_key(request)
@@ -506,6 +631,74 @@ class GatewayServer:
         old, self.engine.weight_version = self.engine.weight_version, version
         log.info("weight_version", old=old, new=version)
         return web.json_response({"version": version, "previous": old})
+
+
+def _orl(req: Request) -> dict[str, Any]:
+    return {
+        "request_id": req.id,
+        "weight_versions": [list(v) for v in req.versions],
+        "nodes": list(req.hops),
+    }
+
+
+async def _changes(reqs: list[Request]) -> AsyncIterator[int]:
+    """The index of each request as it gets tokens or ends, until all have ended (each
+    ended one is named once more, last)."""
+    ended: set[int] = set()
+    seen = [0] * len(reqs)
+    while len(ended) < len(reqs):
+        moved = False
+        for i, req in enumerate(reqs):
+            if i in ended:
+                continue
+            if len(req.output) > seen[i] or req.done:
+                seen[i] = len(req.output)
+                moved = True
+                if req.done:
+                    ended.add(i)
+                yield i
+        if not moved:
+            waiters = [r.waiter() for i, r in enumerate(reqs) if i not in ended]
+            try:
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waiters:
+                    w.cancel()
+
+
+def parse_update(body: object) -> tuple[str, str, str, float | None]:
+    """``(path, version, in_flight, drain_timeout_s)`` of an update_weights body."""
+    if not isinstance(body, dict):
+        raise HttpError(400, "invalid_request_error", "the body must be a JSON object")
+    allowed = {"path", "version", "in_flight", "drain_timeout_s"}
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise bad(
+            unknown[0], body[unknown[0]], f"not a field; allowed: {', '.join(sorted(allowed))}"
+        )
+    path = body.get("path")
+    if not isinstance(path, str) or not 1 <= len(path) <= 4096:
+        raise bad("path", path, "the path of the new weights on this node (1-4096 characters)")
+    version = body.get("version")
+    if not isinstance(version, str) or not 1 <= len(version) <= 128:
+        raise bad("version", version, "a label of 1-128 characters")
+    in_flight = body.get("in_flight", "finish")
+    if in_flight not in UPDATE_POLICIES:
+        raise bad(
+            "in_flight",
+            in_flight,
+            '"finish" (running requests end on the old weights) or "resume" (they stop and '
+            "go on with the new ones)",
+        )
+    timeout = body.get("drain_timeout_s")
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not math.isfinite(timeout)
+        or not 0 < timeout <= 86400
+    ):
+        raise bad("drain_timeout_s", timeout, "seconds in (0, 86400], or null: no limit")
+    return path, version, in_flight, None if timeout is None else float(timeout)
 
 
 def _failure(exc: RequestFailed) -> HttpError:
@@ -522,3 +715,15 @@ def _error(exc: HttpError) -> web.Response:
 
 async def _event(resp: web.StreamResponse, body: dict[str, Any]) -> None:
     await resp.write(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
+
+
+def update_answer(done: WeightUpdate) -> dict[str, Any]:
+    return {
+        "version": done.version,
+        "previous": done.previous,
+        "instances": done.instances,
+        "how": done.how,
+        "resumed_requests": done.resumed,
+        "finished_on_old_weights": done.finished_on_old,
+        "stages": {s.stage: round(s.seconds, 4) for s in done.stages},
+    }

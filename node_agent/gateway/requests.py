@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from node_agent.engines.base import FinishReason, Sampling
@@ -32,6 +33,10 @@ class Where(enum.Enum):
 
 
 DONE = frozenset({Where.FINISHED, Where.FAILED, Where.ABORTED})
+
+# What a request does when new weights are loaded while it runs (GatewayEngine.update_weights)
+FINISH, RESUME = "finish", "resume"  # finish on the old weights / abort, resume on the new
+UPDATE_POLICIES = (FINISH, RESUME)
 
 
 class RequestFailed(errors.OrlError):
@@ -54,7 +59,10 @@ class Request:
     origin: bool = True  # a client of this gateway submitted it (else: imported)
     source_node: str = ""  # imported: the node that exported it here (its follower)
     group: str = ""  # its sample group (GRPO: the prompt); "" = none
+    want_logprobs: bool = False  # the client asked for the sampled tokens' logprobs
+    update_policy: str = ""  # FINISH or RESUME at a weight update ("": the update's own)
     output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # parallel to output (if wanted)
     versions: list[tuple[int, str]] = field(default_factory=list)  # (first index, version)
     where: Where = Where.QUEUED
     instance: int = -1  # index into the layout while RUNNING (or the import's target)
@@ -80,13 +88,30 @@ class Request:
         self.calls += 1
         return f"{self.id}-c{self.calls}"
 
-    def append(self, tokens: tuple[int, ...], version: str) -> None:
+    def append(self, tokens: Sequence[int], version: str, logprobs: Sequence[float] = ()) -> None:
+        """Tokens generated under weights ``version``, with their logprobs when the client
+        wants them (ValueError, nothing appended, when they do not match the tokens)."""
         if not tokens:
             return
+        if self.want_logprobs:
+            if len(logprobs) != len(tokens):
+                raise ValueError(
+                    f"{len(tokens)} token(s) came with {len(logprobs)} logprob(s): "
+                    "the engine did not report the sampled tokens' logprobs"
+                )
+            self.logprobs.extend(logprobs)
         if not self.versions or self.versions[-1][1] != version:
             self.versions.append((len(self.output), version))
         self.output.extend(tokens)
         self.notify()
+
+    def version_per_token(self) -> list[str]:
+        """The weight version of each output token."""
+        out: list[str] = []
+        bounds = [*self.versions[1:], (len(self.output), "")]
+        for (start, version), (end, _) in zip(self.versions, bounds, strict=True):
+            out.extend([version] * (end - start))
+        return out
 
     def end(
         self,
@@ -109,11 +134,25 @@ class Request:
                 w.set_result(None)
         self._waiters.clear()
 
-    async def changed(self) -> None:
-        """Wait until tokens are appended or the request changes state."""
+    def waiter(self) -> asyncio.Future[None]:
+        """A future done when tokens are appended or the request changes state (made
+        now: nothing that happens after this call is missed)."""
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
-        await waiter
+        return waiter
+
+    async def changed(self) -> None:
+        """Wait until tokens are appended or the request changes state."""
+        await self.waiter()
+
+    def raise_if_failed(self) -> None:
+        """RequestFailed when it ended without finishing (failed or aborted)."""
+        if self.done and self.where is not Where.FINISHED:
+            raise RequestFailed(
+                self.error or f"request {self.id!r} {self.where.value}",
+                aborted=self.where is Where.ABORTED,
+                refused=self.refused,
+            )
 
     async def tokens(self, start: int = 0) -> AsyncIterator[tuple[int, ...]]:
         """Output ids from index ``start`` on, as they come, until the request ends;
@@ -126,26 +165,23 @@ class Request:
                 yield chunk
                 continue
             if self.done:
-                if self.where is not Where.FINISHED:
-                    raise RequestFailed(
-                        self.error or f"request {self.id!r} {self.where.value}",
-                        aborted=self.where is Where.ABORTED,
-                        refused=self.refused,
-                    )
+                self.raise_if_failed()
                 return
             await self.changed()
 
     # -- migration state (RequestState.engine_state) ------------------------------------
 
     def engine_state(self) -> bytes:
-        return json.dumps(
-            {
-                "sampling": self.sampling.as_dict(),
-                "versions": [list(v) for v in self.versions],
-                "hops": self.hops,
-            },
-            separators=(",", ":"),
-        ).encode()
+        doc: dict[str, object] = {
+            "sampling": self.sampling.as_dict(),
+            "versions": [list(v) for v in self.versions],
+            "hops": self.hops,
+        }
+        if self.want_logprobs:
+            doc["logprobs"] = self.logprobs
+        if self.update_policy:
+            doc["update_policy"] = self.update_policy
+        return json.dumps(doc, separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True)
@@ -153,6 +189,8 @@ class ImportedState:
     sampling: Sampling
     versions: tuple[tuple[int, str], ...]
     hops: tuple[str, ...]
+    logprobs: tuple[float, ...] | None = None  # None: the client did not ask for them
+    update_policy: str = ""
 
 
 def parse_engine_state(data: bytes, output_len: int) -> ImportedState:
@@ -166,6 +204,9 @@ def parse_engine_state(data: bytes, output_len: int) -> ImportedState:
         sampling = Sampling.from_dict(doc.get("sampling") or {}, "engine_state.sampling")
         versions = tuple((int(i), str(v)) for i, v in doc.get("versions") or [])
         hops = tuple(str(h) for h in doc.get("hops") or [])
+        raw = doc.get("logprobs")
+        logprobs = None if raw is None else tuple(float(x) for x in raw)
+        policy = str(doc.get("update_policy") or "")
     except errors.InvalidArgument:
         raise
     except (ValueError, TypeError, UnicodeDecodeError, AttributeError) as exc:
@@ -177,4 +218,14 @@ def parse_engine_state(data: bytes, output_len: int) -> ImportedState:
         raise errors.field_error(
             "engine_state.versions", list(versions), f"increasing indices in 0..{output_len}"
         )
-    return ImportedState(sampling, versions, hops)
+    if logprobs is not None and (
+        len(logprobs) != output_len or not all(math.isfinite(x) and x <= 0 for x in logprobs)
+    ):
+        raise errors.field_error(
+            "engine_state.logprobs",
+            list(logprobs[:5]),
+            f"{output_len} finite log-probabilities <= 0, one per output token",
+        )
+    if policy and policy not in UPDATE_POLICIES:
+        raise errors.field_error("engine_state.update_policy", policy, " or ".join(UPDATE_POLICIES))
+    return ImportedState(sampling, versions, hops, logprobs, policy)

@@ -8,6 +8,7 @@ request on the way, its client reads exactly what one uninterrupted call would g
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -471,3 +472,37 @@ async def test_the_agent_stops_with_an_error_when_its_gateway_fails(cluster: Clu
     stop = asyncio.Event()
     stop.set()
     assert await _stop_or_gateway_failure(stop.wait, None) == ""
+
+
+async def test_logprobs_and_versions_survive_a_migration_and_a_reshard(cluster: Cluster) -> None:
+    from sim_backends.token_engine import greedy_logprobs
+
+    a = await cluster.add("a", (1, 1), delay=0.003)
+    b = await cluster.add("b", (2,), delay=0.003)
+    req = a.engine.submit(prompt(0), 90, GREEDY, logprobs=True)
+    reader = asyncio.create_task(read_all(req))
+    await eventually(lambda: len(req.output) >= 10)
+    await migrate(a, b, [req.id])
+    await eventually(lambda: (r := b.engine.request(req.id)) is not None and len(r.output) > 40)
+    await b.engine.reshard((1, 1))
+    await eventually(lambda: (r := b.engine.request(req.id)) is not None and len(r.output) > 60)
+    await migrate(b, a, [req.id])
+    assert await reader == greedy(prompt(0), 90)
+    assert req.logprobs == greedy_logprobs(prompt(0), req.output)
+    assert req.versions == [(0, "0")] and req.hops == ["a", "b", "a"]
+
+
+async def test_an_engine_that_gives_no_logprobs_fails_the_request_clearly(
+    cluster: Cluster,
+) -> None:
+    node = await cluster.add("a", (1,))
+    real = node.live()[0].generate
+
+    def without_logprobs(sub):  # type: ignore[no-untyped-def]
+        return real(dataclasses.replace(sub, logprobs=False))
+
+    node.live()[0].generate = without_logprobs  # type: ignore[method-assign]
+    req = node.engine.submit(prompt(0), 5, GREEDY, logprobs=True)
+    with pytest.raises(RequestFailed, match="did not report the sampled tokens' logprobs"):
+        await read_all(req)
+    assert req.refused and req.output == []

@@ -52,12 +52,18 @@ class Gateway:
 
 
 async def open_gateway(
-    *, api_key: str | None = None, max_queue: int = 1000, delay: float = 0.001
+    *,
+    api_key: str | None = None,
+    max_queue: int = 1000,
+    delay: float = 0.001,
+    in_place: bool = False,
 ) -> AsyncIterator[Gateway]:
     servers: list[ScriptedEngine] = []
 
     def make(p: Placement) -> ScriptedEngine:
-        servers.append(ScriptedEngine(p, max_num_seqs=2, token_delay_s=delay))
+        servers.append(
+            ScriptedEngine(p, max_num_seqs=2, token_delay_s=delay, in_place_updates=in_place)
+        )
         return servers[-1]
 
     engine = GatewayEngine(
@@ -154,8 +160,13 @@ async def test_a_request_names_its_sample_group(gw: Gateway, group: str | None) 
         ({"prompt": PROMPT, "max_tokens": 508}, 400, "max_tokens", "context of 512"),
         ({"prompt": PROMPT, "temperature": "hot"}, 400, "temperature", "a number"),
         ({"prompt": PROMPT, "top_p": 0}, 400, "top_p", "a number"),
-        ({"prompt": PROMPT, "n": 2}, 400, "n", "only 1"),
-        ({"prompt": PROMPT, "logprobs": 3}, 400, "logprobs", "only null"),
+        ({"prompt": PROMPT, "n": 0}, 400, "n", "1..64"),
+        ({"prompt": PROMPT, "n": 65}, 400, "n", "1..64"),
+        ({"prompt": PROMPT, "n": 2.5}, 400, "n", "1..64"),
+        ({"prompt": PROMPT, "logprobs": 3}, 400, "logprobs", "null or 0"),
+        ({"prompt": PROMPT, "logprobs": True}, 400, "logprobs", "null or 0"),
+        ({"prompt": PROMPT, "stop": ["\n"]}, 400, "stop", "use stop_token_ids"),
+        ({"prompt": PROMPT, "on_weight_update": "x"}, 400, "on_weight_update", "resume"),
         ({"prompt": PROMPT, "stream": "yes"}, 400, "stream", "true or false"),
         ({"prompt": PROMPT, "request_id": "a b"}, 400, "request_id", "1-128 characters"),
         ({"prompt": PROMPT, "model": "other"}, 404, "model", "not served"),

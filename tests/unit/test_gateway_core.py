@@ -384,6 +384,57 @@ def test_reshard_refusals() -> None:
     assert shell.core.check_reshard((2,)) == (2,)
 
 
+# -- weight updates ----------------------------------------------------------------------------
+
+
+def test_an_update_finishes_or_resumes_each_request_by_its_policy() -> None:
+    shell = make((1, 1), seats=2)
+    finish = shell.submit(0, 40)
+    resume = shell.submit(1, 40)
+    shell.core.requests[resume].update_policy = "resume"
+    follows_call = shell.submit(2, 40)  # no policy of its own: the update's
+    for cid in shell.live_calls():
+        shell.step(cid, 5)
+    actions = shell.core.begin_update("v1", "finish")
+    cancelled = {shell.calls[a.call_id].request_id for a in actions if isinstance(a, CancelCall)}
+    assert cancelled == {resume}
+    shell.act(actions)
+    shell.end_cancelled()
+    late = shell.submit(3, 10)  # waits for the new weights
+    assert shell.core.requests[late].where is Where.QUEUED
+    with pytest.raises(errors.Aborted, match="'v1' are being loaded"):
+        shell.core.begin_update("v2", "finish")
+    with pytest.raises(errors.Aborted, match="being loaded"):
+        shell.core.check_reshard((2,))
+    # the finishing ones run to their end on the old weights; then the seats are free
+    shell.run_to_completion()
+    assert shell.core.seats_taken() == 0
+    for inst in shell.core.instances:
+        assert inst.version == "0"
+    shell.act(shell.core.end_update(ok=True))
+    assert all(i.version == "v1" for i in shell.core.instances)
+    shell.run_to_completion()
+    reqs = shell.core.requests
+    assert reqs[finish].versions == [(0, "0")] and reqs[follows_call].versions == [(0, "0")]
+    assert reqs[resume].versions == [(0, "0"), (5, "v1")]
+    assert reqs[late].versions == [(0, "v1")]
+
+
+def test_a_failed_update_keeps_the_version_and_bad_updates_change_nothing() -> None:
+    shell = make((1,), seats=1)
+    with pytest.raises(errors.InvalidArgument, match="in_flight"):
+        shell.core.begin_update("v1", "later")
+    with pytest.raises(errors.InvalidArgument, match="version"):
+        shell.core.begin_update("", "finish")
+    assert not shell.core.updating
+    shell.core.begin_update("v1", "resume")
+    shell.act(shell.core.end_update(ok=False))
+    assert shell.core.weight_version == "0" and shell.core.instances[0].version == "0"
+    rid = shell.submit(0, 3)
+    shell.run_to_completion()
+    assert shell.core.requests[rid].versions == [(0, "0")]
+
+
 # -- migration -------------------------------------------------------------------------------------
 
 
@@ -564,17 +615,28 @@ class GatewayMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), back=st.booleans())
     def migrate_away_or_back(self, data: st.DataObject, back: bool) -> None:
-        live = [r for r, q in self.core.requests.items() if q.where in (Where.QUEUED, Where.RUNNING)]
+        live = [
+            r for r, q in self.core.requests.items() if q.where in (Where.QUEUED, Where.RUNNING)
+        ]
         if not live or self.core.resharding:
             return
         rid = data.draw(st.sampled_from(live))
-        exported, missing, actions = self.core.hold([rid])
+        _, missing, actions = self.core.hold([rid])
         assert missing == []
         self.shell.act(actions)
         if back:  # the destination refused: restored
             self.shell.act(self.core.restore([rid])[1])
         else:
             self.gone.add(rid)
+
+    @precondition(lambda self: not self.core.resharding)
+    @rule(data=st.data(), policy=st.sampled_from(["finish", "resume"]), ok=st.booleans())
+    def weight_update(self, data: st.DataObject, policy: str, ok: bool) -> None:
+        self.shell.act(self.core.begin_update(f"v{len(self.shell.log)}", policy))
+        check_invariants(self.core)
+        # the finishing requests run to their end (the shell waits for free seats)
+        self.shell.run_to_completion()
+        self.shell.act(self.core.end_update(ok=ok))
 
     @rule()
     def pause_and_unpause(self) -> None:
@@ -608,6 +670,8 @@ class GatewayMachine(RuleBasedStateMachine):
                 continue
             assert req.where is Where.FINISHED, (rid, req.where)
             assert req.output == greedy(prompt(i), n), rid
+            starts = [k for k, _ in req.versions]
+            assert starts == sorted(set(starts)) and (not req.output or starts[0] == 0)
 
 
 TestGatewayMachine = GatewayMachine.TestCase
