@@ -30,6 +30,7 @@ from fabric_controller import scheduling
 from fabric_controller.controller import Controller
 from fabric_controller.drivers.agents import AgentClients
 from fabric_controller.drivers.electrical import ElectricalDriver, LinuxSwitchDriver
+from fabric_controller.drivers.netconf import NetconfOcsDriver
 from fabric_controller.drivers.ocs import GrpcOcsDriver, OcsDriver
 from fabric_controller.leadership import Leadership, Role
 from fabric_controller.scheduler_loop import ComputeScheduler
@@ -39,6 +40,7 @@ from orchestrrl import add_version_flag, errors, grpcutil, leader
 from orchestrrl import tls as tls_mod
 from orchestrrl import wiring as wiring_mod
 from orchestrrl.logs import get_logger, setup_logging
+from orchestrrl.model import Ocs
 from orchestrrl.tls import add_tls_arguments
 from orchestrrl.v1 import fabric_controller_pb2, fabric_controller_pb2_grpc
 from scheduler.network import DEFAULT_MODEL_BYTES, DEFAULT_TRAINING_BYTES, PhaseDemand
@@ -367,9 +369,15 @@ async def serve(args: argparse.Namespace) -> int:
         raise errors.field_error(
             "--ocs-address", unknown[0], f"no such OCS in the wiring ({known})"
         )
-    drivers: dict[str, OcsDriver] = {
-        o.name: GrpcOcsDriver(o.name, overrides.get(o.name, o.address), tls=tls) for o in w.ocses
-    }
+    fault = _fault_hook()
+    drivers: dict[str, OcsDriver] = {}
+    try:
+        for o in w.ocses:
+            drivers[o.name] = ocs_driver(o, overrides.get(o.name, o.address), tls, fault)
+    except errors.OrlError:
+        for d in drivers.values():
+            await d.close()
+        raise
     switches: dict[str, ElectricalDriver] = {
         t.name: LinuxSwitchDriver(t.name, t.netns) for t in w.tors if t.netns
     }
@@ -401,7 +409,7 @@ async def serve(args: argparse.Namespace) -> int:
         heartbeat_interval_s=interval,
         heartbeat_deadline_s=3 * interval,
         lock_timeout_s=args.lock_timeout,
-        fault_hook=_fault_hook(),
+        fault_hook=fault,
         electrical=switches,
         demand=PhaseDemand(args.model_bytes, args.training_bytes),
         role=role,
@@ -551,11 +559,28 @@ def _reload(controller: Controller, path: Path) -> None:
         log.error("wiring_reload_rejected", error=str(exc), note="keeping the last good wiring")
 
 
+def ocs_driver(
+    o: Ocs, address: str, tls: tls_mod.TlsConfig | None, fault: Callable[[str], None]
+) -> OcsDriver:
+    """The driver the wiring chooses for an OCS: the OpticalSwitch gRPC contract (with the
+    daemon's TLS), or NETCONF over SSH (``driver = "netconf"``, its own credentials)."""
+    if o.driver == "netconf":
+        assert o.netconf is not None  # the wiring's validation guarantees it
+        log.info("ocs_driver", ocs=o.name, driver="netconf", address=address)
+        return NetconfOcsDriver(
+            o.name, address, o.netconf, switching_time_s=o.switching_time_s, fault_hook=fault
+        )
+    return GrpcOcsDriver(o.name, address, tls=tls)
+
+
 def _fault_hook() -> Callable[[str], None]:
     """Fault injection for crash-recovery tests: ORL_FAULT_CRASH_AT=STAGE makes the
     controller SIGKILL itself right after that stage (as `kill -9` would);
     ORL_FAULT_STOP_AT=STAGE makes it SIGSTOP itself there, once (frozen until SIGCONT,
-    as a stalled leader whose lease runs out)."""
+    as a stalled leader whose lease runs out). Stages: the epoch journal's (``planned``,
+    ``ocs_programmed``, ``verified``, ``committed``), ``program_ocs`` (after each step of
+    OCS batches) and ``netconf_confirmed`` (a NETCONF OCS batch committed but not yet
+    confirmed)."""
     crash = os.environ.get("ORL_FAULT_CRASH_AT", "")
     freeze = os.environ.get("ORL_FAULT_STOP_AT", "")
     if not crash and not freeze:

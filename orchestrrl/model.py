@@ -58,11 +58,34 @@ class Circuit(_CircuitFields):
 
 
 @dataclass(frozen=True)
+class NetconfSettings:
+    """How the controller reaches an OCS over NETCONF (``driver = "netconf"``): SSH user
+    and credentials (a private key file or a password file, exactly one), the file of
+    trusted host keys ("" : the controller user's ~/.ssh/known_hosts), per-RPC timeout
+    and retries, and the confirmed-commit timeout after which the switch rolls back a
+    batch its controller did not confirm."""
+
+    username: str
+    key_file: str = ""
+    password_file: str = ""
+    known_hosts: str = ""
+    host_key_check: bool = True
+    timeout_s: float = 10.0
+    retries: int = 2
+    confirm_timeout_s: int = 30
+
+
+OCS_DRIVERS = ("grpc", "netconf")
+
+
+@dataclass(frozen=True)
 class Ocs:
     name: str
     address: str
     ports: int
     switching_time_s: float
+    driver: str = "grpc"  # one of OCS_DRIVERS: the OpticalSwitch gRPC contract, or NETCONF
+    netconf: NetconfSettings | None = None  # with driver "netconf"
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,25 @@ import itertools
 import re
 import tomllib
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from orchestrrl import errors
 from orchestrrl.grpcutil import parse_address
-from orchestrrl.model import Nic, Node, Ocs, Pod, Role, Tor, Uplink, Wiring
+from orchestrrl.model import (
+    OCS_DRIVERS,
+    NetconfSettings,
+    Nic,
+    Node,
+    Ocs,
+    Pod,
+    Role,
+    Tor,
+    Uplink,
+    Wiring,
+)
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 IFNAME_RE = re.compile(r"^[^/:\s]{1,15}$")
@@ -33,7 +44,19 @@ MAX_GPUS = 64
 SECTIONS = {"cluster", "ocs", "pod", "tor", "node"}
 KEYS = {
     "cluster": ({"name"}, {"controller"}),
-    "ocs": ({"name", "address", "ports"}, {"switching_time_ms"}),
+    "ocs": ({"name", "address", "ports"}, {"switching_time_ms", "driver", "netconf"}),
+    "netconf": (
+        {"username"},
+        {
+            "key_file",
+            "password_file",
+            "known_hosts",
+            "host_key_check",
+            "timeout_s",
+            "retries",
+            "confirm_timeout_s",
+        },
+    ),
     "pod": ({"name"}, {"prefix"}),
     "tor": ({"name", "pod"}, {"uplinks", "netns"}),
     "uplink": ({"port", "ocs", "ocs_port"}, {"device", "ip"}),
@@ -43,6 +66,11 @@ KEYS = {
 DEFAULT_CONTROLLER = "127.0.0.1:50051"
 DEFAULT_SWITCHING_TIME_MS = 10.0  # 3D MEMS, the paper's simulator assumption
 DEFAULT_NIC_GBPS = 400.0  # H800 nodes: 8 x 400 Gb/s RDMA NICs
+USERNAME_RE = re.compile(r"^[A-Za-z0-9._][A-Za-z0-9._@-]{0,63}$")
+NETCONF_EXAMPLE = (
+    'netconf = { username = "orl", key_file = "/etc/orchestrrl/ocs0.key", '
+    'known_hosts = "/etc/orchestrrl/known_hosts" }'
+)
 
 
 class WiringError(errors.InvalidArgument):
@@ -195,6 +223,70 @@ class _Checker:
                 self.problems.append(f"{where}: name {name!r} is defined {count} times")
 
 
+def _netconf(c: _Checker, where: str, driver: object, raw: object) -> NetconfSettings | None:
+    """The ``netconf`` table of an OCS (None, with the problems added, if it is wrong)."""
+    if driver != "netconf":
+        if raw is not None and driver is not None:
+            c.add(f"{where}.netconf", raw, 'only with driver = "netconf"; remove it')
+        return None
+    if raw is None:
+        c.problems.append(
+            f'{where}.netconf: missing (required with driver = "netconf"), e.g. {NETCONF_EXAMPLE}'
+        )
+        return None
+    bad = len(c.problems)
+    t = c.table(f"{where}.netconf", raw, "netconf")
+    if t is None:
+        return None
+    at = f"{where}.netconf"
+    username = t.get("username")
+    if username is not None and (not isinstance(username, str) or not USERNAME_RE.match(username)):
+        allowed = "an SSH user name: 1-64 letters, digits, '.', '_', '@' or '-'"
+        c.add(f"{at}.username", username, allowed)
+    paths: dict[str, str] = {}
+    for key in ("key_file", "password_file", "known_hosts"):
+        value = t.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value.startswith("/") or "\n" in value:
+            c.add(f"{at}.{key}", value, "an absolute path, e.g. /etc/orchestrrl/ocs0.key")
+        else:
+            paths[key] = value
+    given = [k for k in ("key_file", "password_file") if k in t]
+    if len(given) != 1:
+        c.problems.append(
+            f"{at}: credentials: give exactly one of key_file (an SSH private key) or "
+            f"password_file (the password on its first line); "
+            + ("both are set" if given else "neither is set")
+        )
+    check = t.get("host_key_check", True)
+    if not isinstance(check, bool):
+        c.add(f"{at}.host_key_check", check, "true or false (default true)")
+    timeout_s = c.number(f"{at}.timeout_s", t.get("timeout_s", 10.0), 0.0, 300.0)
+    retries = c.integer(f"{at}.retries", t.get("retries", 2), 0, 10)
+    confirm = c.integer(f"{at}.confirm_timeout_s", t.get("confirm_timeout_s", 30), 1, 3600)
+    if timeout_s is not None and confirm is not None and confirm <= 2 * timeout_s:
+        c.add(
+            f"{at}.confirm_timeout_s",
+            confirm,
+            f"more than twice timeout_s ({timeout_s:g} s): the read-back and the confirming "
+            "commit must fit in it",
+        )
+    if len(c.problems) > bad or timeout_s is None or retries is None or confirm is None:
+        return None
+    assert isinstance(username, str) and isinstance(check, bool)
+    return NetconfSettings(
+        username=username,
+        key_file=paths.get("key_file", ""),
+        password_file=paths.get("password_file", ""),
+        known_hosts=paths.get("known_hosts", ""),
+        host_key_check=check,
+        timeout_s=timeout_s,
+        retries=retries,
+        confirm_timeout_s=confirm,
+    )
+
+
 def _quoted(value: object) -> str:
     """The hint for a number written as a string ('32' for 32)."""
     return ", not a string: write it without quotes" if isinstance(value, str) else ""
@@ -249,8 +341,14 @@ def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:
             0.0,
             60_000.0,
         )
-        if name and address and ports and switching_ms is not None:
-            ocses.append(Ocs(name, address, ports, switching_ms / 1000.0))
+        driver = t.get("driver", "grpc")
+        if driver not in OCS_DRIVERS:
+            c.add(f"{where}.driver", driver, f"one of {', '.join(map(repr, OCS_DRIVERS))}")
+            driver = None
+        netconf = _netconf(c, where, driver, t.get("netconf"))
+        netconf_ok = driver != "netconf" or netconf is not None
+        if name and address and ports and switching_ms is not None and driver and netconf_ok:
+            ocses.append(Ocs(name, address, ports, switching_ms / 1000.0, driver, netconf))
             ocs_ports[name] = ports
     c.unique("ocs", [o.name for o in ocses])
 
@@ -463,6 +561,7 @@ def to_dict(w: Wiring) -> dict[str, Any]:
                 "address": o.address,
                 "ports": o.ports,
                 "switching_time_ms": round(o.switching_time_s * 1000.0, 6),
+                **_driver_dict(o),
             }
             for o in w.ocses
         ],
@@ -509,6 +608,26 @@ def to_dict(w: Wiring) -> dict[str, Any]:
             for n in w.nodes
         ],
     }
+
+
+def _driver_dict(o: Ocs) -> dict[str, Any]:
+    """The driver keys of an OCS as the file spells them (none for the default, gRPC)."""
+    if o.driver == "grpc":
+        return {}
+    out: dict[str, Any] = {"driver": o.driver}
+    if o.netconf is not None:
+        n = o.netconf
+        out["netconf"] = {
+            "username": n.username,
+            **({"key_file": n.key_file} if n.key_file else {}),
+            **({"password_file": n.password_file} if n.password_file else {}),
+            **({"known_hosts": n.known_hosts} if n.known_hosts else {}),
+            "host_key_check": n.host_key_check,
+            "timeout_s": n.timeout_s,
+            "retries": n.retries,
+            "confirm_timeout_s": n.confirm_timeout_s,
+        }
+    return out
 
 
 def diff(old: Wiring, new: Wiring) -> list[str]:
@@ -559,6 +678,12 @@ def to_toml(w: Wiring) -> str:
             f"[[ocs]]\nname = {q(o.name)}\naddress = {q(o.address)}\nports = {o.ports}\n"
             f"switching_time_ms = {o.switching_time_s * 1000.0!r}\n"
         )
+        for key, value in _driver_dict(o).items():
+            if isinstance(value, dict):
+                items = ", ".join(f"{k} = {_toml_value(v, q)}" for k, v in value.items())
+                out[-1] += f"{key} = {{ {items} }}\n"
+            else:
+                out[-1] += f"{key} = {_toml_value(value, q)}\n"
     out += [
         f"[[pod]]\nname = {q(p.name)}\n" + (f"prefix = {q(p.prefix)}\n" if p.prefix else "")
         for p in w.pods
@@ -584,3 +709,11 @@ def to_toml(w: Wiring) -> str:
             f"agent = {q(n.agent)}\ngpus = {n.gpus}\nnics = [\n{nics}\n]\n"
         )
     return "\n".join(out)
+
+
+def _toml_value(v: object, q: Callable[[object], str]) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    return q(v)

@@ -142,8 +142,8 @@ def test_examples_file_is_the_embedded_default() -> None:
         (
             "ports = 8",
             "ports = 8\nspeed = 1",
-            r"ocs\[0\]\.speed: unknown key \(allowed: address, "
-            r"name, ports, switching_time_ms\)",
+            r"ocs\[0\]\.speed: unknown key \(allowed: address, driver, "
+            r"name, netconf, ports, switching_time_ms\)",
         ),
         ('name = "small"', 'name = "bad name!"', r"cluster\.name = 'bad name!': 1-63 characters"),
     ],
