@@ -10,6 +10,9 @@ import pytest
 from orchestrrl import wiring as wiring_mod
 from orchestrrl.model import Wiring
 
+# the session's real NETCONF switch (netconfd behind sshd), for any test that asks for it
+pytest_plugins = ["tests.netconf_fixtures"]
+
 
 @pytest.fixture
 def example_wiring() -> Wiring:

@@ -1,7 +1,7 @@
 """A real NETCONF switch for the tests: Debian's netconfd with our YANG module behind a
 private sshd on loopback (``sim_backends.netconf_server``), one for the whole session.
 
-A test module uses it with ``pytest_plugins = ["tests.netconf_fixtures"]``. ``netconf``
+Loaded for every test by ``tests/conftest.py`` (``pytest_plugins``); ``netconf``
 gives the server reset to a known state (no cross-connects, every port enabled, no
 fencing token, netconfd running); ``Observer`` reads it with a separate ncclient session
 that shares no code with the driver. Skipped, saying why, when not root or netconfd /
@@ -106,42 +106,61 @@ class Observer:
         )
 
     def close(self) -> None:
-        self.m.close_session()
+        try:
+            self.m.close_session()
+        except Exception:  # the server may be gone (a test killed it)
+            self.m._session.close()
+
+
+class _Session:
+    """The session's switch and one operator session on it (opened again when a test
+    killed the server or cut its connections)."""
+
+    def __init__(self, server: NetconfServer) -> None:
+        self.server = server
+        self._observer: Observer | None = None
+
+    def observer(self) -> Observer:
+        obs = self._observer
+        if obs is not None and obs.m.connected:
+            try:
+                obs.controller()
+                return obs
+            except Exception:
+                with contextlib.suppress(Exception):
+                    obs.m._session.close()
+        self._observer = Observer(self.server)
+        return self._observer
 
 
 @pytest.fixture(scope="session")
-def netconf_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetconfServer]:
+def _netconf_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Session]:
     why = unavailable()
     if why:
         pytest.skip(f"NETCONF tests need netconfd behind sshd: {why}")
     server = NetconfServer(Path(tmp_path_factory.mktemp("netconf")), "ocs0", PORTS)
     server.start()
+    session = _Session(server)
     try:
-        yield server
+        yield session
     finally:
+        if session._observer is not None:
+            with contextlib.suppress(Exception):
+                session._observer.m._session.close()
         server.stop()
 
 
 @pytest.fixture
-def netconf(netconf_server: NetconfServer) -> NetconfServer:
+def netconf(_netconf_session: _Session) -> NetconfServer:
     """The session's switch, reset: running, empty, every port enabled."""
-    if not netconf_server.netconfd_running:
-        netconf_server.start_netconfd()
-    obs = Observer(netconf_server)
-    try:
-        obs.reset()
-    finally:
-        obs.close()
-    return netconf_server
+    server = _netconf_session.server
+    if not server.netconfd_running:
+        server.start_netconfd()
+    _netconf_session.observer().reset()
+    return server
 
 
 @pytest.fixture
-def observer(netconf: NetconfServer) -> Iterator[Observer]:
-    obs = Observer(netconf)
-    try:
-        yield obs
-    finally:
-        try:
-            obs.close()
-        except Exception:  # the test may have killed the server under it
-            obs.m._session.close()
+def observer(netconf: NetconfServer, _netconf_session: _Session) -> Observer:
+    """An operator's NETCONF session on the switch, separate from any driver's."""
+    return _netconf_session.observer()

@@ -70,6 +70,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import re
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -86,8 +87,10 @@ T = TypeVar("T")
 log = get_logger("fabric_controller")
 
 NCCLIENT_POLL_S = 0.005
+CONNECT_TIMEOUT_S = 5.0  # at least, for SSH and <hello> (an RPC gets netconf.timeout_s)
 INSTALL = "pip install 'orchestrrl[netconf]' (ncclient)"
 BACKOFF_S = (0.05, 0.2, 0.5, 1.0)
+_REPR = re.compile(r"\w+\((['\"])(.*)\1\)")
 
 
 class RpcRefused(errors.FailedPrecondition):
@@ -270,7 +273,7 @@ class NetconfOcsDriver:
             "host": self.host,
             "port": self.port,
             "username": s.username,
-            "timeout": s.timeout_s,
+            "timeout": max(s.timeout_s, CONNECT_TIMEOUT_S),
             "hostkey_verify": s.host_key_check,
             "allow_agent": False,
             "look_for_keys": False,
@@ -318,13 +321,17 @@ class NetconfOcsDriver:
         except nc.transport.errors.TransportError as exc:
             raise errors.Unavailable(
                 self._what(
-                    f"the SSH session to the switch closed before NETCONF started "
-                    f"({_text(exc)}): does it serve the 'netconf' SSH subsystem?"
+                    f"SSH worked but the session closed before NETCONF started "
+                    f"({_text(exc)}): is the switch's NETCONF server running behind its "
+                    "SSH 'netconf' subsystem?"
                 )
             ) from None
-        except nc.operations.errors.TimeoutExpiredError:
+        except (nc.transport.errors.SessionError, nc.operations.errors.TimeoutExpiredError):
             raise errors.Unavailable(
-                self._what(f"no NETCONF <hello> within {s.timeout_s:g} s (netconf.timeout_s)")
+                self._what(
+                    f"no NETCONF <hello> within {max(s.timeout_s, CONNECT_TIMEOUT_S):g} s of "
+                    "connecting: is the switch's NETCONF server up?"
+                )
             ) from None
         mgr.raise_mode = nc.operations.RaiseMode.ERRORS
         self.sessions += 1
@@ -373,7 +380,8 @@ class NetconfOcsDriver:
 
     @property
     def confirmed_commit(self) -> bool:
-        """The switch can roll a batch back by itself (:confirmed-commit:1.1)."""
+        """The switch can roll a batch back by itself (:confirmed-commit:1.1); without
+        it the driver commits plainly and undoes a failed read-back with an edit."""
         return nx.CAP_CONFIRMED_COMMIT_11 in self.capabilities
 
     def _settle(self, mgr: Any) -> None:
@@ -401,6 +409,10 @@ class NetconfOcsDriver:
         """Drop the session and read on a new one, which settles the switch first."""
         self._drop()
         return self._read(self._session())
+
+    def _read_back(self, mgr: Any) -> nx.SwitchState:
+        """The read after a commit that decides whether the batch landed."""
+        return self._read(mgr)
 
     def _read(self, mgr: Any) -> nx.SwitchState:
         reply = self._rpc("get", lambda: mgr.get(filter=list(nx.STATE_FILTER)))
@@ -554,7 +566,7 @@ class NetconfOcsDriver:
             lambda: mgr.commit(confirmed=True, timeout=timeout, persist=batch_id),
         )
         self._fault("netconf_confirmed")
-        after = self._read(mgr)
+        after = self._read_back(mgr)
         problems = nx.landed_problems(after, ops, batch_id)
         if problems:
             self._rpc("cancel-commit", lambda: mgr.cancel_commit(persist_id=batch_id))
@@ -584,7 +596,7 @@ class NetconfOcsDriver:
     ) -> nx.SwitchState:
         """Without :confirmed-commit:1.1: commit, read back, and undo by hand."""
         self._rpc("commit", mgr.commit)
-        after = self._read(mgr)
+        after = self._read_back(mgr)
         problems = nx.landed_problems(after, ops, batch_id)
         if not problems:
             return after
@@ -647,7 +659,12 @@ def _infos(exc: Any) -> list[nx.RpcErrorInfo]:
 
 
 def _text(exc: BaseException) -> str:
-    return errors.shown(str(exc) or type(exc).__name__, 300).strip("'\"")
+    """An exception's message (ncclient wraps paramiko's: the innermost), bounded."""
+    while exc.args and isinstance(exc.args[0], BaseException):
+        exc = exc.args[0]
+    text = str(exc) or type(exc).__name__
+    wrapped = _REPR.fullmatch(text)  # ncclient's AuthenticationError holds a repr
+    return errors.shown(wrapped.group(2) if wrapped else text, 300).strip("'\"")
 
 
 def _first_line(path: str) -> str:
