@@ -176,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
                 help="high availability: N controllers (2 or 3; default 2) on a local "
                 "3-member etcd cluster instead of one controller on SQLite",
             )
+            lp.add_argument(
+                "--ocs",
+                choices=list(local.OCS_KINDS),
+                default="sim",
+                help="sim: the simulated OCS over gRPC (default); netconf: each OCS is a "
+                "real NETCONF server (netconfd with our YANG module behind a private sshd "
+                "on loopback; needs root and `make deps`) driven by the NETCONF driver",
+            )
             add_local_engine_arguments(lp)
 
     certs = add(sub, "certs", "certificates for trying mutual TLS")
@@ -539,6 +547,7 @@ def cmd_local(args: argparse.Namespace) -> int:
             progress=(lambda m: None) if as_json else (lambda m: print(m, flush=True)),
             engine=local_engine(args),
             ha=args.ha,
+            ocs=args.ocs,
         )
         _print(
             args,

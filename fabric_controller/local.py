@@ -7,6 +7,12 @@ directory so that `down` and `status` work from any later shell. The controller 
 every agent serve Prometheus /metrics on an ephemeral loopback port (the simulated OCS
 has no metrics), listed by `status`.
 
+With ``ocs="netconf"`` (`orlctl local up --ocs netconf`) every OCS is a real NETCONF
+server instead (``python -m sim_backends.netconf_server``: Debian's netconfd with the
+project's YANG module behind a private sshd on a loopback port; root), and the controller
+runs on a copy of the wiring (``wiring-netconf.toml`` in the run directory) whose OCSes
+say ``driver = "netconf"`` with that server's address, client key and known-hosts file.
+
 With ``ha`` (`orlctl local up --ha`) the controller's state lives in a 3-member etcd
 cluster on loopback (``python -m sim_backends.etcd_cluster``, Debian's etcd-server) and
 several controllers run against it: one leads, the others stand by; the agents and
@@ -16,6 +22,7 @@ several controllers run against it: one leads, the others stand by; the agents a
 from __future__ import annotations
 
 import contextlib
+import getpass
 import json
 import os
 import shutil
@@ -24,13 +31,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from orchestrrl import errors
 from orchestrrl import wiring as wiring_mod
 from orchestrrl.grpcutil import metrics_file
-from orchestrrl.model import Role, Wiring
+from orchestrrl.model import NetconfSettings, Role, Wiring
 
 DEFAULT_RUN_DIR = Path(".orl-local")
 STATE_FILE = "cluster.json"
@@ -47,6 +54,8 @@ class Proc:
 
 
 METRICS_LISTEN = "127.0.0.1:0"  # every daemon that has metrics: an ephemeral port
+OCS_KINDS = ("sim", "netconf")
+NETCONF_WIRING = "wiring-netconf.toml"
 HA_ETCD_MEMBERS = 3
 HA_CONTROLLERS = (2, 3)  # allowed numbers of controllers with ``ha``
 
@@ -165,13 +174,17 @@ def up(
     progress: Callable[[str], None] = lambda _msg: None,
     engine: LocalEngine | None = None,
     ha: int = 0,
+    ocs: str = "sim",
 ) -> LocalCluster:
     """Start the cluster; on any failure stop what was started and raise. ``engine``:
     the generation nodes run that real engine (the default: every node simulated).
     ``ha``: that many controllers (2 or 3) on a local etcd cluster, 0 for one
-    controller on SQLite."""
+    controller on SQLite. ``ocs``: "sim" (the simulated OCS over gRPC) or "netconf"
+    (netconfd behind sshd, the NETCONF driver)."""
     if ha and ha not in HA_CONTROLLERS:
         raise errors.field_error("--ha", ha, "2 or 3 controllers")
+    if ocs not in OCS_KINDS:
+        raise errors.field_error("--ocs", ocs, f"one of {', '.join(OCS_KINDS)}")
     w = wiring_mod.load(wiring_path)
     existing, alive = status(run_dir)
     if existing is not None and any(alive.values()):
@@ -187,16 +200,26 @@ def up(
     for suffix in ("", "-wal", "-shm"):  # a fresh simulated OCS needs a fresh epoch history
         Path(f"{state_db}{suffix}").unlink(missing_ok=True)
     shutil.rmtree(run_dir / "etcd", ignore_errors=True)  # likewise for an HA cluster
+    for stale_dir in run_dir.glob("netconf-*"):  # and for NETCONF switches
+        shutil.rmtree(stale_dir, ignore_errors=True)
 
     procs: list[Proc] = []
     try:
         ocs_addr = {}
+        controller_wiring = Path(wiring_path).resolve()
         for o in w.ocses:
-            proc, ocs_addr[o.name] = _spawn(
-                run_dir,
-                "ocs",
-                o.name,
-                [
+            if ocs == "netconf":
+                how = [
+                    "sim_backends.netconf_server",
+                    "--dir",
+                    str(_netconf_dir(run_dir, o.name)),
+                    "--name",
+                    o.name,
+                    "--ports",
+                    str(o.ports),
+                ]
+            else:
+                how = [
                     "sim_backends.ocs_server",
                     "--name",
                     o.name,
@@ -207,14 +230,20 @@ def up(
                     "--listen",
                     _listen(o.address, ephemeral_ports),
                     "--plaintext",  # loopback only
-                ],
-                timeout_s,
-            )
+                ]
+            proc, ocs_addr[o.name] = _spawn(run_dir, "ocs", o.name, how, timeout_s)
             procs.append(proc)
-            progress(f"OCS {o.name} serving on {ocs_addr[o.name]}")
+            progress(
+                f"OCS {o.name} serving on {ocs_addr[o.name]}"
+                + (" (NETCONF)" if ocs == "netconf" else "")
+            )
         overrides = [
             arg for name, a in ocs_addr.items() for arg in ("--ocs-address", f"{name}={a}")
         ]
+        if ocs == "netconf":
+            controller_wiring = (run_dir / NETCONF_WIRING).resolve()
+            controller_wiring.write_text(wiring_mod.to_toml(netconf_wiring(w, run_dir, ocs_addr)))
+            overrides = []  # the addresses are in that wiring
         store = ["--state", str(state_db.resolve())]
         if ha:
             proc, endpoints = _spawn(
@@ -243,7 +272,7 @@ def up(
                 [
                     "fabric_controller.main",
                     "--wiring",
-                    str(Path(wiring_path).resolve()),
+                    str(controller_wiring),
                     *store,
                     "--listen",
                     # the wiring names one controller address: the others take a free port
@@ -306,6 +335,25 @@ def up(
         _stop(procs, _marker(run_dir))
         (run_dir / STATE_FILE).unlink(missing_ok=True)
         raise
+
+
+def _netconf_dir(run_dir: Path, ocs: str) -> Path:
+    return (run_dir / f"netconf-{ocs}").resolve()
+
+
+def netconf_wiring(w: Wiring, run_dir: Path, addresses: dict[str, str]) -> Wiring:
+    """``w`` with every OCS driven over NETCONF at its local server's address, with the
+    client key and known-hosts file that server wrote (``sim_backends.netconf_server``)."""
+    ocses = []
+    for o in w.ocses:
+        d = _netconf_dir(run_dir, o.name)
+        settings = NetconfSettings(
+            username=getpass.getuser(),
+            key_file=str(d / "client_key"),
+            known_hosts=str(d / "known_hosts"),
+        )
+        ocses.append(replace(o, address=addresses[o.name], driver="netconf", netconf=settings))
+    return replace(w, ocses=tuple(ocses))
 
 
 def _spawn(

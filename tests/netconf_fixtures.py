@@ -28,14 +28,21 @@ PORTS = 32
 class Observer:
     """A second NETCONF client of the switch (an operator's, or netconf-console's)."""
 
-    def __init__(self, server: NetconfServer) -> None:
+    def __init__(self, server: NetconfServer | str, username: str = "", key_file: str = "") -> None:
+        """On ``server``, or at the address ``server`` (HOST:PORT) as ``username`` with
+        ``key_file``."""
         from ncclient import manager
 
+        if isinstance(server, NetconfServer):
+            address, username, key_file = server.address, server.username, str(server.key_file)
+        else:
+            address = server
+        host, _, port = address.rpartition(":")
         self.m: Any = manager.connect(
-            host="127.0.0.1",
-            port=server.port,
-            username=server.username,
-            key_filename=str(server.key_file),
+            host=host,
+            port=int(port),
+            username=username,
+            key_filename=key_file,
             hostkey_verify=False,
             allow_agent=False,
             look_for_keys=False,

@@ -69,6 +69,7 @@ import base64
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 import re
 import secrets
@@ -119,6 +120,11 @@ def _ncclient() -> Any:
         ) from None
     # see the module docstring: one RPC per poll instead of one per 100 ms
     ncclient.transport.session.TICK = min(ncclient.transport.session.TICK, NCCLIENT_POLL_S)
+    # their INFO lines are wire dumps of every RPC (XML included) and SSH chatter: the
+    # driver logs what matters itself
+    for name in ("ncclient", "paramiko"):
+        if logging.getLogger(name).level == logging.NOTSET:
+            logging.getLogger(name).setLevel(logging.WARNING)
     return ncclient
 
 
@@ -261,6 +267,14 @@ class NetconfOcsDriver:
             self._check_capabilities(mgr)
             self._mgr = mgr
             self._settle(mgr)
+            log.info(
+                "ocs_session_opened",
+                ocs=self.name,
+                address=self.address,
+                session=mgr.session_id,
+                confirmed_commit=self.confirmed_commit,
+                sessions=self.sessions,
+            )
         except BaseException:
             self._mgr = None
             self._close_quietly(mgr)
