@@ -6,8 +6,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Debian packages the project needs at run or test time (installed when root and missing):
 # cmake and libgomp1 build and run llama.cpp's server for the real-engine tests;
-# etcd-server runs the real etcd clusters of the HA tests (docs/ha.md).
-DEB_PACKAGES := iproute2 iperf3 cmake libgomp1 etcd-server
+# etcd-server runs the real etcd clusters of the HA tests (docs/ha.md); netconfd
+# (yuma123) is the real NETCONF server of the NETCONF OCS tests and `orlctl local up --ocs
+# netconf`, reached through a private sshd (openssh-server's binary, run with its own
+# config on a loopback port; where systemd runs, installing the package also enables the
+# system's ssh service, as on any Debian host).
+DEB_PACKAGES := iproute2 iperf3 cmake libgomp1 etcd-server netconfd openssh-server
 
 .PHONY: all demo demo-engines demo-testbed test lint bench bench-testbed proto deps engines package clean reproduce
 
@@ -64,7 +68,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 bench: $(STAMP) engines
-	$(PY) bench/phase_switch.py --json bench/results/phase_switch.json
+	$(PY) bench/phase_switch.py --netconf --json bench/results/phase_switch.json
 	$(PY) bench/phase_switch.py --nodes 64,512,2048 --switching-ms 0 --rounds 10 \
 		--json bench/results/phase_switch_scale.json
 	$(PY) bench/phase_switch.py --nodes 2048 --switching-ms 0 --rounds 10 --plan-cache 0 \

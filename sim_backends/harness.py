@@ -54,6 +54,24 @@ async def _start_controller(
     drivers: dict[str, OcsDriver] = {
         name: GrpcOcsDriver(name, addr, timeout_s=timeout_s) for name, addr in ocs_addresses.items()
     }
+    return await serve_controller(
+        wiring, drivers, state, heartbeat_interval_s=heartbeat_interval_s,
+        deadline_s=deadline_s, **options,
+    )  # fmt: skip
+
+
+async def serve_controller(
+    wiring: Wiring,
+    drivers: dict[str, OcsDriver],
+    state: Path,
+    *,
+    heartbeat_interval_s: float = 1.0,
+    deadline_s: float = 3.0,
+    **options: Any,
+) -> _ControllerProcess:
+    """A controller over the given OCS drivers (any backend, e.g. NETCONF) with its state
+    in ``state``, serving its gRPC API on a free loopback port; ``stop()`` closes the
+    drivers too."""
     store = Store(state)
     controller = Controller(
         wiring,

@@ -192,31 +192,6 @@ async def test_an_unconfirmed_batch_is_rolled_back_by_the_switch_itself(
     assert observer.circuits() == set() and observer.controller().get("last-batch", "") == ""
 
 
-async def test_the_server_killed_mid_change_comes_back_with_the_confirmed_state(
-    netconf: NetconfServer, observer: Observer
-) -> None:
-    def kill(_stage: str) -> None:
-        netconf.kill_netconfd()
-
-    setup = driver(netconf)
-    await setup.apply([], [(1, 2)])
-    await setup.close()
-    d = driver(netconf, fault=kill, retries=0)
-    try:
-        with pytest.raises(errors.Unavailable, match=r"OCS 'ocs0' \(NETCONF 127.0.0.1:\d+\): "):
-            await d.apply([(1, 2)], [(3, 4)], request_id="lost")
-        netconf.start_netconfd()
-        obs = Observer(netconf)
-        try:  # netconfd saved only confirmed commits: the batch is not there
-            assert obs.circuits() == {(1, 2)}
-        finally:
-            obs.close()
-        d._fault = lambda _s: None
-        assert await d.apply([(1, 2)], [(3, 4)], request_id="again") == {(3, 4)}
-    finally:
-        await d.close()
-
-
 async def test_a_broken_session_is_replaced_within_the_retries(
     drv: NetconfOcsDriver, netconf: NetconfServer
 ) -> None:
