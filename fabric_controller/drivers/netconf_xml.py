@@ -351,7 +351,8 @@ def describe_errors(rpc_errors: Sequence[RpcErrorInfo], limit: int = 600) -> str
         if details:
             text += f" ({details})"
         shown.append(errors.bounded(text, limit))
-    return errors.listed(shown) or "(the server sent no error details)"
+    text = errors.listed(shown) or "(the server sent no error details)"
+    return errors.bounded(text, 4 * limit)
 
 
 def error_info_value(rpc_errors: Sequence[RpcErrorInfo], name: str) -> str:

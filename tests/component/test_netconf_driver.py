@@ -64,6 +64,11 @@ async def test_connect_and_disconnect_batches_land_and_read_back(
     assert table == {(1, 5), (2, 6), (3, 4)} == observer.circuits()
     assert await drv.snapshot() == (table, frozenset())
     assert await drv.cross_connects() == table
+    # the same batch again under its id (an answer lost on the way): in already, unchanged
+    assert await drv.apply([(1, 2)], [(1, 5), (2, 6)], request_id="epoch-2-b-1-ocs0") == table
+    assert observer.controller()["last-batch"] == "epoch-2-b-1-ocs0"
+    with pytest.raises(errors.InvalidArgument, match="not cross-connected"):
+        await drv.apply([(1, 2)], [(1, 5), (2, 6)], request_id="another-id")
     assert (drv.sessions, drv.settled) == (1, 0)  # one session did all of it
 
 
