@@ -521,8 +521,14 @@ def cmd_config(args: argparse.Namespace) -> int:
 def _describe_wiring(w: Any, data: dict[str, Any]) -> str:
     lines = [f"{w.source}: valid wiring for cluster {w.cluster!r} (controller {w.controller})"]
     for o in data["ocs"]:
+        how = ""
+        if o.get("driver") == "netconf":
+            n = o["netconf"]
+            cred = n.get("key_file") or n.get("password_file")
+            how = f" (NETCONF over SSH as {n['username']}, credentials {cred})"
         lines.append(
-            f"  ocs {o['name']}: {o['ports']} ports, {o['switching_time_ms']} ms, at {o['address']}"
+            f"  ocs {o['name']}: {o['ports']} ports, {o['switching_time_ms']} ms, "
+            f"at {o['address']}{how}"
         )
     for p in data["pod"]:
         lines.append(f"  pod {p['name']} ({p['role']}): nodes {', '.join(p['nodes'])}")

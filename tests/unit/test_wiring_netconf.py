@@ -3,8 +3,11 @@ every bad field named, a valid one frozen and written back unchanged."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from fabric_controller import cli
 from orchestrrl import wiring
 from orchestrrl.model import NetconfSettings
 
@@ -154,3 +157,18 @@ def test_a_netconf_ocs_is_frozen_with_its_defaults_and_written_back_unchanged() 
 )
 def test_a_bad_netconf_stanza_is_named_field_by_field(ocs: str, expected: list[str]) -> None:
     assert problems(ocs) == expected
+
+
+def test_config_check_shows_how_the_controller_reaches_a_netconf_ocs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "wiring.toml"
+    path.write_text(BASE.format(ocs=GOOD))
+    assert cli.main(["config", "check", str(path)]) == 0
+    assert (
+        "  ocs ocs0: 8 ports, 10.0 ms, at 192.0.2.10:830 (NETCONF over SSH as orl, "
+        "credentials /etc/orchestrrl/ocs0.key)\n" in capsys.readouterr().out
+    )
+    path.write_text(BASE.format(ocs='driver = "netconf"'))
+    assert cli.main(["config", "check", str(path)]) == 2
+    assert "ocs 'ocs0'.netconf: missing (required with" in capsys.readouterr().err
