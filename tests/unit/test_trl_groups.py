@@ -1,0 +1,66 @@
+"""TRL's repeated prompts become groups and the groups become TRL's answer, in order."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from orchestrrl import errors
+from orchestrrl.integrations.trl import id_tokenizer, prompt_ids, regroup, to_trl
+from orchestrrl.rl.grpo import Sample
+
+pytestmark = pytest.mark.unit
+
+
+@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3), max_size=6), st.integers(1, 5))
+def test_regroup_inverts_trls_repetition(prompts: list[list[int]], n: int) -> None:
+    repeated = [p for p in prompts for _ in range(n)]  # what RepeatSampler hands rollout_func
+    assert regroup(repeated, n) == prompts  # equal prompts in two rows stay two groups
+
+
+def test_regroup_refuses_what_is_not_whole_groups() -> None:
+    with pytest.raises(
+        errors.InvalidArgument, match="prompts='5 entries' is not valid: a multiple"
+    ):
+        regroup(["a"] * 5, 2)
+    with pytest.raises(errors.InvalidArgument, match=r"prompts\[2:4\]=\['b', 'c'\]"):
+        regroup(["a", "a", "b", "c"], 2)
+    with pytest.raises(errors.InvalidArgument, match="num_generations=0"):
+        regroup(["a"], 0)
+
+
+def s(prompt: int, out: int, version: str = "3") -> Sample:
+    return Sample((prompt,), (out, 9), (-0.5, -0.25), "stop", version)
+
+
+def test_groups_flatten_to_trls_fields_in_order() -> None:
+    groups = [[s(1, 10), s(1, 11)], [s(2, 20), s(2, 21, "4")]]
+    out = to_trl(groups, 2, extra={"score": [[0.1, 0.2], [0.3, 0.4]]})
+    assert out == {
+        "prompt_ids": [[1], [1], [2], [2]],
+        "completion_ids": [[10, 9], [11, 9], [20, 9], [21, 9]],
+        "logprobs": [[-0.5, -0.25]] * 4,
+        "weight_version": ["3", "3", "3", "4"],
+        "finish": ["stop"] * 4,
+        "score": [0.1, 0.2, 0.3, 0.4],
+    }
+    with pytest.raises(errors.InvalidArgument, match=r"groups\[1\]='1 samples'"):
+        to_trl([groups[0], groups[1][:1]], 2)
+    with pytest.raises(errors.InvalidArgument, match="extra='logprobs'"):
+        to_trl(groups, 2, extra={"logprobs": [[0, 0], [0, 0]]})
+    with pytest.raises(errors.InvalidArgument, match=r"extra\['score'\]='3 values'"):
+        to_trl(groups, 2, extra={"score": [[0.1, 0.2], [0.3]]})
+
+
+def test_the_id_tokenizer_spells_each_id_and_reads_it_back() -> None:
+    tok = id_tokenizer(16)
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 15)
+    assert tok.decode([3, 14, 15]) == "t3 t14 </s>"
+    assert tok.decode([3, 14, 15], skip_special_tokens=True) == "t3 t14"
+    assert prompt_ids("t3 t14 t2", tok) == (3, 14, 2)
+    assert prompt_ids([3, 4], None) == (3, 4)
+    with pytest.raises(errors.InvalidArgument, match="prompt="):
+        prompt_ids("t3", None)
+    with pytest.raises(errors.InvalidArgument, match="eos_id=0"):
+        id_tokenizer(16, eos_id=0)
