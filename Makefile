@@ -82,6 +82,7 @@ bench: $(STAMP) engines
 	$(PY) bench/planner.py --json bench/results/planner.json
 	$(PY) bench/sim_network.py --json bench/results/sim_network.json
 	$(PY) bench/gateway.py --json bench/results/gateway.json
+	$(PY) bench/grpo_toy.py --json bench/results/grpo_toy.json
 	@if [ -n "$$ORL_ETCD" ] || command -v etcd >/dev/null; then \
 		$(PY) bench/failover.py --json bench/results/failover.json; \
 	else echo "bench/failover.py skipped: etcd is not installed (make deps as root, or set ORL_ETCD)"; fi
