@@ -76,6 +76,8 @@ def group_advantages(
     whole batch's std (``batch``) or not at all (``none``), plus ``eps``."""
     if scale not in SCALES:
         raise errors.field_error("scale", scale, " | ".join(SCALES))
+    if not eps >= 0:
+        raise errors.field_error("eps", eps, "a number >= 0")
     means = [sum(g) / len(g) if g else 0.0 for g in rewards]
     flat = [r for g in rewards for r in g]
     batch_std = _std(flat, sum(flat) / len(flat)) if flat else 0.0
@@ -84,8 +86,9 @@ def group_advantages(
         if scale == "none":
             out.append(tuple(r - mean for r in group))
             continue
-        std = _std(group, mean) if scale == "group" else batch_std
-        out.append(tuple((r - mean) / (std + eps) for r in group))
+        scale_by = (_std(group, mean) if scale == "group" else batch_std) + eps
+        # a group (or batch) whose rewards are all alike carries no signal: advantage 0
+        out.append(tuple((r - mean) / scale_by if scale_by > 0 else 0.0 for r in group))
     return tuple(out)
 
 
