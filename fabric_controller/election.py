@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -38,6 +39,26 @@ DEFAULT_TTL_S = 2
 POLL_S = 0.1  # how often a standby looks whether the key is free
 
 log = structlog.get_logger("election")
+
+
+def past_due(remaining_s: int, granted_s: int) -> bool:
+    """Whether a leader's lease, with ``remaining_s`` left (etcd's LeaseTimeToLive: whole
+    seconds, rounded down; -1 when gone) of ``granted_s``, is past due: its holder has not
+    renewed it for about two renewal intervals (it renews every third of the TTL, so a
+    live holder keeps at least two thirds). Past due, the leader is frozen, partitioned
+    or starved: a standby stops sending callers to it (issue 28) well before etcd ends
+    the lease (at the TTL, plus up to half a second of etcd's expiry sweep)."""
+    return remaining_s < 0 or granted_s <= 0 or remaining_s < granted_s / 3
+
+
+@dataclass(frozen=True)
+class LeaderStanding:
+    """Who leads, as a standby sees it (:meth:`Election.leader_standing`)."""
+
+    address: str
+    past_due: bool
+    remaining_s: int  # of its lease, in etcd's whole seconds (-1: gone)
+    granted_s: int
 
 
 class Election:
@@ -133,6 +154,24 @@ class Election:
     async def leader_address(self) -> str | None:
         found = await self.leader()
         return None if found is None else found[0]
+
+    async def leader_standing(self) -> LeaderStanding | None:
+        """The current leader's address and whether its lease is past due (see
+        :func:`past_due`), or None if nobody leads: two reads."""
+
+        async def op(c: Any) -> tuple[str, int] | None:
+            got = await c.get(self.key)
+            return None if got is None else (bytes(got.value).decode(), int(got.lease))
+
+        found = await self.etcd.run("read the leader", op)
+        if found is None:
+            return None
+        address, lease = found
+        info = await self.etcd.run(
+            "read the leader's lease", lambda c: c.get_lease_info(lease, keys=False)
+        )
+        remaining, granted = int(info.TTL), int(info.grantedTTL)
+        return LeaderStanding(address, past_due(remaining, granted), remaining, granted)
 
     # -- campaign --
 

@@ -64,6 +64,8 @@ class Role:
         self.token = 0  # the fencing token of the current term (0: no HA)
         self.term = 0  # terms led by this process (1 after the first election won)
         self.leader: str | None = None  # the leader's HOST:PORT, for a standby's redirects
+        # a leader whose lease is past due (frozen, partitioned): named to nobody
+        self.overdue: str | None = None
         self.reason = "" if leading else "standby: no election won yet"
         self.on_lost: list[Callable[[str], None]] = []
         self._serving = leading  # a new term serves once its recovery has run
@@ -117,6 +119,7 @@ class Role:
         self._alive = alive
         self.term += 1
         self.leader = address
+        self.overdue = None
         self.reason = ""
         self.lost = asyncio.Event()
         self._serving = False
@@ -212,16 +215,32 @@ class Leadership:
         self.role.lose(reason)
 
     async def _follow(self, election: Election) -> None:
-        """While a standby: who leads, for the redirects (None while unknown)."""
+        """While a standby: who leads, for the redirects (None while unknown, or while
+        the leader's lease is past due: callers sent there would wait on a frozen or
+        partitioned process; issue 28)."""
         while True:
             try:
                 async with asyncio.timeout(2 * LEADER_POLL_S):  # etcd without a quorum
-                    found = await election.leader_address()
+                    found = await election.leader_standing()
             except (errors.OrlError, TimeoutError):
                 found = None
             if not self.role.is_leader:
-                leader = found if found != self.address else None
-                if leader != self.role.leader:
-                    log.info("standing_by", leader=leader or "not elected yet")
+                named = found.address if found is not None else None
+                if named == self.address:
+                    named = None
+                overdue = named if found is not None and found.past_due else None
+                leader = None if overdue else named
+                if (leader, overdue) != (self.role.leader, self.role.overdue):
+                    if overdue:
+                        log.warning(
+                            "leader_past_due",
+                            leader=overdue,
+                            lease_left_s=found.remaining_s if found else None,
+                            effect="callers are not sent there until it renews or a "
+                            "standby takes over",
+                        )
+                    else:
+                        log.info("standing_by", leader=leader or "not elected yet")
                 self.role.leader = leader
+                self.role.overdue = overdue
             await asyncio.sleep(LEADER_POLL_S)

@@ -452,6 +452,7 @@ async def serve(args: argparse.Namespace) -> int:
         [fabric_controller_pb2.DESCRIPTOR.services_by_name["FabricController"].full_name],
         tls=tls,
         clients=len(w.nodes),  # every agent's stream at once after a restart
+        options=leader.SERVER_OPTIONS,  # callers' pings that tell a hung controller
     )
     leadership = None
     try:

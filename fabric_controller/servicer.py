@@ -60,14 +60,14 @@ def leader_only(func: F) -> F:
         async def gen_wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
             role = self.c.role
             if not role.serves:
-                await leader.abort_not_leader(context, role.redirect)
+                await leader.abort_not_leader(context, role.redirect, role.overdue)
             try:
                 async for item in func(self, request, context):
                     yield item
                     if not role.serves:  # stepped down while the stream was open
-                        await leader.abort_not_leader(context, role.redirect)
+                        await leader.abort_not_leader(context, role.redirect, role.overdue)
             except NotLeader:
-                await leader.abort_not_leader(context, role.redirect)
+                await leader.abort_not_leader(context, role.redirect, role.overdue)
 
         return gen_wrapper  # type: ignore[return-value]
 
@@ -75,11 +75,11 @@ def leader_only(func: F) -> F:
     async def wrapper(self: Any, request: Any, context: Any) -> Any:
         role = self.c.role
         if not role.serves:
-            await leader.abort_not_leader(context, role.redirect)
+            await leader.abort_not_leader(context, role.redirect, role.overdue)
         try:
             return await func(self, request, context)
         except NotLeader:
-            await leader.abort_not_leader(context, role.redirect)
+            await leader.abort_not_leader(context, role.redirect, role.overdue)
 
     return wrapper  # type: ignore[return-value]
 

@@ -50,11 +50,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import grpc
 
@@ -63,7 +64,6 @@ from node_agent.metrics import AgentMetrics
 from node_agent.nics import NicRates
 from node_agent.telemetry import Collector, Reading, Telemetry, set_done, ticks
 from orchestrrl import errors, leader
-from orchestrrl.grpcutil import channel
 from orchestrrl.leader import call
 from orchestrrl.logs import get_logger
 from orchestrrl.tls import TlsConfig
@@ -94,7 +94,11 @@ def samples_per_flush(telemetry_interval_s: float, flush_interval_s: float) -> i
 
 @dataclass(frozen=True)
 class UplinkSettings:
-    rpc_timeout_s: float = 5.0
+    # per attempt, well under the controllers' 2 s lease (issue 28): a unary call's
+    # deadline, the connect deadline, and when a silent controller's registration is hedged
+    rpc_timeout_s: float = 2.0
+    connect_timeout_s: float = leader.CONNECT_TIMEOUT_S
+    attempt_timeout_s: float = 1.0
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 10.0
     min_heartbeat_interval_s: float = 0.05
@@ -318,16 +322,17 @@ class Uplink:
         while True:
             given = self._controller()
             address = given if isinstance(given, str) else ",".join(given)
+            addresses: tuple[str, ...] = ()
             try:
                 addresses = leader.parse_addresses(given, "controller")
                 address = self._leader or addresses[self._index % len(addresses)]
-                async with channel(address, self._tls) as ch:
+                address, ch, session = await self._register_hedged(address, addresses)
+                async with ch:
+                    self._redirects = 0
                     stub = cast(
                         "fabric_controller_pb2_grpc.FabricControllerAsyncStub",
                         fabric_controller_pb2_grpc.FabricControllerStub(ch),
                     )
-                    session = await self._register(stub, address)
-                    self._redirects = 0
                     await self._keep_alive(stub, session)
             except RegistrationRejected as exc:
                 failures += 1
@@ -368,13 +373,95 @@ class Uplink:
                         reason=_reason(exc),
                         failures=failures,
                         retry_in_s=round(delay, 3),
-                        next=addresses[self._index % len(addresses)],
+                        next=addresses[self._index % len(addresses)] if addresses else None,
                     )
             if self.session is not None:
                 self.metrics.reconnects.inc()
             self.session = None
             self.metrics.registered.set(0)
             await asyncio.sleep(delay)
+
+    async def _register_hedged(
+        self, first: str, addresses: tuple[str, ...]
+    ) -> tuple[str, grpc.aio.Channel, Session]:
+        """Register with ``first``; when it fails or has not answered within the attempt
+        timeout, with every other address at once too (a frozen or partitioned leader holds
+        the agent no longer: issue 28); a standby naming a leader sends a registration
+        there at once. The first controller that accepts wins: its address, its channel
+        (the caller closes it) and the session. Raises ``RegistrationRejected`` when a
+        controller refuses this node, else the last failure once every address failed."""
+        s = self._settings
+        loop = asyncio.get_running_loop()
+        connect_s = s.connect_timeout_s if len(addresses) > 1 else None
+        attempts: dict[asyncio.Task[Any], tuple[str, grpc.aio.Channel]] = {}
+        tried: set[str] = set()
+        failed: list[BaseException] = []
+
+        def launch(address: str) -> None:
+            ch = leader.channel(address, self._tls)
+            stub = fabric_controller_pb2_grpc.FabricControllerStub(ch)
+            coro = leader.attempt(
+                ch,
+                f"Register with the controller at {address}",
+                stub.Register(self._register_request(), timeout=s.rpc_timeout_s),
+                connect_s,
+            )
+            attempts[asyncio.ensure_future(coro)] = (address, ch)
+            tried.add(address)
+
+        launch(first)
+        hedge_at = loop.time() + s.attempt_timeout_s
+        try:
+            while True:
+                untried = [a for a in addresses if a not in tried]
+                if untried and (not attempts or loop.time() >= hedge_at):
+                    log.info(
+                        "controller_hedge",
+                        silent=", ".join(a for a, _ in attempts.values()) or None,
+                        failed=len(failed),
+                        next=", ".join(untried),
+                    )
+                    for a in untried:
+                        launch(a)
+                    hedge_at = loop.time() + s.attempt_timeout_s
+                    untried = []
+                if not attempts:
+                    break
+                timeout = max(0.0, hedge_at - loop.time()) if untried else None
+                done, _ = await asyncio.wait(
+                    attempts, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+                for task in done:
+                    address, ch = attempts.pop(task)
+                    try:
+                        response = task.result()
+                    except (errors.NotFound, errors.InvalidArgument) as exc:
+                        await ch.close()
+                        raise RegistrationRejected(str(exc)) from None
+                    except Exception as exc:
+                        await ch.close()
+                        named = self._redirect_to(exc, address, addresses)
+                        if named is not None and named not in tried:
+                            log.info(
+                                "controller_redirect",
+                                standby=address,
+                                leader=named,
+                                redirects=self._redirects,
+                                session_lost=False,
+                            )
+                            launch(named)
+                        else:
+                            failed.append(exc)
+                        continue
+                    return address, ch, self._registered(address, response)
+        finally:
+            for task, (_, ch) in attempts.items():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                await ch.close()
+        self._leader = None  # (every redirect was tried: start from the list again)
+        raise failed[-1] if failed else errors.Unavailable("Register: no controller to ask")
 
     def _redirect_to(
         self, exc: BaseException, address: str, addresses: tuple[str, ...]
@@ -389,21 +476,17 @@ class Uplink:
         self._leader = named
         return named
 
-    async def _register(
-        self, stub: fabric_controller_pb2_grpc.FabricControllerAsyncStub, address: str
-    ) -> Session:
-        request = fabric_controller_pb2.RegisterRequest(
+    def _register_request(self) -> fabric_controller_pb2.RegisterRequest:
+        return fabric_controller_pb2.RegisterRequest(
             node=self._collector.node,
             agent_address=self._agent_address,
             status=convert.status_to_pb(self._collector.status()),
         )
-        try:
-            response = await call(
-                f"Register with the controller at {address}",
-                stub.Register(request, timeout=self._settings.rpc_timeout_s),
-            )
-        except (errors.NotFound, errors.InvalidArgument) as exc:
-            raise RegistrationRejected(str(exc)) from None
+
+    def _registered(
+        self, address: str, response: fabric_controller_pb2.RegisterResponse
+    ) -> Session:
+        """The session the controller at ``address`` granted."""
         interval = response.heartbeat_interval_s
         if not (math.isfinite(interval) and interval >= self._settings.min_heartbeat_interval_s):
             log.warning(

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import random
+import uuid
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
     Awaitable,
     Callable,
+    Iterable,
     Iterator,
     Sequence,
 )
@@ -25,7 +28,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from orchestrrl import errors, grpcutil, leader
+from orchestrrl import errors, leader
 from orchestrrl.convert import optional_phase_from_pb, phase_to_pb, stages_from_pb
 from orchestrrl.logs import get_logger
 from orchestrrl.model import Phase
@@ -40,6 +43,17 @@ T = TypeVar("T")
 
 BACKOFF_INITIAL_S = 0.05  # before a second round through the controllers' addresses
 BACKOFF_MAX_S = 0.25  # a takeover lasts about one lease (2 s): see the new leader promptly
+# An attempt unanswered this long: the call asks the other controllers too (hedged). Well
+# under the 2 s lease; a slow leader loses nothing (its attempt stays in flight)
+ATTEMPT_TIMEOUT_S = 1.0
+DEADLINE_GRACE_S = 0.5  # an attempt's gRPC deadline beyond the call's (see _Route.run)
+AUTO_REQUEST_PREFIX = "auto-"  # request ids made up by the client (see AsyncClient)
+
+
+def _positive(value: float, field: str) -> float:
+    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+        raise errors.field_error(field, value, "seconds > 0")
+    return float(value)
 
 
 def controller_address(explicit: str | None = None) -> str:
@@ -275,14 +289,23 @@ class AsyncClient:
 
     Every unary call (and the opening of ``watch``) follows the leader: a standby's answer
     (UNAVAILABLE naming the leader, see :mod:`orchestrrl.leader`) sends the call to that
-    leader (at most ``len(addresses) + 2`` such hops per call); UNAVAILABLE without a
-    leader, or a controller that cannot be reached, sends it to the next address of the
-    list, after a short jittered backoff once every address has failed. All of it within
-    ``timeout_s`` per call; then :class:`errors.Unavailable` says what each address
-    answered. Any other status is never retried. A retried ``set_phase`` is the same
-    request (the same ``request_id``: the controller answers a retry with the first
-    outcome); without a ``request_id`` a retry after a lost connection sets the same phase
-    again, which is a no-op if the first attempt was applied."""
+    leader at once (at most ``len(addresses) + 2`` such hops per round); UNAVAILABLE
+    without a leader, or a controller that cannot be reached, sends it to the others. All of
+    it within ``timeout_s`` per call; then :class:`errors.Unavailable` says what each
+    address answered. Any other status is never retried.
+
+    A controller that hangs (frozen, partitioned: its kernel may still accept TCP) holds a
+    call for at most ``attempt_timeout_s`` (issue 28): the call goes first to the
+    controller believed to lead; when that one fails, or has not answered within
+    ``attempt_timeout_s``, it goes to every other listed controller at once (hedged), and
+    the first to answer as the leader wins (the others are cancelled). An attempt that has
+    no connection within ``connect_timeout_s`` fails as unreachable, and a connection that
+    stops answering HTTP/2 pings is closed (``orchestrrl.leader``). Once every controller
+    has failed, a short jittered backoff, then every one again.
+
+    ``set_phase`` is sent as one request for all its attempts: with the caller's
+    ``request_id``, or one made up per call (so a retried or hedged attempt is the same
+    request: the controller answers it with the first outcome, never a second change)."""
 
     def __init__(
         self,
@@ -292,6 +315,8 @@ class AsyncClient:
         *,
         backoff_initial_s: float = BACKOFF_INITIAL_S,
         backoff_max_s: float = BACKOFF_MAX_S,
+        attempt_timeout_s: float = ATTEMPT_TIMEOUT_S,
+        connect_timeout_s: float = leader.CONNECT_TIMEOUT_S,
     ) -> None:
         self.addresses = controller_addresses(address)
         self.address = self.addresses[0]  # the controller calls go to (the leader, once known)
@@ -299,6 +324,8 @@ class AsyncClient:
         self._tls = tls
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
+        self.attempt_timeout_s = _positive(attempt_timeout_s, "attempt_timeout_s")
+        self.connect_timeout_s = _positive(connect_timeout_s, "connect_timeout_s")
         self._rng = random.Random()
         # one channel per controller dialled (the list, and leaders it named): a call in
         # flight on one is not cut when another call moves on
@@ -315,21 +342,19 @@ class AsyncClient:
         for ch in channels:
             await ch.close()
 
-    def _stub_for(self, address: str) -> pb_grpc.FabricControllerStub:
+    def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpcutil.channel(address, self._tls)
-        return pb_grpc.FabricControllerStub(ch)
+            ch = self._channels[address] = leader.channel(address, self._tls)
+        return ch
+
+    def _stub_for(self, address: str) -> pb_grpc.FabricControllerStub:
+        return pb_grpc.FabricControllerStub(self._channel(address))
 
     async def _unary(self, rpc: str, send: Callable[[Any, float], Awaitable[T]]) -> T:
-        """``send(stub, timeout)`` to the leader: follow redirects, rotate on failure."""
-        route = _Route(self, rpc)
-        while True:
-            stub = self._stub_for(route.address)
-            try:
-                return await leader.call(route.what(), send(stub, route.remaining()))
-            except (leader.NotLeader, leader.Unreachable) as exc:
-                await route.failed(exc)
+        """``send(stub, timeout)`` to the leader: hedged, following redirects (see the
+        class docstring)."""
+        return await _Route(self, rpc).run(send)
 
     async def set_phase(
         self, phase: Phase | str, request_id: str = "", idle_window_s: float = 0.0
@@ -338,9 +363,11 @@ class AsyncClient:
         the phase needs its circuits (0: unknown); a shorter window than the OCS needs
         keeps the current topology (``gated`` in the result, ``message`` says why)."""
         p = phase if isinstance(phase, Phase) else Phase.parse(phase)
-        # one request for every attempt: a retry carries the same request id
+        # one request for every attempt: a retry or a hedge carries the same request id
         request = pb.SetPhaseRequest(
-            phase=phase_to_pb(p), request_id=request_id, idle_window_s=idle_window_s
+            phase=phase_to_pb(p),
+            request_id=request_id or f"{AUTO_REQUEST_PREFIX}{uuid.uuid4().hex}",
+            idle_window_s=idle_window_s,
         )
         r: pb.SetPhaseResponse = await self._unary(
             "SetPhase", lambda stub, timeout: stub.SetPhase(request, timeout=timeout)
@@ -458,7 +485,15 @@ class AsyncClient:
         try:
             while True:
                 try:
-                    e = await leader.call(route.what(), call.read())
+                    if started:
+                        e = await leader.call(route.what(), call.read())
+                    else:  # the first event: within the connect deadline as unary calls
+                        e = await leader.attempt(
+                            self._channel(route.address),
+                            route.what(),
+                            call.read(),
+                            route.connect_timeout(),
+                        )
                 except (leader.NotLeader, leader.Unreachable) as exc:
                     if started:
                         raise
@@ -485,8 +520,14 @@ class AsyncClient:
 
 
 class _Route:
-    """One call's way to the leader (see :class:`AsyncClient`): the redirects followed,
-    the addresses that failed, the backoff between rounds, the deadline."""
+    """One call's way to the leader (see :class:`AsyncClient`): the attempts in flight,
+    when each address may be asked again, the redirects followed, the deadline.
+
+    The client's current address is asked first; every other address once it fails or
+    has been silent for the attempt timeout (a hedge), a leader named by a standby at once.
+    An address that failed is asked again after its own jittered backoff (growing with its
+    failures, at most ``backoff_max_s``), while a silent one stays in flight: a frozen
+    controller never delays the others."""
 
     def __init__(self, client: AsyncClient, rpc: str) -> None:
         self._client = client
@@ -495,56 +536,145 @@ class _Route:
         self._loop = asyncio.get_running_loop()
         self._started = self._loop.time()
         self._deadline = self._started + client.timeout_s
-        self._candidates = list(client.addresses)  # and the leaders named on the way
-        self._hops = 0  # redirects followed since the last backoff
-        self._failed: set[str] = set()  # addresses that named no leader since the last backoff
+        # the list, the leader found by an earlier call, and the leaders named on the way
+        self._candidates = list(dict.fromkeys([client.address, *client.addresses]))
+        self._hops = 0  # redirects followed (watch), or new leaders named (unary calls)
+        self._failed: set[str] = set()  # addresses that failed (since the last backoff)
+        self._failures: dict[str, int] = {}  # per address, for its backoff
         self._rounds = 0
         self._answers: dict[str, str] = {}  # each address's last answer, for the error
 
-    def what(self) -> str:
+    def what(self, address: str | None = None) -> str:
         """The attempt, as errors name it."""
-        return f"controller {self.address}: {self._rpc}"
+        return f"controller {address or self.address}: {self._rpc}"
 
     def _move_to(self, address: str) -> None:
         self.address = self._client.address = address  # later calls start there too
 
     def remaining(self) -> float:
-        """The timeout of the next attempt: what is left of the call's deadline."""
+        """What is left of the call's deadline."""
         return max(0.0, self._deadline - self._loop.time())
 
-    async def failed(self, exc: errors.Unavailable) -> None:
-        """The attempt on the client's current address failed with ``exc``: move the client
-        to where the next attempt goes (after a backoff when due), or raise when the call
-        must give up."""
+    def connect_timeout(self) -> float | None:
+        """The connect deadline of an attempt: none when there is nowhere else to go (one
+        controller: wait for it within the call's deadline)."""
+        return self._client.connect_timeout_s if len(self._candidates) > 1 else None
+
+    def _backoff(self, failures: int | None = None) -> float:
         c = self._client
-        here = self.address
+        if failures is None:
+            failures = self._rounds
+            self._rounds += 1
+        ceiling = min(c._backoff_max_s, c._backoff_initial_s * 2.0 ** max(0, failures - 1))
+        return c._rng.uniform(ceiling / 2.0, ceiling)
+
+    async def run(self, send: Callable[[Any, float], Awaitable[T]]) -> T:
+        """Attempts of ``send(stub, timeout)`` until one answers as the leader (see the
+        class docstring); its result, or the error that ends the call."""
+        c = self._client
+        primary = self.address
+        inflight: dict[asyncio.Task[T], str] = {}
+        # when each address may be asked (again): the others after the hedge delay
+        due = dict.fromkeys(self._candidates, self._started + c.attempt_timeout_s)
+        due[primary] = self._started
+        spread = False  # whether the others were asked yet
+
+        def launch(address: str) -> None:
+            # (the call's own deadline ends the attempts: gRPC's comes a little later)
+            coro = send(c._stub_for(address), self.remaining() + DEADLINE_GRACE_S)
+            task = asyncio.ensure_future(
+                leader.attempt(c._channel(address), self.what(address), coro,
+                               self.connect_timeout())
+            )  # fmt: skip
+            inflight[task] = address
+
+        try:
+            while True:
+                now = self._loop.time()
+                if now >= self._deadline:
+                    raise self._give_up(inflight.values())
+                busy = set(inflight.values())
+                ready = [a for a in self._candidates if a not in busy and due[a] <= now]
+                if not spread and any(a != primary for a in ready):
+                    spread = True
+                    log.warning(
+                        "controller_try_next" if primary in self._failed else "controller_hedge",
+                        rpc=self._rpc,
+                        failed=primary if primary in self._failed else None,
+                        reason=self._answers.get(primary),
+                        silent=primary if primary in busy else None,
+                        next=", ".join(a for a in ready if a != primary),
+                    )
+                for a in ready:
+                    launch(a)
+                waiting = [due[a] for a in self._candidates if a not in inflight.values()]
+                wake = min([self._deadline, *waiting])
+                if not inflight:
+                    await asyncio.sleep(max(0.0, wake - now))
+                    continue
+                done, _ = await asyncio.wait(
+                    inflight, timeout=max(0.0, wake - now), return_when=asyncio.FIRST_COMPLETED
+                )
+                for task in done:
+                    address = inflight.pop(task)
+                    try:
+                        result = task.result()
+                    except (leader.NotLeader, leader.Unreachable) as exc:
+                        named = self._failure(address, exc)
+                        if named is None and len(self._candidates) == 1:  # nowhere else
+                            raise
+                        now = self._loop.time()
+                        fails = self._failures[address] = self._failures.get(address, 0) + 1
+                        due[address] = now + self._backoff(fails)
+                        if address == primary:  # the others at once
+                            for a in self._candidates:
+                                if a != primary:
+                                    due[a] = min(due.get(a, now), now)
+                        if named is not None:
+                            due[named] = min(due.get(named, now), now)
+                        continue
+                    self._move_to(address)
+                    return result
+        finally:
+            for task in inflight:
+                task.cancel()
+            if inflight:
+                await asyncio.gather(*inflight, return_exceptions=True)
+
+    def _failure(self, here: str, exc: errors.Unavailable) -> str | None:
+        """Note that the attempt on ``here`` failed with ``exc``; the leader to ask at once
+        when ``exc`` is a standby's answer naming one that has not failed since the last
+        backoff (a new address counts against the hops allowed)."""
         self._answers[here] = str(exc)
+        self._failed.add(here)
         named = exc.leader if isinstance(exc, leader.NotLeader) else None
-        if (
-            named is not None
-            and named != here
-            and named not in self._failed  # it failed since the last round: stale news
-            and self._hops < len(c.addresses) + 2
-        ):
-            if self.remaining() <= 0.0:
-                raise self._give_up()
+        if named is None or named == here or named in self._failed:  # stale news
+            return None
+        if named not in self._candidates:
+            if self._hops >= len(self._client.addresses) + 2:
+                return None
             self._hops += 1
-            if named not in self._candidates:
-                self._candidates.append(named)
-            log.info("controller_redirect", rpc=self._rpc, standby=here, leader=named)
+            self._candidates.append(named)
+        log.info("controller_redirect", rpc=self._rpc, standby=here, leader=named)
+        return named
+
+    async def failed(self, exc: errors.Unavailable) -> None:
+        """(``watch``, one attempt at a time) The attempt on the current address failed
+        with ``exc``: move to where the next attempt goes (after a backoff when due), or
+        raise when the call must give up."""
+        here = self.address
+        named = self._failure(here, exc)
+        if named is not None:
+            if self.remaining() <= 0.0:
+                raise self._give_up(())
             self._move_to(named)
             return
         if len(self._candidates) == 1:  # nowhere else to try
             raise exc
-        self._failed.add(here)
         following = self._candidates[(self._candidates.index(here) + 1) % len(self._candidates)]
-        delay = 0.0
-        if following in self._failed:  # every address failed since the last round
-            ceiling = min(c._backoff_max_s, c._backoff_initial_s * 2.0**self._rounds)
-            delay = c._rng.uniform(ceiling / 2.0, ceiling)
-            self._rounds += 1
+        delay = self._backoff() if following in self._failed else 0.0
         if self.remaining() <= delay:
-            raise self._give_up()
+            raise self._give_up(())
         log.warning(
             "controller_try_next",
             rpc=self._rpc,
@@ -559,8 +689,10 @@ class _Route:
             self._hops = 0
         self._move_to(following)
 
-    def _give_up(self) -> errors.Unavailable:
+    def _give_up(self, silent: Iterable[str]) -> errors.Unavailable:
         waited = self._loop.time() - self._started
+        for address in silent:
+            self._answers[address] = "no answer yet (asked, still silent)"
         answers = errors.listed(f"{a}: {why}" for a, why in self._answers.items())
         return errors.Unavailable(
             f"{self._rpc}: no leader among the controllers {', '.join(self._candidates)} "

@@ -10,7 +10,7 @@ import ipaddress
 import os
 import signal
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -162,6 +162,7 @@ async def start_server(
     tls: TlsConfig | None = None,
     clients: int = 0,
     max_receive_bytes: int = limits.MAX_RECEIVE_BYTES,
+    options: Sequence[tuple[str, Any]] = (),
 ) -> RunningServer:
     """Start a grpc.aio server with the standard health service and reflection;
     mutual TLS when ``tls`` is given, plaintext otherwise.
@@ -176,10 +177,17 @@ async def start_server(
 
     ``max_receive_bytes``: the largest request message accepted (a larger one fails with
     RESOURCE_EXHAUSTED before it is read). Every handler that ``register`` adds is guarded
-    (``guard_handler``): a request that does not decode gets INVALID_ARGUMENT."""
+    (``guard_handler``): a request that does not decode gets INVALID_ARGUMENT.
+
+    ``options``: more server channel options (e.g. ``orchestrrl.leader.SERVER_OPTIONS``)."""
     host, _ = parse_address(listen, "listen")
-    options = [*server_options(clients), ("grpc.max_receive_message_length", max_receive_bytes)]
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(
+        options=[
+            *server_options(clients),
+            ("grpc.max_receive_message_length", max_receive_bytes),
+            *options,
+        ]
+    )
     guarded = _GuardedServer(server)
     register(guarded)
     names = tuple(service_names)
@@ -340,6 +348,7 @@ def channel(
     *,
     server_name: str | None = None,
     own_connection: bool = False,
+    options: Sequence[tuple[str, Any]] = (),
 ) -> grpc.aio.Channel:
     """A client channel: mutual TLS when ``tls`` is given, plaintext otherwise.
 
@@ -350,16 +359,20 @@ def channel(
 
     ``own_connection``: do not share connections with other channels to the address
     (gRPC pools them process-wide, reconnect backoff included: a fresh channel meant to
-    connect at once would otherwise wait out the old one's backoff)."""
+    connect at once would otherwise wait out the old one's backoff).
+
+    ``options``: more channel options; each replaces a default of the same name."""
     parse_address(address, "address")
-    options = list(CHANNEL_OPTIONS)
+    extra = list(options)
+    given = {name for name, _ in extra}
+    merged = [o for o in CHANNEL_OPTIONS if o[0] not in given] + extra
     if own_connection:
-        options.append(("grpc.use_local_subchannel_pool", 1))
+        merged.append(("grpc.use_local_subchannel_pool", 1))
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=options)
+        return grpc.aio.insecure_channel(address, options=merged)
     if server_name:
-        options.append(("grpc.ssl_target_name_override", server_name))
-    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
+        merged.append(("grpc.ssl_target_name_override", server_name))
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=merged)
 
 
 def metrics_file(ready_file: Path) -> Path:

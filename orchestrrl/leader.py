@@ -6,7 +6,9 @@ stale) with
 
 - status ``UNAVAILABLE``,
 - the message ``not the leader; the leader is at HOST:PORT`` (or ``not the leader; no
-  leader elected yet`` when it does not know one),
+  leader elected yet`` when it does not know one, or ``not the leader; the leader at
+  HOST:PORT is past due renewing its lease ...`` when the leader it knows has not renewed
+  its lease for two renewal intervals: frozen or partitioned, so it is named to nobody),
 - trailing metadata ``orl-leader`` = ``HOST:PORT`` (absent when unknown).
 
 The FabricController service has no health or status RPC of its own; the standard
@@ -17,16 +19,31 @@ Servers raise the answer with :func:`abort_not_leader`; clients recognise it wit
 :func:`leader_of` / :func:`is_not_leader`, or with :func:`call`, which turns it into
 :class:`NotLeader` (an ``errors.Unavailable`` carrying the leader's address). The lists of
 controller addresses that clients and agents take are parsed by :func:`parse_addresses`.
+
+A controller that hangs (SIGSTOP, a stuck host, a partition that still accepts TCP) must
+not hold a caller (issue 28). Its kernel may accept the connection, so nothing fails by
+itself: gRPC would wait 20 s for the HTTP/2 handshake, and a call on an established
+connection would wait for its whole deadline. So every connection to a controller is made
+with :func:`channel`: an HTTP/2 ping after ``KEEPALIVE_S`` of silence during a call, and a
+ping unanswered for ``PING_TIMEOUT_S`` ends the connection (the call fails UNAVAILABLE);
+and :func:`attempt` gives an attempt ``CONNECT_TIMEOUT_S`` to connect before it is
+abandoned as :class:`Unreachable`. Controllers accept those pings (:data:`SERVER_OPTIONS`).
+A standby stops naming a leader whose lease is past due (``fabric_controller.leadership``),
+and callers ask every listed controller at once when the one they believe leads does not
+answer promptly (``orchestrrl.client``, ``node_agent.uplink``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Awaitable, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import grpc
 
 from orchestrrl import errors, grpcutil
+from orchestrrl.tls import TlsConfig
 
 LEADER_METADATA_KEY = "orl-leader"  # trailing metadata: the leader's HOST:PORT
 NOT_LEADER_PREFIX = "not the leader"
@@ -34,11 +51,35 @@ MAX_ADDRESSES = 16  # controllers in one list: an HA group is 2-5
 
 T = TypeVar("T")
 
+# Liveness of a connection to a controller, well under the 2 s default lease
+CONNECT_TIMEOUT_S = 1.0  # TCP, TLS and the HTTP/2 handshake of an attempt, with others to try
+KEEPALIVE_S = 1.0  # a ping after this much silence on a connection with a call in flight
+PING_TIMEOUT_S = 1.0  # no answer to a ping within this: the connection is dead
+CLIENT_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+    ("grpc.keepalive_timeout_ms", int(PING_TIMEOUT_S * 1000)),
+    # every ping, not only keepalives: a bandwidth probe unanswered would block them
+    ("grpc.http2.ping_timeout_ms", int(PING_TIMEOUT_S * 1000)),
+    ("grpc.keepalive_permit_without_calls", 0),  # an idle client costs the controller nothing
+    ("grpc.http2.max_pings_without_data", 0),  # a long phase change sends no data: ping on
+    ("grpc.http2.bdp_probe", 0),  # small messages; and no extra pings to police
+]
+# What a controller's server must accept for those pings: a ping every half KEEPALIVE_S
+SERVER_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.http2.min_ping_interval_without_data_ms", int(KEEPALIVE_S * 500)),
+]
 
-def not_leader_message(leader: str | None) -> str:
-    """The standby's status message (see the module docstring)."""
+
+def not_leader_message(leader: str | None, overdue: str | None = None) -> str:
+    """The standby's status message (see the module docstring); ``overdue``: a leader
+    whose lease is past due, named in the message but not as the leader."""
     if leader:
         return f"{NOT_LEADER_PREFIX}; the leader is at {leader}"
+    if overdue:
+        return (
+            f"{NOT_LEADER_PREFIX}; the leader at {overdue} is past due renewing its lease "
+            "(frozen or partitioned?): a standby takes over when the lease ends"
+        )
     return f"{NOT_LEADER_PREFIX}; no leader elected yet"
 
 
@@ -48,15 +89,17 @@ def not_leader_metadata(leader: str | None) -> tuple[tuple[str, str], ...]:
 
 
 async def abort_not_leader(
-    context: grpc.aio.ServicerContext[Any, Any], leader: str | None
+    context: grpc.aio.ServicerContext[Any, Any], leader: str | None, overdue: str | None = None
 ) -> NoReturn:
     """End the RPC of a standby's servicer with the answer of the contract.
 
-    ``leader``: the leader's HOST:PORT as clients dial it, or None when none is known.
+    ``leader``: the leader's HOST:PORT as clients dial it, or None when none is known (or
+    ``overdue``: the one known is past due renewing its lease, see the module docstring).
     Works in unary and streaming handlers alike (``context.abort`` raises)."""
     metadata = not_leader_metadata(leader)
     context.set_trailing_metadata(metadata)
-    await context.abort(grpc.StatusCode.UNAVAILABLE, not_leader_message(leader), metadata)
+    message = not_leader_message(leader, overdue)
+    await context.abort(grpc.StatusCode.UNAVAILABLE, message, metadata)
     raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
 
 
@@ -117,6 +160,53 @@ async def call(what: str, coro: Awaitable[T]) -> T:
     return await grpcutil.call(what, _classified(what, coro))
 
 
+def channel(address: str, tls: TlsConfig | None) -> grpc.aio.Channel:
+    """A channel to a controller: :func:`orchestrrl.grpcutil.channel` whose connection is
+    declared dead when it stops answering pings (see the module docstring)."""
+    return grpcutil.channel(address, tls, options=CLIENT_OPTIONS)
+
+
+async def _ready(ch: grpc.aio.Channel) -> None:
+    state = ch.get_state(try_to_connect=True)
+    while state is not grpc.ChannelConnectivity.READY:
+        await ch.wait_for_state_change(state)
+        state = ch.get_state(try_to_connect=True)
+
+
+async def attempt(
+    ch: grpc.aio.Channel, what: str, coro: Awaitable[T], connect_timeout_s: float | None
+) -> T:
+    """:func:`call` of ``coro`` (a call on ``ch``) with a connect deadline: when ``ch`` has
+    no connection yet and gets none within ``connect_timeout_s`` (a frozen or partitioned
+    host whose kernel accepts TCP), the call is cancelled and :class:`Unreachable` raised.
+    A refused connection fails at once as before (gRPC fails the call itself). ``None``:
+    no connect deadline (the call's own deadline only)."""
+    task = asyncio.ensure_future(call(what, coro))
+    try:
+        if connect_timeout_s is None or ch.get_state() is grpc.ChannelConnectivity.READY:
+            return await task
+        ready = asyncio.ensure_future(_ready(ch))
+        try:
+            done, _ = await asyncio.wait(
+                {task, ready}, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            ready.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ready
+        if not done:
+            raise Unreachable(
+                f"{what}: no connection within {connect_timeout_s:g} s (the host accepts TCP "
+                "but not gRPC: frozen, partitioned or overloaded)"
+            )
+        return await task
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, errors.OrlError):
+                await task
+
+
 def check_address(value: str, field: str) -> str:
     """A controller address clients dial: HOST:PORT with a port in 1..65535."""
     _, port = grpcutil.parse_address(value, field)
@@ -151,12 +241,19 @@ def parse_addresses(value: str | Sequence[str], field: str) -> tuple[str, ...]:
 
 
 __all__ = [
+    "CLIENT_OPTIONS",
+    "CONNECT_TIMEOUT_S",
+    "KEEPALIVE_S",
     "LEADER_METADATA_KEY",
     "NOT_LEADER_PREFIX",
+    "PING_TIMEOUT_S",
+    "SERVER_OPTIONS",
     "NotLeader",
     "Unreachable",
     "abort_not_leader",
+    "attempt",
     "call",
+    "channel",
     "check_address",
     "is_not_leader",
     "leader_of",

@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from orchestrrl import grpcutil
+from orchestrrl import grpcutil, leader
 from orchestrrl.v1 import common_pb2, node_agent_pb2
 from orchestrrl.v1 import fabric_controller_pb2 as pb
 from orchestrrl.v1 import fabric_controller_pb2_grpc as pb_grpc
@@ -89,5 +89,6 @@ async def start_fake_controller(
         listen,
         lambda s: pb_grpc.add_FabricControllerServicer_to_server(fake, s),
         [pb.DESCRIPTOR.services_by_name["FabricController"].full_name],
+        options=leader.SERVER_OPTIONS,
     )
     return RunningFakeController(fake, server)

@@ -14,7 +14,7 @@ from fabric_controller.controller import Controller
 from fabric_controller.drivers.ocs import GrpcOcsDriver, OcsDriver
 from fabric_controller.servicer import FabricControllerServicer
 from fabric_controller.store import Store
-from orchestrrl import grpcutil
+from orchestrrl import grpcutil, leader
 from orchestrrl.model import Wiring
 from orchestrrl.v1 import fabric_controller_pb2, fabric_controller_pb2_grpc
 from sim_backends.ocs import SimulatedOcs
@@ -88,6 +88,7 @@ async def serve_controller(
             FabricControllerServicer(controller), s
         ),
         [SERVICE],
+        options=leader.SERVER_OPTIONS,
     )
     liveness = asyncio.create_task(controller.run_liveness())
     return _ControllerProcess(controller, store, server, list(drivers.values()), liveness)
@@ -259,6 +260,7 @@ async def start_etcd_fabric(
             FabricControllerServicer(controller), s
         ),
         [SERVICE],
+        options=leader.SERVER_OPTIONS,
     )
 
     def lost(reason: str) -> None:
