@@ -3,22 +3,34 @@
 
 1. Failover. A 3-member etcd cluster on loopback, ``--controllers`` controller daemons
    (``orl-fabric-controller --etcd ... --election-ttl TTL`` subprocesses) and the
-   simulated OCSes of the wiring (in this process). Each trial kills the leader with
-   SIGKILL, then times from the kill to the first successful ``set_phase`` through an
-   ``AsyncClient`` given every controller's address:
+   simulated OCSes of the wiring (in this process). Each trial takes the leader out with
+   one kind of fault, then times from the fault to the first successful ``set_phase``
+   through an ``AsyncClient`` given every controller's address (the next committed
+   change). ``--trials`` of each kind of ``--kinds``:
 
-   - *crash* trials (half): the leader was started with ``ORL_FAULT_CRASH_AT=STAGE``
-     (each stage in turn, in a random order), so it SIGKILLs itself at that stage of a phase change
-     the bench sends it; the kill moment is when the bench sees the process exit, the
-     end is when that same call (carried by the client to the new leader) returns;
-   - *idle* trials (half): the bench SIGKILLs the leader at a random moment of its
-     lease (0..TTL s after the group is steady), then sends the next phase change.
+   - *crash*: the leader was started with ``ORL_FAULT_CRASH_AT=STAGE`` (each stage in
+     turn, in a random order), so it SIGKILLs itself at that stage of a phase change the
+     bench sends it; the fault is when the bench sees the process exit, the end is when
+     that same call (carried by the client to the new leader) returns;
+   - *idle*: the bench SIGKILLs the leader at a random moment of its lease (0..TTL s after
+     the group is steady), then sends the next phase change;
+   - *freeze* (issue 28): the leader is SIGSTOPped, half of the trials at a stage of a
+     phase change (``ORL_FAULT_STOP_AT=STAGE``: that call is carried to the new leader),
+     half at a random moment of its lease (then the next change is sent); its kernel
+     still accepts connections, nothing answers;
+   - *partition* (issue 28, needs root): every controller runs in its own network
+     namespace (``sim_backends.partition``); at a random moment of its lease the
+     leader's traffic is dropped silently both ways (tc ``mirred`` into a sink), then the
+     next change is sent.
 
    After each trial: the committed epochs in etcd are 1..N with no gap or duplicate,
    one per request id the bench got an answer for, and no journal is left; every OCS
    holds exactly the circuits of the committed head epoch; the trial's request id,
-   sent again, returns its first outcome. The killed controller is replaced by a new
-   standby (for a crash trial, the armed controller is made leader by stopping the
+   sent again, returns its first outcome. A frozen leader is then SIGCONTed and a
+   partitioned one healed: once it answers as a standby, the epochs in etcd, every OCS's
+   circuits and every OCS's newest fencing token must be what they were before it woke
+   (it changed nothing), and it is stopped. The controller taken out is replaced by a
+   new standby (for a stage trial, the armed controller is made leader by stopping the
    others gracefully first: not timed).
 
 2. Store latency. In-process fabrics (simulated OCSes + controller over gRPC on
@@ -26,7 +38,8 @@
    same etcd cluster (the controller elected and fenced as the daemon is), ``--rounds``
    phase cycles each; p50/p99 of ``set_phase`` seen by the client, and etcd/SQLite.
 
-    python bench/failover.py [--trials 20] [--controllers 2] [--ttl 2] [--seed 17]
+    python bench/failover.py [--trials 10] [--kinds crash,idle,freeze,partition]
+                             [--controllers 2] [--ttl 2] [--seed 17]
                              [--nodes 64,2048] [--rounds 10] [--json out.json]
 """
 
@@ -63,6 +76,7 @@ from sim_backends.etcd_cluster import EtcdCluster
 from sim_backends.harness import start_etcd_fabric, start_fabric
 from sim_backends.ocs import SimulatedOcs
 from sim_backends.ocs_server import serve as serve_ocs
+from sim_backends.partition import HUB, Partitions, Slot
 from sim_backends.synthetic import synthetic_wiring
 
 # the stages at which fabric_controller.main's fault hook can kill the controller
@@ -92,14 +106,25 @@ class Daemon:
     proc: asyncio.subprocess.Process
     address: str
     crash_at: str
+    slot: Slot | None = None  # its network namespace (partition trials)
 
     @property
     def alive(self) -> bool:
         return self.proc.returncode is None
 
+    @property
+    def stopped(self) -> bool:
+        """Stopped by SIGSTOP (state T in /proc)."""
+        try:
+            stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] == "T"
+
     async def stop(self) -> int | None:
         """SIGTERM (a leader resigns: a standby takes over at once) and wait."""
         if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGCONT)  # (a frozen one must run to stop)
             self.proc.send_signal(signal.SIGTERM)
         try:
             return await asyncio.wait_for(self.proc.wait(), 15)
@@ -109,33 +134,55 @@ class Daemon:
 
 
 class Group:
-    """The controllers of one HA group, their logs and ready files under ``tmp``."""
+    """The controllers of one HA group, their logs and ready files under ``tmp``; with
+    ``net``, each in a namespace slot of its own."""
 
     def __init__(
-        self, tmp: Path, wiring: Path, etcd: list[str], ocs: dict[str, str], ttl: int
+        self,
+        tmp: Path,
+        wiring: Path,
+        etcd: list[str],
+        ocs: dict[str, str],
+        ttl: int,
+        net: Partitions | None = None,
     ) -> None:
         self.tmp = tmp
         self.wiring = wiring
-        self.etcd = etcd
+        self.etcd = etcd  # as the controllers reach them
         self.ocs = ocs
         self.ttl = ttl
+        self.net = net
         self.daemons: list[Daemon] = []
         self._started = 0
 
-    async def start(self, crash_at: str = "") -> Daemon:
+    def _free_slot(self) -> Slot | None:
+        if self.net is None:
+            return None
+        used = {d.slot.index for d in self.daemons if d.alive and d.slot is not None}
+        for slot in self.net.slots:
+            if slot.index not in used and slot.index not in self.net.dropped:
+                return slot
+        raise errors.FailedPrecondition("no free namespace slot for another controller")
+
+    async def start(self, crash_at: str = "", stop_at: str = "") -> Daemon:
         self._started += 1
         name = f"c{self._started}"
         ready = self.tmp / f"{name}.addr"
         log_path = self.tmp / f"{name}.log"
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         overrides = [a for o, addr in self.ocs.items() for a in ("--ocs-address", f"{o}={addr}")]
-        env = {**os.environ, "ORL_FAULT_CRASH_AT": crash_at}
+        env = {**os.environ, "ORL_FAULT_CRASH_AT": crash_at, "ORL_FAULT_STOP_AT": stop_at}
+        slot = self._free_slot()
+        listen = f"{slot.address if slot else '127.0.0.1'}:0"
+        argv = [
+            sys.executable, "-m", "fabric_controller.main", "--wiring", str(self.wiring),
+            "--etcd", ",".join(self.etcd), "--election-ttl", str(self.ttl),
+            "--listen", listen, "--ready-file", str(ready), *overrides,
+            "--log-format", "json", "--plaintext",
+        ]  # fmt: skip
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "fabric_controller.main", "--wiring", str(self.wiring),
-                "--etcd", ",".join(self.etcd), "--election-ttl", str(self.ttl),
-                "--listen", "127.0.0.1:0", "--ready-file", str(ready), *overrides,
-                "--log-format", "json", "--plaintext",
+                *(slot.command(argv) if slot else argv),
                 stdout=asyncio.subprocess.DEVNULL, stderr=log_fd, env=env,
             )  # fmt: skip
         finally:
@@ -146,9 +193,13 @@ class Group:
                     tail = log_path.read_text()[-2000:]
                     raise errors.Unavailable(f"controller {name} exited at start-up:\n{tail}")
                 await asyncio.sleep(0.02)
-        d = Daemon(name, proc, ready.read_text().strip(), crash_at)
+        d = Daemon(name, proc, ready.read_text().strip(), crash_at or stop_at, slot)
         self.daemons.append(d)
         return d
+
+    def log(self, d: Daemon) -> list[dict[str, Any]]:
+        lines = (self.tmp / f"{d.name}.log").read_text().splitlines()
+        return [json.loads(line) for line in lines if line.startswith("{")]
 
     def elected_at(self, address: str) -> float | None:
         """When the controller at ``address`` last began a term (its log's `leading`)."""
@@ -156,11 +207,9 @@ class Group:
             if d.address != address:
                 continue
             at = None
-            for line in (self.tmp / f"{d.name}.log").read_text().splitlines():
-                if line.startswith("{") and '"leading"' in line:
-                    e = json.loads(line)
-                    if e.get("event") == "leading":
-                        at = datetime.fromisoformat(e["timestamp"]).timestamp()
+            for e in self.log(d):
+                if e.get("event") == "leading":
+                    at = datetime.fromisoformat(e["timestamp"]).timestamp()
             return at
         return None
 
@@ -186,11 +235,12 @@ class Group:
                     return leaders[0]
                 await asyncio.sleep(0.05)
 
-    async def prepare(self, size: int, crash_at: str) -> Daemon:
-        """``size`` controllers, steady; with ``crash_at`` the leader is one armed to
-        SIGKILL itself at that stage (the others are stopped gracefully until it leads)."""
-        if crash_at:
-            armed = await self.start(crash_at)
+    async def prepare(self, size: int, crash_at: str = "", stop_at: str = "") -> Daemon:
+        """``size`` controllers, steady; with ``crash_at`` (``stop_at``) the leader is one
+        armed to SIGKILL (SIGSTOP) itself at that stage (the others are stopped
+        gracefully until it leads)."""
+        if crash_at or stop_at:
+            armed = await self.start(crash_at, stop_at)
             leader = await self.steady()
             while leader is not armed:
                 await leader.stop()  # resigns: one of the standbys leads at once
@@ -204,12 +254,12 @@ class Group:
             await d.stop()
 
 
-async def ask(address: str) -> tuple[str | None, str]:
+async def ask(address: str, timeout_s: float = 2.0) -> tuple[str | None, str]:
     """GetPhase on one controller: (None, "") when it serves, else (the leader it
     names or "", its answer)."""
     async with grpc.aio.insecure_channel(address) as ch:
         try:
-            await pb_grpc.FabricControllerStub(ch).GetPhase(pb.GetPhaseRequest(), timeout=2)
+            await pb_grpc.FabricControllerStub(ch).GetPhase(pb.GetPhaseRequest(), timeout=timeout_s)
             return None, ""
         except grpc.aio.AioRpcError as exc:
             named = dict(exc.trailing_metadata() or ()).get(LEADER_METADATA_KEY)
@@ -279,46 +329,67 @@ async def check(
 
 # -- part 1: failover --
 
+KINDS = ("crash", "idle", "freeze", "partition")
+WAKE_TIMEOUT_S = 20.0  # a woken (healed) leader answers as a standby within this
+
 
 async def failover(
-    etcd: list[str], wiring_path: Path, trials: int, controllers: int, ttl: int, seed: int
+    cluster: EtcdCluster,
+    wiring_path: Path,
+    trials: int,
+    kinds: list[str],
+    controllers: int,
+    ttl: int,
+    seed: int,
+    net: Partitions | None,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
-    kinds = ["crash"] * (trials // 2) + ["idle"] * (trials - trials // 2)
-    rng.shuffle(kinds)
-    # every stage as often as the crash trials allow, in a random order
-    stages = [STAGES[k % len(STAGES)] for k in range(trials // 2)]
-    rng.shuffle(stages)
+    plan = [k for k in kinds for _ in range(trials)]
+    rng.shuffle(plan)
+    # crash trials: every stage as often as they allow, in a random order; freeze trials:
+    # every other one at a stage (the rest at a random moment of the lease)
+    stages = {
+        "crash": [STAGES[i % len(STAGES)] for i in range(trials)],
+        "freeze": [STAGES[i % len(STAGES)] if i % 2 == 0 else "" for i in range(trials)],
+    }
+    for v in stages.values():
+        rng.shuffle(v)
     w = wiring_mod.load(wiring_path)
+    host = HUB if net is not None else "127.0.0.1"
     ocs_servers = []
     sims: dict[str, SimulatedOcs] = {}
     addresses: dict[str, str] = {}
     for o in w.ocses:
         server, sim = await serve_ocs(
-            "127.0.0.1:0", name=o.name, port_count=o.ports, switching_time_s=o.switching_time_s
+            f"{host}:0", name=o.name, port_count=o.ports, switching_time_s=o.switching_time_s
         )
         ocs_servers.append(server)
         sims[o.name] = sim
         addresses[o.name] = server.address
+    etcd = cluster.endpoints_on(HUB) if net is not None else cluster.endpoints
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="orl-failover-") as tmp:
-        group = Group(Path(tmp), wiring_path, etcd, addresses, ttl)
+        group = Group(Path(tmp), wiring_path, etcd, addresses, ttl, net)
         try:
-            await group.prepare(controllers, "")
+            await group.prepare(controllers)
             async with AsyncClient(group.addresses, timeout_s=30) as c:
                 warm = await c.set_phase(PHASES[0], request_id="warm-up")
             history: list[tuple[int, str, str | None]] = [(warm.epoch, warm.phase or "", "warm-up")]
-            for i, kind in enumerate(kinds):
-                stage = stages.pop() if kind == "crash" else ""
+            for i, kind in enumerate(plan):
+                stage = stages[kind].pop() if kind in stages else ""
                 phase = PHASES[(i + 1) % len(PHASES)]
-                res = await trial(group, controllers, ttl, rng, sims, history, i, stage, phase)
-                res["kind"] = kind
+                res = await trial(
+                    group, cluster.endpoints, controllers, ttl, rng, sims, history, i, kind,
+                    stage, phase,
+                )  # fmt: skip
                 results.append(res)
                 took, el = res["failover_s"], res.get("elected_s")
+                woke = res.get("woke_s")
                 print(
-                    f"  trial {i + 1:>2}/{trials} {kind:<5} {stage or '-':<14} "
+                    f"  trial {i + 1:>2}/{len(plan)} {kind:<9} {stage or '-':<14} "
                     f"{'-' if took is None else f'{took:.2f} s':>8} "
-                    f"(elected {'-' if el is None else f'{el:.2f} s'})  "
+                    f"(elected {'-' if el is None else f'{el:.2f} s'}"
+                    f"{'' if woke is None else f', woke and stood by in {woke:.2f} s'})  "
                     f"{'ok' if not res['problems'] else '; '.join(res['problems'])}",
                     flush=True,
                 )
@@ -331,79 +402,177 @@ async def failover(
         k: summary(
             [r["failover_s"] for r in results if r["kind"] == k and r["failover_s"] is not None]
         )
-        for k in ("idle", "crash")
+        for k in kinds
     }
+    woken = [r for r in results if "changed_after_wake" in r]
     return {
         "wiring": w.source,
         "controllers": controllers,
         "election_ttl_s": ttl,
-        "etcd_members": len(etcd),
+        "etcd_members": len(cluster.endpoints),
         "seed": seed,
+        "kinds": kinds,
         "trials": len(results),
         "passed": sum(1 for r in results if not r["problems"]),
+        "passed_by_kind": {
+            k: sum(1 for r in results if r["kind"] == k and not r["problems"]) for k in kinds
+        },
         "failover_s": summary(times),
         "failover_s_by_kind": by_kind,
+        "target_met_by_kind": {
+            k: v is not None and v["p99"] <= TARGET_P99_S for k, v in by_kind.items()
+        },
+        "old_leader_changed_nothing": {
+            "trials": len(woken),
+            "held": sum(1 for r in woken if not r["changed_after_wake"]),
+        },
         "elected_s": summary([r["elected_s"] for r in results if "elected_s" in r]),
         "target_p99_s": TARGET_P99_S,
         "results": results,
     }
 
 
+async def fault_moment(leader: Daemon, kind: str, stage: str, out: list[float]) -> None:
+    """Watch for the fault a stage trial's leader injects itself: append (perf counter,
+    wall clock) when it has exited (crash) or stopped (freeze)."""
+    if kind == "crash":
+        await leader.proc.wait()
+    else:
+        while not leader.stopped:  # noqa: ASYNC110 - /proc, not an asyncio event
+            await asyncio.sleep(0.002)
+    out.extend((time.perf_counter(), time.time()))
+
+
 async def trial(
     group: Group,
+    etcd: list[str],
     controllers: int,
     ttl: int,
     rng: random.Random,
     sims: dict[str, SimulatedOcs],
     history: list[tuple[int, str, str | None]],
     i: int,
+    kind: str,
     stage: str,
     phase: Phase,
 ) -> dict[str, Any]:
-    leader = await group.prepare(controllers, stage)
+    leader = await group.prepare(
+        controllers,
+        crash_at=stage if kind == "crash" else "",
+        stop_at=stage if kind == "freeze" else "",
+    )
     request_id = f"trial-{i}"
-    out: dict[str, Any] = {"trial": i, "stage": stage, "phase": phase.value}
+    out: dict[str, Any] = {"trial": i, "kind": kind, "stage": stage, "phase": phase.value}
     problems: list[str] = []
-    killed_at: list[float] = []
+    fault_at: list[float] = []
     t_sent = time.perf_counter()
+    watcher: asyncio.Task[None] | None = None
     async with AsyncClient(group.addresses, timeout_s=30) as c:
         c.address = leader.address  # the client knows the leader, as after earlier calls
         if stage:
-            exited = asyncio.create_task(leader.proc.wait())
-            exited.add_done_callback(
-                lambda _t: killed_at.extend((time.perf_counter(), time.time()))
-            )
+            watcher = asyncio.create_task(fault_moment(leader, kind, stage, fault_at))
         else:
             await asyncio.sleep(rng.uniform(0.0, ttl))
-            leader.proc.send_signal(signal.SIGKILL)
-            killed_at.extend((time.perf_counter(), time.time()))
+            if kind == "idle":
+                leader.proc.send_signal(signal.SIGKILL)
+            elif kind == "freeze":
+                leader.proc.send_signal(signal.SIGSTOP)
+            else:
+                assert group.net is not None and leader.slot is not None
+                await group.net.drop(leader.slot)
+            fault_at.extend((time.perf_counter(), time.time()))
         try:
             first = await c.set_phase(phase, request_id=request_id)
             done = time.perf_counter()
         except errors.OrlError as exc:
             first, done = None, 0.0
             problems.append(f"phase set failed: {exc}")
-        try:
-            code = await asyncio.wait_for(leader.proc.wait(), 10)
-        except TimeoutError:
-            code = None  # still running: the change never reached the stage
-            await leader.stop()
-        if code != -signal.SIGKILL:
-            problems.append(f"the leader was not killed (exit {code}): the fault never fired")
-        if first is not None and killed_at:
-            out["failover_s"] = done - killed_at[0]
+        if watcher is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(watcher), 10)
+            except TimeoutError:
+                watcher.cancel()
+                problems.append(f"the leader never reached {stage}: the fault never fired")
+        if kind in ("crash", "idle"):
+            try:
+                code = await asyncio.wait_for(leader.proc.wait(), 10)
+            except TimeoutError:
+                code = None  # still running: the change never reached the stage
+                await leader.stop()
+            if code != -signal.SIGKILL:
+                problems.append(f"the leader was not killed (exit {code}): the fault never fired")
+        if first is not None and fault_at:
+            out["failover_s"] = done - fault_at[0]
             if stage:
-                out["kill_after_s"] = killed_at[0] - t_sent  # the change's run up to `stage`
+                out["fault_after_s"] = fault_at[0] - t_sent  # the change's run up to `stage`
             out["epoch"] = first.epoch
             out["new_leader"] = c.address
             elected = group.elected_at(c.address)
             if elected is not None:  # the new leader's own log: its term began
-                out["elected_s"] = elected - killed_at[1]
+                out["elected_s"] = elected - fault_at[1]
             history.append((first.epoch, first.phase or "", request_id))
-            problems += await check(group.etcd, sims, history, c, first, request_id)
+            problems += await check(etcd, sims, history, c, first, request_id)
+        if kind in ("freeze", "partition") and leader.alive:
+            problems += await wake(group, leader, kind, etcd, sims, c.address, out)
     out.setdefault("failover_s", None)
     out["problems"] = problems
     return out
+
+
+async def snapshot(etcd: list[str], sims: dict[str, SimulatedOcs]) -> Any:
+    """What a deposed leader must not change: the epochs in etcd, every OCS's circuits
+    and the newest fencing token each OCS has seen."""
+    epochs, head, journal = await committed(etcd)
+    return (
+        epochs,
+        head.epoch,
+        journal,
+        table(sims),
+        {n: s.fencing.newest for n, s in sims.items()},
+    )
+
+
+async def wake(
+    group: Group,
+    old: Daemon,
+    kind: str,
+    etcd: list[str],
+    sims: dict[str, SimulatedOcs],
+    new_leader: str,
+    out: dict[str, Any],
+) -> list[str]:
+    """SIGCONT (heal) the old leader; once it answers as a standby, it must have changed
+    nothing; then stop it (the group keeps its size)."""
+    problems = []
+    before = await snapshot(etcd, sims)
+    woke = time.perf_counter()
+    if kind == "freeze":
+        old.proc.send_signal(signal.SIGCONT)
+    else:
+        assert group.net is not None and old.slot is not None
+        await group.net.heal(old.slot)
+    try:
+        async with asyncio.timeout(WAKE_TIMEOUT_S):
+            while True:
+                named, _ = await ask(old.address, timeout_s=1.0)
+                if named is not None and named != "":  # a standby naming a leader
+                    break
+                await asyncio.sleep(0.05)
+        out["woke_s"] = time.perf_counter() - woke
+    except TimeoutError:
+        problems.append(f"woken, the old leader did not stand by within {WAKE_TIMEOUT_S:g} s")
+    await asyncio.sleep(0.5)  # (anything it still had in hand has had its chance)
+    after = await snapshot(etcd, sims)
+    out["changed_after_wake"] = after != before
+    if after != before:
+        problems.append(
+            f"the old leader changed something after waking: {before[:2]} -> {after[:2]}, "
+            f"fencing {before[4]} -> {after[4]}"
+        )
+    if not any(e.get("event") == "stepped_down" for e in group.log(old)):
+        problems.append("the old leader never logged stepped_down")
+    await old.stop()
+    return problems
 
 
 # -- part 2: phase-change latency, SQLite vs etcd --
@@ -462,7 +631,12 @@ async def store_latency(
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--wiring", type=Path, default=wiring_mod.default_wiring_path())
-    p.add_argument("--trials", type=int, default=20, help="failover trials (half crash, half idle)")
+    p.add_argument("--trials", type=int, default=10, help="failover trials of each kind")
+    p.add_argument(
+        "--kinds",
+        default=",".join(KINDS),
+        help=f"kinds of fault, separated by commas ({', '.join(KINDS)}; partition needs root)",
+    )
     p.add_argument("--controllers", type=int, default=2, help="controllers in the group (2-5)")
     p.add_argument("--ttl", type=int, default=2, help="leader lease TTL in whole seconds")
     p.add_argument("--seed", type=int, default=17, help="trial order, stages and kill moments")
@@ -485,6 +659,11 @@ def main() -> int:
         p.error(f"--ttl={args.ttl}: must be 1..60 whole seconds")
     if args.rounds < 1:
         p.error(f"--rounds={args.rounds}: must be at least 1")
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if not kinds or any(k not in KINDS for k in kinds) or len(set(kinds)) != len(kinds):
+        p.error(f"--kinds={args.kinds!r}: some of {', '.join(KINDS)}, each once")
+    if "partition" in kinds and os.geteuid() != 0:
+        p.error("--kinds with partition needs root (network namespaces and tc)")
     try:
         wirings = [synthetic_wiring(int(n)) for n in args.nodes.split(",")] if args.nodes else []
         wiring_mod.load(args.wiring)
@@ -494,26 +673,38 @@ def main() -> int:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="orl-failover-etcd-") as tmp:
         try:
-            cluster = EtcdCluster(Path(tmp), 3)
-            cluster.start()
+            net = Partitions(args.controllers + 3) if "partition" in kinds else None
+            if net is not None:
+                asyncio.run(net.__aenter__())
         except errors.OrlError as exc:
             print(f"failover bench: {exc}", file=sys.stderr)
             return 1
         try:
+            cluster = EtcdCluster(Path(tmp), 3, client_hosts=[HUB] if net else [])
+            cluster.start()
+        except errors.OrlError as exc:
+            print(f"failover bench: {exc}", file=sys.stderr)
+            if net is not None:
+                asyncio.run(net.__aexit__(None, None, None))
+            return 1
+        try:
             print(
-                f"failover: {args.trials} trials, {args.controllers} controllers, lease "
-                f"{args.ttl} s, 3 etcd members; time from the leader's SIGKILL to the first "
-                "successful set_phase through the client (every controller's address)",
+                f"failover: {args.trials} trials of each kind ({', '.join(kinds)}), "
+                f"{args.controllers} controllers, lease {args.ttl} s, 3 etcd members; time from "
+                "the fault to the first successful set_phase through the client (every "
+                "controller's address)",
                 flush=True,
             )
             fo = asyncio.run(
                 failover(
-                    cluster.endpoints, args.wiring, args.trials, args.controllers, args.ttl,
-                    args.seed,
+                    cluster, args.wiring, args.trials, kinds, args.controllers, args.ttl,
+                    args.seed, net,
                 )
             )  # fmt: skip
             results["failover"] = fo
-            print(f"{'trials':>8} {'p50':>8} {'p99':>8} {'max':>8} {'passed':>8}  target p99")
+            print(
+                f"{'kind':>9} {'n':>3} {'p50':>8} {'p99':>8} {'max':>8} {'passed':>7}  target p99"
+            )
             rows = [("all", fo["failover_s"]), *fo["failover_s_by_kind"].items()]
             for kind, s in rows:
                 n = sum(1 for r in fo["results"] if kind in ("all", r["kind"]))
@@ -525,14 +716,23 @@ def main() -> int:
                     if s
                     else f"{'-':>8} {'-':>8} {'-':>8}"
                 )
-                target = f"<= {TARGET_P99_S:g} s with a {args.ttl} s lease" if kind == "all" else ""
-                print(f"{kind:>5} {n:>2} {cells} {ok:>5}/{n:<2}  {target}")
+                if kind == "all":
+                    target = f"<= {TARGET_P99_S:g} s with a {args.ttl} s lease"
+                else:
+                    target = "met" if fo["target_met_by_kind"][kind] else "MISSED"
+                print(f"{kind:>9} {n:>3} {cells} {ok:>3}/{n:<3}  {target}")
             el = fo["elected_s"]
             if el:
                 print(
                     f"of which until the new leader's term began (its log): p50 {el['p50']:.2f} "
                     f"s, p99 {el['p99']:.2f} s, max {el['max']:.2f} s; the rest is its "
                     "recovery and the client's retry backoff"
+                )
+            woken = fo["old_leader_changed_nothing"]
+            if woken["trials"]:
+                print(
+                    f"a frozen or partitioned leader, woken or healed, changed nothing (etcd "
+                    f"epochs, OCS circuits, OCS fencing tokens): {woken['held']}/{woken['trials']}"
                 )
             print(
                 f"store latency: set_phase seen by the client, OCS switching {args.switching_ms} "
@@ -561,6 +761,8 @@ def main() -> int:
             results["store_latency"] = scale
         finally:
             cluster.close()
+            if net is not None:
+                asyncio.run(net.__aexit__(None, None, None))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")

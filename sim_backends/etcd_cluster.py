@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,7 +83,16 @@ class EtcdMember:
 class EtcdCluster:
     """``size`` etcd members on 127.0.0.1 with their data under ``root``."""
 
-    def __init__(self, root: Path, size: int = 1, binary: str | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        size: int = 1,
+        binary: str | None = None,
+        *,
+        client_hosts: Sequence[str] = (),
+    ) -> None:
+        """``client_hosts``: more local addresses the members take clients on, beside
+        127.0.0.1 (e.g. ``sim_backends.partition.HUB`` for processes in namespaces)."""
         if size not in (1, 3, 5):
             raise errors.field_error("size", size, "1, 3 or 5 etcd members")
         found = binary or etcd_binary()
@@ -92,12 +102,19 @@ class EtcdCluster:
         self.root = root
         self.size = size
         self.members: list[EtcdMember] = []
+        self.client_hosts = tuple(client_hosts)
         self._generation = 0
 
     @property
     def endpoints(self) -> list[str]:
         """``host:port`` of every member's client URL, in member order."""
         return [m.endpoint for m in self.members]
+
+    def endpoints_on(self, host: str) -> list[str]:
+        """``host:port`` of every member, at one of ``client_hosts``."""
+        if host not in self.client_hosts:
+            raise errors.field_error("host", host, f"one of {', '.join(self.client_hosts)}")
+        return [f"{host}:{m.client_port}" for m in self.members]
 
     def _plan(self) -> None:
         self._generation += 1
@@ -115,7 +132,10 @@ class EtcdCluster:
             self.binary,
             "--name", m.name,
             "--data-dir", str(m.data_dir),
-            "--listen-client-urls", f"http://{m.endpoint}",
+            "--listen-client-urls", ",".join(
+                [f"http://{m.endpoint}"]
+                + [f"http://{h}:{m.client_port}" for h in self.client_hosts]
+            ),
             "--advertise-client-urls", f"http://{m.endpoint}",
             "--listen-peer-urls", m.peer_url,
             "--initial-advertise-peer-urls", m.peer_url,
