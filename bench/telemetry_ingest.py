@@ -364,10 +364,12 @@ async def register(address: str, names: list[str], gpus: int) -> None:
             await asyncio.gather(
                 *(
                     stub.Register(
-                        pb.RegisterRequest(node=n, agent_address="127.0.0.1:1", status=status),
+                        pb.RegisterRequest(
+                            node=n, agent_address=f"127.0.0.1:{k + 1}", status=status
+                        ),
                         timeout=60,
                     )
-                    for n in names[i : i + 64]
+                    for k, n in enumerate(names[i : i + 64], start=i)
                 )
             )
 

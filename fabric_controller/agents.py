@@ -16,6 +16,7 @@ from fabric_controller.events import Event, EventHub
 from fabric_controller.metrics import ControllerMetrics
 from fabric_controller.registry import Health, NodeRecord, Registry, health
 from fabric_controller.telemetry_bounds import Implausible
+from orchestrrl import errors
 from orchestrrl.logs import get_logger
 from orchestrrl.model import Wiring
 from orchestrrl.v1 import node_agent_pb2
@@ -66,7 +67,23 @@ class Agents:
         gateway: str = "",
         kv_import: bool = True,
         max_num_seqs: int = 0,
+        *,
+        proven: str | None = None,
     ) -> NodeRecord:
+        """Register ``node``'s agent at ``address``. An address that another node (up)
+        registered is refused (FailedPrecondition naming it), unless ``proven``: the
+        agent at the address showed it is ``node`` (how, in those words); then the
+        others lose the address and their session (issue 28: a node may not take over
+        another node's agent address, and the first to claim one cannot lock out its
+        owner)."""
+        self.wiring.node(node)  # NotFound with the known names, before anything else
+        shared = self.registry.others_at(node, address, self._mono())
+        if shared and proven is None:
+            raise errors.FailedPrecondition(
+                f"agent_address {errors.shown(address, 128)} is registered by node(s) "
+                f"{', '.join(shared)} (up); node {node!r} may take it only when the agent there "
+                f"is node {node!r}: register this node's own agent address"
+            )
         record = self.registry.register(
             node, address, gpu_backend, self._mono(), engine, gateway, kv_import, max_num_seqs
         )
@@ -74,19 +91,24 @@ class Agents:
         note = "" if gpus == wired else f"; reports {gpus} GPUs but the wiring says {wired}"
         if note:
             log.warning("gpu_count_differs_from_wiring", node=node, reported=gpus, wired=wired)
-        shared = self.registry.others_at(node, address, self._mono())
-        if shared:  # not refused: the first to register an address must not lock out its owner
+        for other in shared:
+            self.registry.release_address(other)
+        if shared:
             note += (
-                f"; node(s) {', '.join(shared)} (up) registered the same agent address: an agent "
-                "runs only the commands meant for its own node"
+                f"; node(s) {', '.join(shared)} had registered the same agent address and "
+                f"lost it ({proven})"
             )
-            log.warning("agent_address_shared", node=node, others=shared)
+            log.warning("agent_address_taken_back", node=node, others=shared, proof=proven)
         log.info("node_registered", node=node, agent=address, gpu_backend=gpu_backend)
         self._events.publish(
             Event("node_registered", node=node, message=f"agent at {address}{note}")
         )
         self._on_contact(node)
         return record
+
+    def claimants(self, node: str, address: str) -> tuple[str, ...]:
+        """The other nodes (up) that registered ``address`` as their agent's."""
+        return self.registry.others_at(node, address, self._mono())
 
     def heartbeat(self, node: str, session_id: str) -> None:
         self.registry.seen(node, session_id, self._mono())

@@ -24,7 +24,7 @@ the fenced store and the token of each term it wins; a lost term is logged
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from fabric_controller.agents import IMPLAUSIBLE_WARN_INTERVAL_S, Agents
 from fabric_controller.drivers.electrical import ElectricalDriver
@@ -76,6 +76,9 @@ class Controller:
         role: Role | None = None,
     ) -> None:
         self.store = store
+        # ``identify(node, address)``: ask the agent at ``address`` to show it is ``node``
+        # (raises OrlError if not); None: an address another node holds is refused
+        self.identify: Callable[[str, str], Awaitable[None]] | None = None
         self.role = role or Role()
         self.role.on_lost.append(self._stepped_down)
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -199,6 +202,33 @@ class Controller:
         return self.agents.register(
             node, address, gpu_backend, gpus, engine, gateway, kv_import, max_num_seqs
         )
+
+    async def register_agent(
+        self,
+        node: str,
+        address: str,
+        gpu_backend: str,
+        gpus: int,
+        engine: str = "",
+        gateway: str = "",
+        kv_import: bool = True,
+        max_num_seqs: int = 0,
+    ) -> NodeRecord:
+        """An agent's registration (the Register RPC): as :meth:`register`, but an address
+        that another node (up) holds is taken only when the agent there shows it is
+        ``node`` (``identify``); otherwise refused, naming the holder (issue 28)."""
+        proven = None
+        if self.identify is not None and self.agents.claimants(node, address):
+            try:
+                await self.identify(node, address)
+                proven = f"the agent at {address} showed it is {node}"
+            except errors.OrlError as exc:
+                log.warning("agent_address_claim_refused", node=node, address=address,
+                            error=str(exc))  # fmt: skip
+        return self.agents.register(
+            node, address, gpu_backend, gpus, engine, gateway, kv_import, max_num_seqs,
+            proven=proven,
+        )  # fmt: skip
 
     def heartbeat(self, node: str, session_id: str) -> None:
         self.agents.heartbeat(node, session_id)

@@ -429,6 +429,7 @@ async def serve(args: argparse.Namespace) -> int:
     for d in drivers.values():
         await _probe(d, w.ocs(d.name).ports)
     agents = AgentClients(tls)
+    controller.identify = lambda node, address: agents.get(node, address).identify()
     compute = ComputeScheduler(
         controller,
         agents.get,

@@ -100,6 +100,11 @@ class Registry:
             and health(r, now, self.deadline_s) is Health.UP
         )
 
+    def release_address(self, node: str) -> None:
+        """``node`` loses its agent address and its session (another node proved the
+        address is its own): it must register again, at its own address."""
+        self._nodes[node] = replace(self._nodes[node], agent_address="", session_id="")
+
     def _session(self, node: str, session_id: str) -> NodeRecord:
         self.wiring.node(node)  # NotFound with the known names
         record = self._nodes[node]

@@ -122,7 +122,7 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
             raise errors.field_error("node", request.node, "the node's name from the wiring file")
         self.auth.node(context, request.node)
         parse_address(request.agent_address, "agent_address")
-        record = self.c.register(
+        record = await self.c.register_agent(
             request.node,
             request.agent_address,
             request.status.gpu_backend,

@@ -213,7 +213,8 @@ class TelemetryBuffer:
 
 
 class RegistrationRejected(errors.OrlError):
-    """The controller refused the registration (NOT_FOUND or INVALID_ARGUMENT)."""
+    """The controller refused the registration (NOT_FOUND, INVALID_ARGUMENT, or
+    FAILED_PRECONDITION: another node's agent holds this agent's address)."""
 
 
 @dataclass(frozen=True)
@@ -342,7 +343,8 @@ class Uplink:
                     controller=address,
                     reason=str(exc),
                     retry_in_s=round(delay, 3),
-                    hint="check that this node is in the controller's wiring file",
+                    hint="check that this node is in the controller's wiring file and that "
+                    "no other node's agent is configured with this agent's address",
                 )
             except errors.InvalidArgument as exc:  # our own address check, before any call
                 failures += 1
@@ -435,7 +437,11 @@ class Uplink:
                     address, ch = attempts.pop(task)
                     try:
                         response = task.result()
-                    except (errors.NotFound, errors.InvalidArgument) as exc:
+                    except (
+                        errors.NotFound,  # not in the wiring
+                        errors.InvalidArgument,
+                        errors.FailedPrecondition,  # another node's agent holds our address
+                    ) as exc:
                         await ch.close()
                         raise RegistrationRejected(str(exc)) from None
                     except Exception as exc:

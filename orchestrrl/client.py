@@ -572,11 +572,13 @@ class _Route:
         """Attempts of ``send(stub, timeout)`` until one answers as the leader (see the
         class docstring); its result, or the error that ends the call."""
         c = self._client
+        attempt_s = c.attempt_timeout_s
         primary = self.address
-        inflight: dict[asyncio.Task[T], str] = {}
+        inflight: dict[asyncio.Task[T], tuple[str, float]] = {}  # -> (address, since)
         # when each address may be asked (again): the others after the hedge delay
-        due = dict.fromkeys(self._candidates, self._started + c.attempt_timeout_s)
+        due = dict.fromkeys(self._candidates, self._started + attempt_s)
         due[primary] = self._started
+        asked: set[str] = set()
         spread = False  # whether the others were asked yet
 
         def launch(address: str) -> None:
@@ -586,15 +588,23 @@ class _Route:
                 leader.attempt(c._channel(address), self.what(address), coro,
                                self.connect_timeout())
             )  # fmt: skip
-            inflight[task] = address
+            inflight[task] = (address, self._loop.time())
+            asked.add(address)
 
         try:
             while True:
                 now = self._loop.time()
                 if now >= self._deadline:
-                    raise self._give_up(inflight.values())
-                busy = set(inflight.values())
-                ready = [a for a in self._candidates if a not in busy and due[a] <= now]
+                    raise self._give_up(a for a, _ in inflight.values())
+                busy = {a for a, _ in inflight.values()}
+                # an attempt that may still answer in time holds back the retries (not
+                # the first asking of an address: a hedge, a leader just named)
+                talking = [t + attempt_s for _, t in inflight.values() if now < t + attempt_s]
+                ready = [
+                    a
+                    for a in self._candidates
+                    if a not in busy and due[a] <= now and (a not in asked or not talking)
+                ]
                 if not spread and any(a != primary for a in ready):
                     spread = True
                     log.warning(
@@ -607,7 +617,12 @@ class _Route:
                     )
                 for a in ready:
                     launch(a)
-                waiting = [due[a] for a in self._candidates if a not in inflight.values()]
+                busy = {a for a, _ in inflight.values()}
+                waiting = [
+                    max(due[a], min(talking)) if talking and a in asked else due[a]
+                    for a in self._candidates
+                    if a not in busy
+                ]
                 wake = min([self._deadline, *waiting])
                 if not inflight:
                     await asyncio.sleep(max(0.0, wake - now))
@@ -616,7 +631,7 @@ class _Route:
                     inflight, timeout=max(0.0, wake - now), return_when=asyncio.FIRST_COMPLETED
                 )
                 for task in done:
-                    address = inflight.pop(task)
+                    address, _ = inflight.pop(task)
                     try:
                         result = task.result()
                     except (leader.NotLeader, leader.Unreachable) as exc:

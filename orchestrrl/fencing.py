@@ -4,7 +4,11 @@ A leader controller stamps every OCS batch and route command with its fencing to
 create revision of its etcd election key: every new leader's token is larger). A switch
 or an agent remembers the newest token it has seen and refuses an older one, so a deposed
 leader that resumes (after a freeze, a partition) changes nothing. Token 0 (absent) means
-"no HA": a single controller, always admitted, as before fencing existed.
+"no HA": a single controller, admitted as before fencing existed, but only until a
+non-zero token has been seen: from then on the cluster runs HA, and a command without a
+token (a controller started without --etcd, a tool, a forged request) is refused like an
+old one (issue 28). Leaving HA means restarting the switch or agent (the newest token
+lives in memory).
 """
 
 from __future__ import annotations
@@ -24,6 +28,12 @@ class FencingGate:
         ``FailedPrecondition`` naming it and the newest seen if it is older."""
         if token < 0:
             raise errors.field_error("fencing_token", token, "0 (no HA) or a leader's token > 0")
+        if token == 0 and self.newest:
+            raise errors.FailedPrecondition(
+                f"{self.what}: a command without a fencing token (0: no HA), but an HA leader "
+                f"has commanded this with token {self.newest}: only the current leader may "
+                "change it (restart it to leave HA); this command changed nothing"
+            )
         if token == 0:
             return
         if token < self.newest:

@@ -91,6 +91,22 @@ class GrpcAgentClient:
                 f"the address is another node's, or the node must register its own)"
             ) from None
 
+    async def identify(self) -> None:
+        """The agent at the address shows it is this node: its answer to a status call
+        meant for the node (with TLS the handshake also requires its certificate to name
+        the node); an OrlError naming what it is otherwise."""
+        status = await self._call(
+            "GetStatus",
+            self._stub.GetStatus(
+                pb.GetStatusRequest(), timeout=min(self.timeout_s, 5.0), metadata=self._to
+            ),
+        )
+        if status.node != self.node:
+            raise errors.FailedPrecondition(
+                f"{self._what('GetStatus')}: the agent there is node "
+                f"{errors.shown(status.node, 128)}"
+            )
+
     async def reshard(self, command_id: str, layout: Sequence[int]) -> pb.ReshardResponse:
         req = pb.ReshardRequest(command_id=command_id, tp_layout=list(layout))
         # a reshard moves weights: allow it the pause the planner predicts, and more

@@ -1,10 +1,13 @@
-"""An agent address is bound to the node it was registered for (issue 14).
+"""An agent address is bound to the node it was registered for (issues 14 and 28).
 
-A node certificate may register its own node name, but at another node's agent address;
-the controller must then not have that other agent run the node's commands. With mutual
-TLS the controller's (and a peer agent's) handshake requires the agent's certificate to
-name the node it means; with and without TLS each command names its node (``x-orl-node``)
-and an agent refuses a command meant for another node. Real servers, dev PKI.
+A node certificate may register its own node name, but at another node's agent address.
+The controller refuses an address that another node (up) holds, unless the agent there
+shows it is the registering node (so the first to claim an address cannot lock out its
+owner: the owner takes it back). Whatever the registry says, the controller must not
+have another node's agent run a node's commands: with mutual TLS the controller's (and a
+peer agent's) handshake requires the agent's certificate to name the node it means; with
+and without TLS each command names its node (``x-orl-node``) and an agent refuses a
+command meant for another node. Real servers, dev PKI.
 """
 
 from __future__ import annotations
@@ -91,6 +94,8 @@ async def controller_server(
     ocs_server, _ = await serve_ocs("127.0.0.1:0", switching_time_s=0.0, tls=me)
     driver = GrpcOcsDriver("ocs0", ocs_server.address, tls=me)
     controller = Controller(wiring, Store(tmp_path / "s.db"), {"ocs0": driver})
+    prover = AgentClients(me, timeout_s=5)  # as orl-fabric-controller wires it
+    controller.identify = lambda node, address: prover.get(node, address).identify()
     await controller.start()
     server = await grpcutil.start_server(
         "127.0.0.1:0",
@@ -104,6 +109,7 @@ async def controller_server(
         yield controller, server.address
     finally:
         await server.stop(0.1)
+        await prover.close()
         await driver.close()
         await ocs_server.stop(0.1)
         controller.store.close()
@@ -114,8 +120,20 @@ def pki(tmp_path: Path) -> dict[str, CertFiles]:
     return make_dev_pki(tmp_path / "pki", [CONTROLLER, A, B])
 
 
+async def register(address: str, node: str, at: str, cert: CertFiles | None) -> None:
+    async with grpcutil.channel(address, tls(cert)) as ch:
+        await fc_grpc.FabricControllerStub(ch).Register(
+            fc_pb.RegisterRequest(node=node, agent_address=at), timeout=5
+        )
+
+
+def record_of(controller: Controller, node: str) -> tuple[str, str]:
+    r = next(r for r, _, _ in controller.nodes() if r.name == node)
+    return r.agent_address, r.session_id
+
+
 @pytest.mark.parametrize("secure", [True, False], ids=["mtls", "plaintext"])
-async def test_a_node_registered_at_another_nodes_address_gets_no_command_run_there(
+async def test_a_node_may_not_register_an_address_another_node_holds(
     example_wiring: Wiring, tmp_path: Path, pki: dict[str, CertFiles], secure: bool
 ) -> None:
     me = tls(pki[CONTROLLER]) if secure else None
@@ -123,21 +141,48 @@ async def test_a_node_registered_at_another_nodes_address_gets_no_command_run_th
         agent(A, pki[A] if secure else None) as victim,
         controller_server(example_wiring, tmp_path, me) as (controller, address),
     ):
-        controller.register(A, victim.address, "sim", 8)  # the address's own node, first
-        async with grpcutil.channel(address, tls(pki[B]) if secure else None) as ch:
-            await fc_grpc.FabricControllerStub(ch).Register(
-                fc_pb.RegisterRequest(node=B, agent_address=victim.address), timeout=5
-            )
-        record = next(r for r, _, _ in controller.nodes() if r.name == B)
-        assert record.agent_address == victim.address  # not refused: A must not be locked out
-        registered = controller.events.recent(1)[-1]  # by whoever registers A's address first
-        assert registered.node == B and f"node(s) {A} (up) registered the same agent address" in (
+        await register(address, A, victim.address, pki[A] if secure else None)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await register(address, B, victim.address, pki[B] if secure else None)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"is registered by node(s) {A} (up)" in (refused.value.details() or "")
+        assert record_of(controller, B) == ("", "")  # nothing changed
+        assert record_of(controller, A)[0] == victim.address
+
+
+@pytest.mark.parametrize("secure", [True, False], ids=["mtls", "plaintext"])
+async def test_the_owner_takes_back_an_address_another_node_registered_first(
+    example_wiring: Wiring, tmp_path: Path, pki: dict[str, CertFiles], secure: bool
+) -> None:
+    me = tls(pki[CONTROLLER]) if secure else None
+    async with (
+        agent(A, pki[A] if secure else None) as victim,
+        controller_server(example_wiring, tmp_path, me) as (controller, address),
+    ):
+        await register(address, B, victim.address, pki[B] if secure else None)  # first
+        assert record_of(controller, B)[0] == victim.address
+        await register(address, A, victim.address, pki[A] if secure else None)  # the owner
+        assert record_of(controller, A)[0] == victim.address
+        assert record_of(controller, B) == ("", "")  # B lost the address and its session
+        registered = controller.events.recent(1)[-1]
+        assert registered.node == A and f"node(s) {B} had registered the same" in (
             registered.message
         )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:  # and cannot take it again
+            await register(address, B, victim.address, pki[B] if secure else None)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+@pytest.mark.parametrize("secure", [True, False], ids=["mtls", "plaintext"])
+async def test_a_command_for_a_node_at_another_nodes_address_is_not_run_there(
+    pki: dict[str, CertFiles], secure: bool
+) -> None:
+    me = tls(pki[CONTROLLER]) if secure else None
+    async with agent(A, pki[A] if secure else None) as victim:
         clients = AgentClients(me, timeout_s=5)
         try:
-            # what the compute loop does with a registered node: clients.get(node, address)
-            wrong = clients.get(B, record.agent_address)
+            # what the compute loop would do with B registered at A's address
+            wrong = clients.get(B, victim.address)
             if secure:  # the handshake: A's certificate does not name B
                 with pytest.raises(errors.Unavailable, match=f"does not name node .{B}."):
                     await wrong.reshard("c1", [8])
@@ -149,8 +194,11 @@ async def test_a_node_registered_at_another_nodes_address_gets_no_command_run_th
                 )
             with pytest.raises((errors.Unavailable, errors.FailedPrecondition)):
                 await wrong.export_requests("c2", ["r1"], 5.0)
+            with pytest.raises((errors.Unavailable, errors.FailedPrecondition)):
+                await wrong.identify()  # nor does it pass for B
             assert victim.engine.tp_layout == (2, 2, 2, 2)  # nothing was done
             # the node the address belongs to is reached as before
+            await clients.get(A, victim.address).identify()
             reply = await clients.get(A, victim.address).reshard("c3", [8])
             assert list(reply.new_layout) == [8]
         finally:

@@ -308,7 +308,7 @@ async def test_down_pods_are_left_out_of_the_plan(example_wiring: Wiring, tmp_pa
     try:
         async with AsyncClient(f.address, timeout_s=10) as c:
             for node in ("gen1-n0", "gen1-n1"):
-                f.controller.register(node, "127.0.0.1:1", "sim", 8)
+                f.controller.register(node, f"{node}:1", "sim", 8)
             await asyncio.sleep(0.4)  # no heartbeats: gen1 is down
             assert {n.node: n.health for n in await c.nodes()}["gen1-n0"] == "down"
             r = await c.set_phase("weight-sync")
@@ -484,7 +484,7 @@ async def test_plans_follow_pods_going_down_between_changes(
             assert len(first.circuits) == 16
             await c.set_phase("training")
             for node in ("gen1-n0", "gen1-n1"):
-                f.controller.register(node, "127.0.0.1:1", "sim", 8)
+                f.controller.register(node, f"{node}:1", "sim", 8)
             await asyncio.sleep(0.4)  # no heartbeats: gen1 is down
             second = await c.set_phase("weight-sync")
             pods = {tuple(sorted((x.pod_a, x.pod_b))) for x in second.circuits}

@@ -134,3 +134,25 @@ async def test_bad_settings_are_refused(etcd: Etcd) -> None:
         Election(etcd, "")
     with pytest.raises(errors.FailedPrecondition, match="before start"):
         await Election(etcd, "a:1").campaign()
+
+
+async def test_a_standby_sees_a_leader_that_stops_renewing_as_past_due(etcd: Etcd) -> None:
+    """Issue 28: the standby's view of the leader's lease (two etcd reads). A leader whose
+    keepalives stop (frozen, partitioned) is past due well before etcd ends its lease."""
+    async with Election(etcd, "a:1", ttl_s=TTL) as a, Election(etcd, "b:1", ttl_s=TTL) as b:
+        await a.campaign()
+        standing = await b.leader_standing()
+        assert standing is not None
+        assert (standing.address, standing.past_due, standing.granted_s) == ("a:1", False, TTL)
+        assert a._keepalive is not None
+        a._keepalive.cancel()  # a stops renewing, as a frozen process does
+        with contextlib.suppress(asyncio.CancelledError):
+            await a._keepalive
+        async with asyncio.timeout(TTL + MARGIN):
+            while True:
+                standing = await b.leader_standing()
+                if standing is None or standing.past_due:
+                    break
+                await asyncio.sleep(0.05)
+        # past due while the key still names a (or already gone: a slow machine)
+        assert standing is None or (standing.address, standing.past_due) == ("a:1", True)

@@ -1,6 +1,7 @@
 """Fencing tokens in the southbound: the simulated OCS and the node agent refuse a
 command stamped with a token older than the newest they have seen, over real gRPC;
-token 0 (no HA) is always admitted, as before fencing existed."""
+token 0 (no HA) is admitted as before fencing existed, until a leader's token has been
+seen: from then on it is refused too (issue 28)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ TIMEOUT = 5.0
 
 def test_the_gate_keeps_the_newest_token() -> None:
     gate = FencingGate("OCS x")
-    for token in (0, 4, 4, 0, 9):  # equal and newer admitted; 0 always
+    for token in (0, 0, 4, 4, 9):  # no HA until a token comes; equal and newer admitted
         gate.admit(token)
     assert gate.newest == 9
     with pytest.raises(errors.FailedPrecondition, match="OCS x: fencing token 4 is older than"):
@@ -45,6 +46,21 @@ def test_the_gate_keeps_the_newest_token() -> None:
     with pytest.raises(errors.InvalidArgument, match="fencing_token=-1"):
         gate.admit(-1)
     assert gate.newest == 9
+
+
+def test_token_0_is_refused_once_an_ha_leader_has_been_seen() -> None:
+    gate = FencingGate("OCS x")
+    gate.admit(0)  # a single controller: as before fencing
+    gate.admit(12)
+    with pytest.raises(errors.FailedPrecondition) as info:
+        gate.admit(0)
+    assert str(info.value) == (
+        "OCS x: a command without a fencing token (0: no HA), but an HA leader has "
+        "commanded this with token 12: only the current leader may change it (restart it "
+        "to leave HA); this command changed nothing"
+    )
+    assert gate.newest == 12
+    gate.admit(12)  # the leader itself goes on
 
 
 async def refused(call: object) -> str:
@@ -83,10 +99,20 @@ async def test_the_ocs_refuses_a_batch_of_a_deposed_leader(
     )
     await refused(batch(5, (1, 2), rid="old-1"))  # a replay of its own batch too
     assert ocs.cross_connects() == {(1, 2), (3, 4)}
-    await batch(0, (5, 6))  # no HA: admitted as before fencing
+    # no token after an HA leader's: refused (a controller without --etcd, a forged batch)
+    assert "a command without a fencing token (0: no HA)" in await refused(batch(0, (5, 6)))
     await batch(8, (7, 8))  # the same leader again
-    assert ocs.cross_connects() == {(1, 2), (3, 4), (5, 6), (7, 8)}
+    assert ocs.cross_connects() == {(1, 2), (3, 4), (7, 8)}
     assert ocs.fencing.newest == 8
+
+
+async def test_a_switch_that_never_saw_a_token_takes_commands_without_one(
+    switch: tuple[SimulatedOcs, OpticalSwitchAsyncStub],
+) -> None:
+    ocs, stub = switch
+    request = pb.ApplyCrossConnectsRequest(connect=[pb.CrossConnect(a=1, b=2)])
+    await stub.ApplyCrossConnects(request, timeout=TIMEOUT)  # one controller, no HA
+    assert ocs.cross_connects() == {(1, 2)} and ocs.fencing.newest == 0
 
 
 @pytest.fixture
@@ -131,6 +157,6 @@ async def test_the_agent_refuses_a_route_command_of_a_deposed_leader(
         "agent gen0-n0: ApplyRoutes: fencing token 3 is older than the newest seen, 7: "
         "a newer controller leads, this command changed nothing"
     )
-    assert not_enabled in await refused(command("c3", 0))  # no HA: admitted
+    assert "without a fencing token" in await refused(command("c3", 0))  # HA seen: refused
     assert not_enabled in await refused(command("c4", 7))  # the same leader again
     assert "older than the newest seen, 7" in await refused(command("c1", 6))

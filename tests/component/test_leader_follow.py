@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from structlog.testing import capture_logs
 
 from fabric_controller import cli
@@ -138,6 +142,142 @@ async def test_the_client_tries_the_next_address_when_one_refuses(fabric: Fabric
     [hop] = [e for e in logs if e["event"] == "controller_try_next"]
     assert (hop["failed"], hop["next"]) == (dead, fabric.address)
     assert "UNAVAILABLE" in hop["reason"]
+
+
+class Frozen:
+    """A controller whose host is frozen (SIGSTOP) or stuck: its kernel completes TCP
+    handshakes (the listen backlog) but nothing ever answers, not even HTTP/2's."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def frozen() -> Iterator[Frozen]:
+    f = Frozen()
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+ATTEMPT_S = 1.0  # the per-attempt deadline the tests configure
+# how long a frozen controller may hold a call, at most, on a loaded 2-core machine: a
+# generous multiple of the attempt deadline, and well under gRPC's 20 s connect timeout,
+# which is what held every call before (issue 28)
+HELD_AT_MOST_S = 10 * ATTEMPT_S
+
+
+async def test_a_frozen_leader_holds_a_call_no_longer_than_the_attempt_deadline(
+    fabric: Fabric, frozen: Frozen
+) -> None:
+    with capture_logs() as logs:
+        async with AsyncClient(
+            [frozen.address, fabric.address], timeout_s=60, attempt_timeout_s=ATTEMPT_S
+        ) as c:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            change = await c.set_phase("training", request_id="frozen-1")
+            took = loop.time() - t0
+            assert c.address == fabric.address  # later calls go straight there
+    assert change.changed and change.epoch == 1
+    assert took < HELD_AT_MOST_S
+    hedged = [e for e in logs if e["event"] in ("controller_hedge", "controller_try_next")]
+    assert hedged and hedged[0]["next"] == fabric.address
+    # the frozen one was silent (hedge) or gave no connection within the deadline
+    assert hedged[0]["silent"] == frozen.address or "no connection within" in str(
+        hedged[0]["reason"]
+    )
+
+
+SERVE_AND_PRINT = """
+import asyncio
+from orchestrrl import grpcutil, leader
+
+async def main():
+    server = await grpcutil.start_server("127.0.0.1:0", lambda s: None, [],
+                                         options=leader.SERVER_OPTIONS)
+    print(server.address, flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+async def test_a_connection_to_a_process_that_freezes_is_closed_by_its_silence() -> None:
+    """A call on an established connection to a process that is then SIGSTOPped fails
+    UNAVAILABLE once a ping goes unanswered (leader.channel), not at its deadline."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", SERVE_AND_PRINT, stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None
+        address = (await asyncio.wait_for(proc.stdout.readline(), GUARD_S)).decode().strip()
+        async with leader.channel(address, None) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=GUARD_S)  # connected
+            proc.send_signal(signal.SIGSTOP)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Check(health_pb2.HealthCheckRequest(), timeout=60)
+            took = loop.time() - t0
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert took < HELD_AT_MOST_S  # keepalive + ping timeout: about 2 s, not 60
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        await proc.wait()
+
+
+async def test_a_leader_that_takes_a_call_but_never_answers_is_hedged(
+    fabric: Fabric, servers: list[grpcutil.RunningServer]
+) -> None:
+    """A stuck process whose gRPC threads still answer pings: only the hedge helps; the
+    silent attempt is cancelled once another controller answered."""
+    cancelled = asyncio.Event()
+
+    async def hang(context: Any) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    stuck = Scripted(hang)  # type: ignore[abstract]
+    servers.append(await serve(stuck))
+    async with AsyncClient(
+        [servers[0].address, fabric.address], timeout_s=60, attempt_timeout_s=ATTEMPT_S
+    ) as c:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        state = await c.get_phase()
+        took = loop.time() - t0
+    assert state.epoch == 0 and took < HELD_AT_MOST_S
+    assert methods(stuck) == ["GetPhase"]
+    async with asyncio.timeout(GUARD_S):
+        await cancelled.wait()  # the hung attempt was cancelled, not left running
+
+
+async def test_hedged_set_phase_attempts_are_one_request(
+    fabric: Fabric, servers: list[grpcutil.RunningServer]
+) -> None:
+    """Without a request id of the caller's, every attempt of one set_phase carries the
+    same made-up id: a retried or hedged attempt is never a second change."""
+    ghost = standby(None)  # a standby that knows no leader: the call goes on to the leader
+    servers.append(await serve(ghost))
+    async with AsyncClient([servers[0].address, fabric.address], timeout_s=20) as c:
+        first = await c.set_phase("training")
+        again = await c.set_phase("training")
+    [(_, request)] = ghost.calls
+    assert request.request_id.startswith("auto-") and len(request.request_id) > 20
+    assert first.changed and not again.changed  # another call: another id, nothing to do
 
 
 async def test_the_client_gives_up_after_its_deadline_naming_every_answer(
@@ -358,6 +498,42 @@ async def test_the_agent_registers_with_the_leader_a_standby_names(
     assert timestamps(the_leader.fake) == [1.0, 2.0, 3.0]
     [hop] = [e for e in logs if e["event"] == "controller_redirect"]
     assert (hop["standby"], hop["leader"]) == (servers[1].address, the_leader.address)
+
+
+async def test_the_agent_registers_past_a_frozen_controller(
+    servers: list[grpcutil.RunningServer], frozen: Frozen
+) -> None:
+    """The first listed controller is frozen: the registration goes to the others once
+    the attempt deadline passes, not after gRPC's 20 s connect timeout."""
+    the_leader = await start_fake_controller()
+    servers.append(the_leader.server)
+    collector, metrics = Collector(), AgentMetrics()
+    uplink = Uplink(
+        collector,  # type: ignore[arg-type]
+        "127.0.0.1:1",
+        [frozen.address, the_leader.address],
+        0.05,
+        settings=UplinkSettings(
+            rpc_timeout_s=30.0, attempt_timeout_s=ATTEMPT_S, connect_timeout_s=30.0,
+            backoff_initial_s=0.02, backoff_max_s=0.1,
+        ),
+        metrics=metrics,
+        flush_interval_s=0.0,
+    )  # fmt: skip
+    with capture_logs() as logs:
+        task = asyncio.create_task(uplink.run())
+        try:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            await eventually(lambda: uplink.session is not None, "registers")
+            took = loop.time() - t0
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    assert uplink.session is not None and uplink.session.controller == the_leader.address
+    assert took < HELD_AT_MOST_S  # (its own deadlines, 30 s, never came into play)
+    [hedge] = [e for e in logs if e["event"] == "controller_hedge"]
+    assert (hedge["silent"], hedge["next"]) == (frozen.address, the_leader.address)
 
 
 async def test_the_agent_moves_to_the_next_controller_when_its_own_dies_losing_nothing(

@@ -71,13 +71,39 @@ def test_register_and_heartbeat_tell_liveness_which_node_spoke(example_wiring: W
     assert {r.name: (h, age) for r, h, age in agents.nodes()}["gen0-n0"] == (Health.DOWN, 4.0)
 
 
-def test_a_second_node_at_the_same_address_is_accepted_with_a_note(
-    example_wiring: Wiring,
-) -> None:
-    agents, events, _, _, _ = build(example_wiring)
-    agents.register("gen0-n0", "10.0.0.1:50051", "sim", 8)
+def test_a_second_live_claimant_of_an_agent_address_is_refused(example_wiring: Wiring) -> None:
+    agents, events, _, mono, _ = build(example_wiring)
+    first = agents.register("gen0-n0", "10.0.0.1:50051", "sim", 8)
+    with pytest.raises(errors.FailedPrecondition) as info:
+        agents.register("gen0-n1", "10.0.0.1:50051", "sim", 8)
+    assert str(info.value) == (
+        "agent_address '10.0.0.1:50051' is registered by node(s) gen0-n0 (up); node "
+        "'gen0-n1' may take it only when the agent there is node 'gen0-n1': register this "
+        "node's own agent address"
+    )
+    records = {r.name: r for r, _, _ in agents.nodes()}
+    assert records["gen0-n1"].session_id == "" and records["gen0-n0"] == first  # unchanged
+    assert len(events.recent(10)) == 1  # only gen0-n0's registration
+    agents.register("gen0-n0", "10.0.0.1:50051", "sim", 8)  # its own agent again: fine
+    mono.t += 10.0  # gen0-n0 is down: its claim lapses with it
     agents.register("gen0-n1", "10.0.0.1:50051", "sim", 8)
-    assert "node(s) gen0-n0 (up) registered the same agent address" in events.recent(1)[0].message
+
+
+def test_a_proven_owner_takes_its_address_back(example_wiring: Wiring) -> None:
+    """The first to register an address cannot lock out the agent it belongs to."""
+    agents, events, _, _, _ = build(example_wiring)
+    squatter = agents.register("gen0-n1", "10.0.0.1:50051", "sim", 8)
+    agents.register(
+        "gen0-n0", "10.0.0.1:50051", "sim", 8, proven="the agent there showed it is gen0-n0"
+    )
+    records = {r.name: r for r, _, _ in agents.nodes()}
+    assert records["gen0-n0"].agent_address == "10.0.0.1:50051"
+    assert (records["gen0-n1"].agent_address, records["gen0-n1"].session_id) == ("", "")
+    with pytest.raises(errors.FailedPrecondition, match="not current"):
+        agents.heartbeat("gen0-n1", squatter.session_id)  # it must register again
+    assert "node(s) gen0-n1 had registered the same agent address and lost it" in (
+        events.recent(1)[0].message
+    )
 
 
 def test_telemetry_is_stored_counted_and_its_lag_observed(example_wiring: Wiring) -> None:

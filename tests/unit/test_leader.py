@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from fabric_controller.election import past_due
 from orchestrrl import errors, leader
 
 pytestmark = pytest.mark.unit
@@ -166,3 +167,32 @@ async def test_abort_not_leader_sets_the_trailer_then_aborts(leader_address: str
         leader.not_leader_message(leader_address),
         expected,
     )
+
+
+def test_a_standby_names_no_leader_whose_lease_is_past_due() -> None:
+    assert leader.not_leader_message(None, overdue="10.0.0.2:50051") == (
+        "not the leader; the leader at 10.0.0.2:50051 is past due renewing its lease (frozen "
+        "or partitioned?): a standby takes over when the lease ends"
+    )
+    # (a leader named wins: the message names it as the leader)
+    assert leader.not_leader_message("10.0.0.3:1", overdue="x:1").endswith("is at 10.0.0.3:1")
+
+
+@pytest.mark.parametrize(
+    ("remaining", "granted", "due"),
+    [
+        (1, 2, False),  # a 2 s lease renewed within the last second (etcd rounds down)
+        (0, 2, True),  # not renewed for a second: two thirds of its renewals missed
+        (-1, 2, True),  # gone
+        (2, 3, False),
+        (1, 3, False),  # 1-2 s since its renewal (every 1 s): maybe one late
+        (0, 3, True),
+        (7, 10, False),
+        (3, 10, True),
+        (5, 0, True),  # no TTL granted: not a live lease
+    ],
+)
+def test_a_lease_is_past_due_below_a_third_of_its_ttl(
+    remaining: int, granted: int, due: bool
+) -> None:
+    assert past_due(remaining, granted) is due
