@@ -84,7 +84,8 @@ bench: $(STAMP) engines
 	$(PY) bench/gateway.py --json bench/results/gateway.json
 	$(PY) bench/grpo_toy.py --json bench/results/grpo_toy.json
 	@if [ -n "$$ORL_ETCD" ] || command -v etcd >/dev/null; then \
-		$(PY) bench/failover.py --json bench/results/failover.json; \
+		kinds=crash,idle,freeze; [ "$$(id -u)" -eq 0 ] && kinds=$$kinds,partition; \
+		$(PY) bench/failover.py --kinds $$kinds --json bench/results/failover.json; \
 	else echo "bench/failover.py skipped: etcd is not installed (make deps as root, or set ORL_ETCD)"; fi
 	@if [ "$$(id -u)" -eq 0 ]; then $(PY) bench/routes.py --json bench/results/routes.json; \
 	else echo "bench/routes.py skipped: programming routes into namespaces needs root"; fi

@@ -598,8 +598,13 @@ class _Route:
                     raise self._give_up(a for a, _ in inflight.values())
                 busy = {a for a, _ in inflight.values()}
                 # an attempt that may still answer in time holds back the retries (not
-                # the first asking of an address: a hedge, a leader just named)
-                talking = [t + attempt_s for _, t in inflight.values() if now < t + attempt_s]
+                # the first asking of an address: a hedge, a leader just named); one to an
+                # address that failed before in this call is a probe and holds back nothing
+                talking = [
+                    t + attempt_s
+                    for a, t in inflight.values()
+                    if now < t + attempt_s and a not in self._failed
+                ]
                 ready = [
                     a
                     for a in self._candidates
