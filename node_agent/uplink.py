@@ -44,6 +44,14 @@ cannot be reached, or a standby that knows no leader, sends the next registratio
 next address of the list, after the usual backoff. Samples stay buffered across all of
 it (a sample leaves the buffer only once written to a stream), so a failover loses no
 more than an outage of the same length.
+
+A controller that hangs (frozen, partitioned: issue 28) holds the agent about a second
+or two, not 20 s: a registration goes to the list's current address first and, when that
+fails or has not answered within ``attempt_timeout_s``, to every other address at once
+(the first that accepts wins); an attempt gets ``connect_timeout_s`` to connect; and every
+connection to a controller is a :func:`orchestrrl.leader.channel`, whose HTTP/2 pings
+close it when the controller stops answering, so an open telemetry stream to a frozen
+leader breaks and the agent registers with the new one.
 """
 
 from __future__ import annotations
