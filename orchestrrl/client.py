@@ -539,7 +539,8 @@ class _Route:
         # the list, the leader found by an earlier call, and the leaders named on the way
         self._candidates = list(dict.fromkeys([client.address, *client.addresses]))
         self._hops = 0  # redirects followed (watch), or new leaders named (unary calls)
-        self._failed: set[str] = set()  # addresses that failed (since the last backoff)
+        # addresses that failed in this call (watch: since the last backoff)
+        self._failed: set[str] = set()
         self._failures: dict[str, int] = {}  # per address, for its backoff
         self._rounds = 0
         self._answers: dict[str, str] = {}  # each address's last answer, for the error
@@ -562,9 +563,9 @@ class _Route:
 
     def _backoff(self, failures: int | None = None) -> float:
         c = self._client
-        if failures is None:
-            failures = self._rounds
+        if failures is None:  # (watch) the rounds through the list
             self._rounds += 1
+            failures = self._rounds
         ceiling = min(c._backoff_max_s, c._backoff_initial_s * 2.0 ** max(0, failures - 1))
         return c._rng.uniform(ceiling / 2.0, ceiling)
 
@@ -729,9 +730,14 @@ class Client:
         address: str | Sequence[str] | None = None,
         timeout_s: float = 30.0,
         tls: TlsConfig | None = None,
+        *,
+        attempt_timeout_s: float = ATTEMPT_TIMEOUT_S,
+        connect_timeout_s: float = leader.CONNECT_TIMEOUT_S,
     ) -> None:
         self._runner = asyncio.Runner()
-        self._async = self._runner.run(_make(address, timeout_s, tls))
+        self._async = self._runner.run(
+            _make(address, timeout_s, tls, attempt_timeout_s, connect_timeout_s)
+        )
         self.addresses = self._async.addresses
 
     @property
@@ -822,9 +828,19 @@ class Client:
 
 
 async def _make(
-    address: str | Sequence[str] | None, timeout_s: float, tls: TlsConfig | None
+    address: str | Sequence[str] | None,
+    timeout_s: float,
+    tls: TlsConfig | None,
+    attempt_timeout_s: float,
+    connect_timeout_s: float,
 ) -> AsyncClient:
-    return AsyncClient(address, timeout_s, tls)
+    return AsyncClient(
+        address,
+        timeout_s,
+        tls,
+        attempt_timeout_s=attempt_timeout_s,
+        connect_timeout_s=connect_timeout_s,
+    )
 
 
 __all__ = [
