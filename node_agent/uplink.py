@@ -50,8 +50,8 @@ or two, not 20 s: a registration goes to the list's current address first and, w
 fails or has not answered within ``attempt_timeout_s``, to every other address at once
 (the first that accepts wins); an attempt gets ``connect_timeout_s`` to connect; and every
 connection to a controller is a :func:`orchestrrl.leader.channel`, whose HTTP/2 pings
-close it when the controller stops answering, so an open telemetry stream to a frozen
-leader breaks and the agent registers with the new one.
+(after ``keepalive_s`` of silence) close it when the controller stops answering, so an
+open telemetry stream to a frozen leader breaks and the agent registers with the new one.
 """
 
 from __future__ import annotations
@@ -107,6 +107,10 @@ class UplinkSettings:
     rpc_timeout_s: float = 2.0
     connect_timeout_s: float = leader.CONNECT_TIMEOUT_S
     attempt_timeout_s: float = 1.0
+    # the telemetry stream to a frozen leader breaks within this plus leader.PING_TIMEOUT_S;
+    # the stream is always open, so it pings at this rate: 1 s doubled the agent's wake-ups
+    # (bench/agent_overhead.py: 30 -> 59 a second, +0.1 % of a core), 3 s costs a third
+    keepalive_s: float = 3.0
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 10.0
     min_heartbeat_interval_s: float = 0.05
@@ -408,7 +412,7 @@ class Uplink:
         failed: list[BaseException] = []
 
         def launch(address: str) -> None:
-            ch = leader.channel(address, self._tls)
+            ch = leader.channel(address, self._tls, keepalive_s=s.keepalive_s)
             stub = fabric_controller_pb2_grpc.FabricControllerStub(ch)
             coro = leader.attempt(
                 ch,

@@ -54,9 +54,10 @@ T = TypeVar("T")
 # Liveness of a connection to a controller, well under the 2 s default lease
 CONNECT_TIMEOUT_S = 1.0  # TCP, TLS and the HTTP/2 handshake of an attempt, with others to try
 KEEPALIVE_S = 1.0  # a ping after this much silence on a connection with a call in flight
+MIN_KEEPALIVE_S = 0.5  # what controllers accept (SERVER_OPTIONS)
 PING_TIMEOUT_S = 1.0  # no answer to a ping within this: the connection is dead
 CLIENT_OPTIONS: list[tuple[str, Any]] = [
-    ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+    ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),  # (see channel's keepalive_s)
     ("grpc.keepalive_timeout_ms", int(PING_TIMEOUT_S * 1000)),
     # every ping, not only keepalives: a bandwidth probe unanswered would block them
     ("grpc.http2.ping_timeout_ms", int(PING_TIMEOUT_S * 1000)),
@@ -64,9 +65,9 @@ CLIENT_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.http2.max_pings_without_data", 0),  # a long phase change sends no data: ping on
     ("grpc.http2.bdp_probe", 0),  # small messages; and no extra pings to police
 ]
-# What a controller's server must accept for those pings: a ping every half KEEPALIVE_S
+# What a controller's server must accept for those pings
 SERVER_OPTIONS: list[tuple[str, Any]] = [
-    ("grpc.http2.min_ping_interval_without_data_ms", int(KEEPALIVE_S * 500)),
+    ("grpc.http2.min_ping_interval_without_data_ms", int(MIN_KEEPALIVE_S * 1000)),
 ]
 
 
@@ -160,10 +161,21 @@ async def call(what: str, coro: Awaitable[T]) -> T:
     return await grpcutil.call(what, _classified(what, coro))
 
 
-def channel(address: str, tls: TlsConfig | None) -> grpc.aio.Channel:
+def channel(
+    address: str, tls: TlsConfig | None, *, keepalive_s: float = KEEPALIVE_S
+) -> grpc.aio.Channel:
     """A channel to a controller: :func:`orchestrrl.grpcutil.channel` whose connection is
-    declared dead when it stops answering pings (see the module docstring)."""
-    return grpcutil.channel(address, tls, options=CLIENT_OPTIONS)
+    declared dead when it stops answering pings (see the module docstring).
+
+    ``keepalive_s``: the silence before a ping. A call that stays open (an agent's
+    telemetry stream, which the controller never answers until it ends) pings at this
+    rate for as long as it lives, and each ping wakes the process's gRPC threads a few
+    times: the agent uses a longer one (``node_agent.uplink.UplinkSettings``)."""
+    options = [
+        *(o for o in CLIENT_OPTIONS if o[0] != "grpc.keepalive_time_ms"),
+        ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+    ]
+    return grpcutil.channel(address, tls, options=options)
 
 
 async def _ready(ch: grpc.aio.Channel) -> None:
