@@ -8,12 +8,35 @@ leader that resumes (after a freeze, a partition) changes nothing. Token 0 (abse
 non-zero token has been seen: from then on the cluster runs HA, and a command without a
 token (a controller started without --etcd, a tool, a forged request) is refused like an
 old one (issue 28). Leaving HA means restarting the switch or agent (the newest token
-lives in memory).
+lives in its memory; a NETCONF switch keeps it in its datastore, ``/controller/
+fencing-token``, which must be cleared).
 """
 
 from __future__ import annotations
 
 from orchestrrl import errors
+
+
+def admit(newest: int, token: int, what: str) -> int:
+    """The newest token once a command stamped with ``token`` is admitted by ``what`` (a
+    switch, an agent's route table) that had seen ``newest``; ``FailedPrecondition``
+    naming both when the command must change nothing: ``token`` older than ``newest``,
+    or 0 (no HA) once a leader's token has been seen. The one rule, for every switch and
+    agent (:class:`FencingGate` in memory; a NETCONF switch's datastore)."""
+    if token < 0:
+        raise errors.field_error("fencing_token", token, "0 (no HA) or a leader's token > 0")
+    if token == 0 and newest:
+        raise errors.FailedPrecondition(
+            f"{what}: a command without a fencing token (0: no HA), but an HA leader has "
+            f"commanded this with token {newest}: only the current leader may change it "
+            "(restart it to leave HA); this command changed nothing"
+        )
+    if token < newest:
+        raise errors.FailedPrecondition(
+            f"{what}: fencing token {token} is older than the newest seen, {newest}: a "
+            "newer controller leads, this command changed nothing"
+        )
+    return max(newest, token)
 
 
 class FencingGate:
@@ -25,20 +48,5 @@ class FencingGate:
 
     def admit(self, token: int) -> None:
         """Admit a command stamped with ``token`` (remembering it if newer), or raise
-        ``FailedPrecondition`` naming it and the newest seen if it is older."""
-        if token < 0:
-            raise errors.field_error("fencing_token", token, "0 (no HA) or a leader's token > 0")
-        if token == 0 and self.newest:
-            raise errors.FailedPrecondition(
-                f"{self.what}: a command without a fencing token (0: no HA), but an HA leader "
-                f"has commanded this with token {self.newest}: only the current leader may "
-                "change it (restart it to leave HA); this command changed nothing"
-            )
-        if token == 0:
-            return
-        if token < self.newest:
-            raise errors.FailedPrecondition(
-                f"{self.what}: fencing token {token} is older than the newest seen, "
-                f"{self.newest}: a newer controller leads, this command changed nothing"
-            )
-        self.newest = token
+        ``FailedPrecondition`` (see :func:`admit`)."""
+        self.newest = admit(self.newest, token, self.what)

@@ -80,7 +80,7 @@ from typing import Any, TypeVar
 
 from fabric_controller.drivers import netconf_xml as nx
 from fabric_controller.drivers.ocs import OcsInfo, PortPair
-from orchestrrl import errors
+from orchestrrl import errors, fencing
 from orchestrrl.logs import get_logger
 from orchestrrl.model import NetconfSettings
 
@@ -534,14 +534,7 @@ class NetconfOcsDriver:
             if before.last_batch == batch_id and nx.batch_landed(before, disconnect, connect):
                 done = True  # a repeat of the last batch (its answer was lost): in already
                 return before.table()
-            if fencing_token and fencing_token < before.fencing_token:
-                raise errors.FailedPrecondition(
-                    self._what(
-                        f"fencing token {fencing_token} is older than the newest seen, "
-                        f"{before.fencing_token}: a newer controller leads, this batch "
-                        "changed nothing"
-                    )
-                )
+            fencing.admit(before.fencing_token, fencing_token, self._what("edit-config"))
             problems = nx.batch_problems(before, disconnect, connect)
             if problems:
                 raise errors.InvalidArgument(

@@ -142,7 +142,9 @@ async def test_the_fencing_token_rides_in_the_commit_and_an_older_one_changes_no
         await drv.apply([(1, 2)], [], fencing_token=6)
     assert observer.circuits() == {(1, 2)}
     await drv.apply([], [(3, 4)], fencing_token=7)  # the same leader again
-    await drv.apply([], [(5, 6)])  # 0: no HA, admitted, the token stays
+    with pytest.raises(errors.FailedPrecondition, match="without a fencing token"):
+        await drv.apply([], [(5, 6)])  # 0 (no HA) after a leader's token: refused (issue 28)
+    assert observer.circuits() == {(1, 2), (3, 4)}
     assert observer.controller()["fencing-token"] == "7"
     with pytest.raises(errors.InvalidArgument, match="fencing_token=-1"):
         await drv.apply([], [(7, 8)], fencing_token=-1)
