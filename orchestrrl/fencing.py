@@ -17,28 +17,6 @@ from __future__ import annotations
 from orchestrrl import errors
 
 
-def admit(newest: int, token: int, what: str) -> int:
-    """The newest token once a command stamped with ``token`` is admitted by ``what`` (a
-    switch, an agent's route table) that had seen ``newest``; ``FailedPrecondition``
-    naming both when the command must change nothing: ``token`` older than ``newest``,
-    or 0 (no HA) once a leader's token has been seen. The one rule, for every switch and
-    agent (:class:`FencingGate` in memory; a NETCONF switch's datastore)."""
-    if token < 0:
-        raise errors.field_error("fencing_token", token, "0 (no HA) or a leader's token > 0")
-    if token == 0 and newest:
-        raise errors.FailedPrecondition(
-            f"{what}: a command without a fencing token (0: no HA), but an HA leader has "
-            f"commanded this with token {newest}: only the current leader may change it "
-            "(restart it to leave HA); this command changed nothing"
-        )
-    if token < newest:
-        raise errors.FailedPrecondition(
-            f"{what}: fencing token {token} is older than the newest seen, {newest}: a "
-            "newer controller leads, this command changed nothing"
-        )
-    return max(newest, token)
-
-
 class FencingGate:
     """The newest fencing token ``what`` (a switch, an agent's route table) has seen."""
 
@@ -48,5 +26,20 @@ class FencingGate:
 
     def admit(self, token: int) -> None:
         """Admit a command stamped with ``token`` (remembering it if newer), or raise
-        ``FailedPrecondition`` (see :func:`admit`)."""
-        self.newest = admit(self.newest, token, self.what)
+        ``FailedPrecondition`` naming it and the newest seen if it is older."""
+        if token < 0:
+            raise errors.field_error("fencing_token", token, "0 (no HA) or a leader's token > 0")
+        if token == 0 and self.newest:  # HA seen: no token is no leader's (issue 28)
+            raise errors.FailedPrecondition(
+                f"{self.what}: a command without a fencing token (0: no HA), but an HA leader "
+                f"has commanded this with token {self.newest}: only the current leader may "
+                "change it (restart it to leave HA); this command changed nothing"
+            )
+        if token == 0:
+            return
+        if token < self.newest:
+            raise errors.FailedPrecondition(
+                f"{self.what}: fencing token {token} is older than the newest seen, "
+                f"{self.newest}: a newer controller leads, this command changed nothing"
+            )
+        self.newest = token

@@ -80,7 +80,8 @@ from typing import Any, TypeVar
 
 from fabric_controller.drivers import netconf_xml as nx
 from fabric_controller.drivers.ocs import OcsInfo, PortPair
-from orchestrrl import errors, fencing
+from orchestrrl import errors
+from orchestrrl.fencing import FencingGate
 from orchestrrl.logs import get_logger
 from orchestrrl.model import NetconfSettings
 
@@ -534,7 +535,9 @@ class NetconfOcsDriver:
             if before.last_batch == batch_id and nx.batch_landed(before, disconnect, connect):
                 done = True  # a repeat of the last batch (its answer was lost): in already
                 return before.table()
-            fencing.admit(before.fencing_token, fencing_token, self._what("edit-config"))
+            gate = FencingGate(self._what("edit-config"))  # the one rule, on the stored token
+            gate.newest = before.fencing_token
+            gate.admit(fencing_token)
             problems = nx.batch_problems(before, disconnect, connect)
             if problems:
                 raise errors.InvalidArgument(
