@@ -45,6 +45,7 @@ from node_agent.engines.base import (
     FinishReason,
     Placement,
     Sampling,
+    Submission,
 )
 from node_agent.gateway.core import (
     ORPHAN_GRACE_S,
@@ -371,6 +372,39 @@ class GatewayEngine:
             yield FollowChunk((), self.core.weight_version, req.finish or "length")
         finally:
             self.core.follower_detached(request_id, self._clock())
+
+    def in_flight(self) -> list[str]:
+        """The ids of the requests this gateway holds that have not ended."""
+        return [r.id for r in self.core.requests.values() if not r.done]
+
+    @property
+    def tokens_generated(self) -> int:
+        """Output tokens generated here since the gateway started (a counter)."""
+        return self.core.figures.tokens_total
+
+    async def probe(self, timeout_s: float) -> tuple[str, ...]:
+        """Generate one token after a one-token prompt on every instance, directly on its
+        server (not a request: no seat, no telemetry), as SGLang's ``/health_generate``
+        does; per instance, "" when it answered, else why not."""
+
+        async def one(inst: Instance) -> str:
+            server = self._servers.get(inst.key)
+            if not inst.up or server is None:
+                return f"instance {inst.index}: {inst.health}"
+            sub = Submission(f"health-{uuid.uuid4().hex}", (0,), 1, Sampling(temperature=0.0))
+            try:
+                async with asyncio.timeout(timeout_s):
+                    async with contextlib.aclosing(server.generate(sub)) as stream:
+                        async for chunk in stream:
+                            if chunk.token_ids or chunk.finish:
+                                return ""
+                return f"instance {inst.index}: the stream ended without a token"
+            except TimeoutError:
+                return f"instance {inst.index}: no token within {timeout_s:g} s"
+            except EngineFailed as exc:
+                return f"instance {inst.index}: {exc}"
+
+        return tuple(await asyncio.gather(*(one(i) for i in list(self.core.instances))))
 
     def source_of(self, request_id: str) -> str | None:
         """The node that exported ``request_id`` here ('' when a client of this gateway

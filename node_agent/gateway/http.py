@@ -17,6 +17,8 @@ one sample group (ids ``<id>-0`` ... ``<id>-<n-1>``, a given seed ``s`` becomes 
   load new weights into every engine instance (see ``GatewayEngine.update_weights``)
 - ``POST /orl/v1/weight_version`` ``{"version": "..."}``: relabel the weights served now
   (when they were changed outside the gateway)
+- SGLang's native protocol (``POST /generate``, ``/abort_request``,
+  ``/update_weights_from_disk``, ...): see :mod:`node_agent.gateway.sglang_api`
 
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with 400
 (bad request, naming the field, the value and what is allowed), 401 (API key), 404,
@@ -309,6 +311,10 @@ class GatewayServer:
         app.router.add_get("/orl/v1/requests/{request_id}", self._request)
         app.router.add_post("/orl/v1/weight_version", self._weight_version)
         app.router.add_post("/orl/v1/update_weights", self._update_weights)
+        # SGLang's native protocol (/generate, ...) on the same app; that module imports this one
+        from node_agent.gateway.sglang_routes import SglangRoutes
+
+        SglangRoutes(self).add_to(app)
         self.app = app
 
     async def start(self, listen: str) -> str:
