@@ -22,6 +22,9 @@ MAX_NAME_CHARS = 253  # node names (a DNS name's limit)
 MAX_ID_CHARS = 128  # request_id, command_id, session_id: a UUID or a step label fits
 MAX_ADDRESS_CHARS = 261  # HOST:PORT: a DNS name, a colon and a port
 MAX_TEXT_CHARS = 1024  # free text (FailNextApply's message)
+MAX_VERSION_CHARS = 64  # a checkpoint's version (orchestrrl.checkpoint.VERSION_PATTERN)
+MAX_CHECKSUM_CHARS = 64  # a checkpoint's checksum: SHA-256 in hex
+MAX_FILE_CHARS = 64  # a checkpoint's file name (config.json, model.safetensors, ...)
 
 # Repeated fields, in entries
 MAX_TELEMETRY_BATCH_SAMPLES = 1024  # per TelemetryBatch (an agent sends at most 100)
@@ -85,7 +88,13 @@ REQUEST_CAPS: dict[str, tuple[Cap, ...]] = {
         ),
         "TelemetrySample": (Cap("node", MAX_NAME_CHARS, NAME),),  # ReportTelemetry
         "TelemetryBatch": (Cap("samples", MAX_TELEMETRY_BATCH_SAMPLES, "samples"),),
-        "SetPhaseRequest": (Cap("request_id", MAX_ID_CHARS, "an id"),),
+        "SetPhaseRequest": (
+            Cap("request_id", MAX_ID_CHARS, "an id"),
+            Cap("checkpoint.version", MAX_VERSION_CHARS, "a checkpoint version"),
+            Cap("checkpoint.source_node", MAX_NAME_CHARS, NAME),
+            Cap("checkpoint.checksum", MAX_CHECKSUM_CHARS, "a SHA-256 in hex"),
+            Cap("checkpoint.in_flight", MAX_ID_CHARS, '"finish" or "resume"'),
+        ),
         # NodeAgent
         "ReshardRequest": _command(Cap("tp_layout", MAX_TP_LAYOUT, "instances")),
         "ApplyRoutesRequest": _command(
@@ -109,6 +118,23 @@ REQUEST_CAPS: dict[str, tuple[Cap, ...]] = {
             Cap("destination_address", MAX_ADDRESS_CHARS, "HOST:PORT"),
         ),
         "FollowRequestRequest": (Cap("request_id", MAX_ID_CHARS, "an id"),),
+        "UpdateWeightsRequest": _command(
+            Cap("version", MAX_VERSION_CHARS, "a checkpoint version"),
+            Cap("checksum", MAX_CHECKSUM_CHARS, "a SHA-256 in hex"),
+            Cap("source_node", MAX_NAME_CHARS, NAME),
+            Cap("source_address", MAX_ADDRESS_CHARS, "HOST:PORT"),
+            Cap("in_flight", MAX_ID_CHARS, '"finish" or "resume"'),
+        ),
+        # CheckpointStore
+        "GetCheckpointRequest": (
+            Cap("version", MAX_VERSION_CHARS, "a checkpoint version"),
+            Cap("checksum", MAX_CHECKSUM_CHARS, "a SHA-256 in hex"),
+        ),
+        "ReadCheckpointRequest": (
+            Cap("version", MAX_VERSION_CHARS, "a checkpoint version"),
+            Cap("checksum", MAX_CHECKSUM_CHARS, "a SHA-256 in hex"),
+            Cap("file", MAX_FILE_CHARS, "a file of the checkpoint"),
+        ),
         # OpticalSwitch (the pairs of a batch: at most port_count // 2 per list, checked
         # by the switch) and OcsFaultInjection
         "ApplyCrossConnectsRequest": (Cap("request_id", MAX_ID_CHARS, "an id"),),

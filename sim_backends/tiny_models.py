@@ -73,19 +73,11 @@ def _tensors(shape: TinyShape, seed: int, std: float) -> dict[str, np.ndarray]:
     return out
 
 
-def write_hf_llama(
-    out: Path, shape: TinyShape | None = None, *, seed: int = 0, std: float = 0.2
-) -> Path:
-    """A Llama checkpoint directory; returns it."""
-    from safetensors.numpy import save_file
-
+def llama_config(shape: TinyShape | None = None, std: float = 0.2) -> dict[str, object]:
+    """The Hugging Face ``config.json`` of the tiny Llama of ``shape``."""
     s = shape or TinyShape()
-    out.mkdir(parents=True, exist_ok=True)
     eos = s.vocab - 1
-    tensors = _tensors(s, seed, std)
-    tensors["lm_head.weight"][eos] = 0.0
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = {
+    return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": s.hidden,
@@ -109,10 +101,57 @@ def write_hf_llama(
         "initializer_range": std,
         "use_cache": True,
     }
+
+
+def write_hf_llama(
+    out: Path, shape: TinyShape | None = None, *, seed: int = 0, std: float = 0.2
+) -> Path:
+    """A Llama checkpoint directory; returns it."""
+    from safetensors.numpy import save_file
+
+    s = shape or TinyShape()
+    out.mkdir(parents=True, exist_ok=True)
+    eos = s.vocab - 1
+    tensors = _tensors(s, seed, std)
+    tensors["lm_head.weight"][eos] = 0.0
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = llama_config(s, std)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     generation = {"bos_token_id": BOS, "eos_token_id": eos, "pad_token_id": 0, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return out
+
+
+def write_checkpoint(
+    root: Path, version: str, shape: TinyShape | None = None, *, seed: int = 0, std: float = 0.2
+) -> Path:
+    """A versioned checkpoint of the tiny Llama under ``root`` (orchestrrl.checkpoint:
+    ``root/VERSION-CHECKSUM16`` with its manifest), as a trainer publishes one; returns
+    its directory. Another ``seed`` gives other weights (another checksum)."""
+    from orchestrrl import checkpoint
+
+    s = shape or TinyShape()
+    tensors = _tensors(s, seed, std)
+    eos = s.vocab - 1
+    return checkpoint.write(
+        root,
+        version,
+        llama_config(s, std),
+        tensors,
+        generation_config={"bos_token_id": BOS, "eos_token_id": eos, "pad_token_id": 0},
+    ).path
+
+
+def shape_of_size(nbytes: int, vocab: int = 1024, hidden: int = 256) -> TinyShape:
+    """A tiny Llama of about ``nbytes`` of float32 weights (at least one layer)."""
+    per_layer = 4 * (4 * hidden * hidden + 3 * hidden * 2 * hidden + 2 * hidden)
+    fixed = 4 * (2 * vocab * hidden + hidden)
+    return TinyShape(
+        layers=max(1, round((nbytes - fixed) / per_layer)),
+        hidden=hidden,
+        intermediate=2 * hidden,
+        vocab=vocab,
+    )
 
 
 def write_gguf_llama(

@@ -1,6 +1,7 @@
 """Fuzzing every method of the three services over real gRPC (seeded, well under a minute).
 
-Each method of FabricController, NodeAgent and OpticalSwitch gets random bytes,
+Each method of FabricController, NodeAgent, OpticalSwitch and CheckpointStore (an agent's
+checkpoints) gets random bytes,
 truncated and bit-flipped messages, and messages whose fields hold out-of-range numbers,
 unknown enum values, huge repeated fields and long strings (built from the descriptors,
 so a new field is fuzzed too). Asserted: no server crashes; no UNKNOWN or INTERNAL status
@@ -37,15 +38,19 @@ from node_agent.nics import SysfsNics
 from node_agent.servicer import SERVICE_NAME as AGENT_SERVICE
 from node_agent.servicer import NodeAgentService
 from node_agent.telemetry import Collector
+from node_agent.weights.store import SERVICE_NAME as STORE_SERVICE
+from node_agent.weights.store import CheckpointDir, CheckpointStoreService
 from orchestrrl import grpcutil, limits
 from orchestrrl.model import Circuit
-from orchestrrl.v1 import fabric_controller_pb2, node_agent_pb2, optical_switch_pb2
+from orchestrrl.v1 import checkpoints_pb2, fabric_controller_pb2, node_agent_pb2, optical_switch_pb2
+from orchestrrl.v1 import checkpoints_pb2_grpc as ck_grpc
 from orchestrrl.v1 import node_agent_pb2_grpc as na_grpc
 from sim_backends.engine import SimulatedEngine
 from sim_backends.gpus import SimulatedGpus
 from sim_backends.harness import Fabric
 from sim_backends.ocs import SimulatedOcs
 from sim_backends.ocs_server import serve as serve_ocs
+from sim_backends.tiny_models import TinyShape, write_checkpoint
 
 pytestmark = pytest.mark.component
 
@@ -60,6 +65,7 @@ SERVICES: list[ServiceDescriptor] = [
     fabric_controller_pb2.DESCRIPTOR.services_by_name["FabricController"],
     node_agent_pb2.DESCRIPTOR.services_by_name["NodeAgent"],
     optical_switch_pb2.DESCRIPTOR.services_by_name["OpticalSwitch"],
+    checkpoints_pb2.DESCRIPTOR.services_by_name["CheckpointStore"],
 ]
 
 
@@ -181,11 +187,17 @@ async def agent(tmp_path: Path) -> AsyncIterator[str]:
     await collector.open()
     commands = CommandLog()
     servicer = NodeAgentService(collector, engine, commands, default_interval_s=0.05)
-    running = await grpcutil.start_server(
-        "127.0.0.1:0",
-        lambda server: na_grpc.add_NodeAgentServicer_to_server(servicer, server),
-        [AGENT_SERVICE],
+    root = tmp_path / "checkpoints"
+    write_checkpoint(
+        root, "1", TinyShape(layers=1, hidden=64, head_dim=32, intermediate=64, vocab=64)
     )
+    store = CheckpointStoreService("gen0-n0", CheckpointDir(root))
+
+    def register(server: Any) -> None:
+        na_grpc.add_NodeAgentServicer_to_server(servicer, server)
+        ck_grpc.add_CheckpointStoreServicer_to_server(store, server)
+
+    running = await grpcutil.start_server("127.0.0.1:0", register, [AGENT_SERVICE, STORE_SERVICE])
     try:
         yield running.address
     finally:
@@ -280,6 +292,7 @@ async def test_every_method_of_every_service_survives_hostile_input(
             "FabricController": Target(controller, committed, frozenset({"ListNodes"})),
             "NodeAgent": Target(node_agent, lambda: None),
             "OpticalSwitch": Target(optical, sim.cross_connects),
+            "CheckpointStore": Target(node_agent, lambda: None),
         }
         failures: list[str] = []
         calls = 0
