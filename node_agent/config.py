@@ -122,6 +122,13 @@ class AgentConfig:
     metrics_listen: str | None = None  # HOST:PORT of Prometheus /metrics; None: off
     telemetry_buffer: int = DEFAULT_BUFFER_SAMPLES  # samples kept while the controller is away
     telemetry_flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S  # 0: send each sample
+    # weight sync: the checkpoints this node serves (a trainer writes them there) and where
+    # it fetches new weights into; None: neither
+    checkpoint_dir: Path | None = None
+    # HOST:PORT to serve the checkpoints on besides `listen` (the data-plane NIC: the
+    # bytes then cross the fabric); None: only on `listen`
+    checkpoint_listen: str | None = None
+    checkpoint_keep: int = 2  # checkpoints kept after an update (the served one included)
 
     @property
     def controllers(self) -> tuple[str, ...]:
@@ -192,6 +199,9 @@ KEYS: dict[str, Key] = {
         Key("log_format", "str"),
         Key("seed", "int"),
         Key("controller_identities", "strs"),
+        Key("checkpoint_dir", "str"),
+        Key("checkpoint_listen", "str"),
+        Key("checkpoint_keep", "int"),
         Key("tls_cert", "str"),
         Key("tls_key", "str"),
         Key("tls_ca", "str"),
@@ -222,6 +232,7 @@ DEFAULTS: dict[str, Any] = {
     "log_level": "info",
     "log_format": "auto",
     "controller_identities": [],
+    "checkpoint_keep": "2",
     "plaintext": False,
 }
 
@@ -439,6 +450,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="with mutual TLS, certificate identity whose commands (reshard, routes, RoCE, "
         "drain/resume) are accepted; repeatable (default: orl-fabric-controller)",
     )
+    w = p.add_argument_group(
+        "weight sync (checkpoints fetched from the training node's agent and loaded into the "
+        "engines: `orlctl phase set weight-sync --checkpoint V --from NODE`)"
+    )
+    w.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="this node's checkpoints: a trainer writes its checkpoints here "
+        "(orchestrrl.checkpoint.write) and the agent serves them to other nodes; a generation "
+        "node's agent fetches new weights into it (default: none, no weight sync)",
+    )
+    w.add_argument(
+        "--checkpoint-listen",
+        metavar="HOST:PORT",
+        help="also serve the checkpoints there, e.g. on the data-plane NIC so that the "
+        "bytes cross the fabric's circuits (default: only on --listen)",
+    )
+    w.add_argument(
+        "--checkpoint-keep",
+        metavar="N",
+        help="checkpoints a generation node keeps after an update, the served one included "
+        "(default 2)",
+    )
     add_tls_arguments(p)
     return p
 
@@ -626,6 +660,19 @@ def _validate(
         )
     if values.get("seed") is not None:
         check("seed", lambda f: _int(values["seed"], f, 0, 2**63 - 1))
+    if values.get("checkpoint_dir") is not None:
+        check("checkpoint_dir", lambda f: _directory(values["checkpoint_dir"], f))
+    if values.get("checkpoint_listen") is not None:
+        if values.get("checkpoint_dir") is None:
+            problems.append(
+                f"{where['checkpoint_listen']} needs a checkpoint directory "
+                "(--checkpoint-dir or checkpoint_dir): there is nothing to serve"
+            )
+        check(
+            "checkpoint_listen",
+            lambda f: parse_address(values["checkpoint_listen"], f) and values["checkpoint_listen"],
+        )
+    check("checkpoint_keep", lambda f: _int(values["checkpoint_keep"], f, 1, 1000))
     check("reshard_backend", lambda f: _choice(values["reshard_backend"], f, RESHARD_BACKENDS))
     engine = _engine(values, where, problems, ok.get("reshard_backend"))
     check("log_level", lambda f: _choice(values["log_level"], f, LOG_LEVELS))
@@ -663,7 +710,18 @@ def _validate(
         metrics_listen=ok.get("metrics_listen"),
         telemetry_buffer=ok["telemetry_buffer"],
         telemetry_flush_interval_s=ok["telemetry_flush_interval"],
+        checkpoint_dir=ok.get("checkpoint_dir"),
+        checkpoint_listen=ok.get("checkpoint_listen"),
+        checkpoint_keep=ok["checkpoint_keep"],
     )
+
+
+def _directory(text: str, field: str) -> Path:
+    """A directory, or a path where one can be made (not an existing file)."""
+    path = Path(text)
+    if not text or (path.exists() and not path.is_dir()):
+        raise errors.field_error(field, text, "a directory (made if missing)")
+    return path
 
 
 def _engine(
@@ -866,6 +924,9 @@ def to_toml(config: AgentConfig) -> str:
         "log_format": config.log_format,
         "seed": config.seed,
         "controller_identities": list(config.controller_identities),
+        "checkpoint_dir": str(config.checkpoint_dir) if config.checkpoint_dir else None,
+        "checkpoint_listen": config.checkpoint_listen,
+        "checkpoint_keep": config.checkpoint_keep,
         "plaintext": tls is None,
         "tls_cert": str(tls.cert) if tls else None,
         "tls_key": str(tls.key) if tls else None,

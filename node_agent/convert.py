@@ -36,6 +36,9 @@ def status_to_pb(status: NodeStatus) -> node_agent_pb2.NodeStatus:
         instance_health=status.instance_health,
         kv_import=status.kv_import,
         max_num_seqs=status.max_num_seqs,
+        weight_version=status.weight_version,
+        checkpoint_address=status.checkpoint_address,
+        checkpoints=status.checkpoints,
     )
 
 
@@ -48,6 +51,7 @@ def telemetry_to_pb(sample: Telemetry) -> node_agent_pb2.TelemetrySample:
         timestamp=sample.timestamp,
         engine_state=ENGINE_STATE_PB[sample.engine_state],
         tp_layout=sample.tp_layout,
+        weight_version=sample.weight_version,
     )
     _fill_engine(message.engine, sample.engine, sample.progress)
     add_gpu = message.gpus.add

@@ -35,7 +35,11 @@ from node_agent.routes import HostRoutes
 from node_agent.servicer import SERVICE_NAME, NodeAgentService
 from node_agent.telemetry import Collector
 from node_agent.uplink import Uplink, UplinkSettings
-from orchestrrl import errors
+from node_agent.weights.fetch import GrpcCheckpointSource
+from node_agent.weights.store import SERVICE_NAME as CHECKPOINT_SERVICE
+from node_agent.weights.store import CheckpointDir, CheckpointStoreService
+from node_agent.weights.update import WeightLoader, WeightUpdater
+from orchestrrl import errors, grpcutil
 from orchestrrl.grpcutil import (
     parse_address,
     sd_notify,
@@ -47,7 +51,7 @@ from orchestrrl.grpcutil import (
 )
 from orchestrrl.logs import get_logger
 from orchestrrl.tls import Authorizer
-from orchestrrl.v1 import node_agent_pb2_grpc
+from orchestrrl.v1 import checkpoints_pb2_grpc, node_agent_pb2_grpc
 
 log = get_logger("node_agent")
 
@@ -175,6 +179,15 @@ class Rollout:
     def kind(self) -> str:
         return self.gateway.kind if self.gateway is not None else "sim"
 
+    @property
+    def loader(self) -> WeightLoader | None:
+        """What loads new weights into the engines (weight sync)."""
+        if self.gateway is not None:
+            return self.gateway
+        if isinstance(self.simulated, WeightLoader):
+            return self.simulated
+        return None
+
     async def close(self) -> None:
         if self.http is not None:
             await self.http.stop()
@@ -269,8 +282,52 @@ async def _serve_with(
     controller: Callable[[], str] | None,
     shell: _Shell,
 ) -> int:
+    """The checkpoint store's own server first (``checkpoint_listen``), then the agent."""
+    store = CheckpointDir(config.checkpoint_dir) if config.checkpoint_dir is not None else None
+    checkpoints = CheckpointStoreService(config.node, store)
+    extra: grpcutil.RunningServer | None = None
+    if store is not None and config.checkpoint_listen:
+        extra = await start_server(
+            config.checkpoint_listen,
+            lambda s: checkpoints_pb2_grpc.add_CheckpointStoreServicer_to_server(checkpoints, s),
+            [CHECKPOINT_SERVICE],
+            tls=config.tls,
+        )
+        log.info("serving_checkpoints", address=extra.address, directory=str(store.root))
+    try:
+        return await _serve_agent(
+            config, gpus, rollout, stop, controller, shell, checkpoints, extra
+        )
+    finally:
+        if extra is not None:
+            await extra.stop(SHUTDOWN_GRACE_S)
+
+
+async def _serve_agent(
+    config: AgentConfig,
+    gpus: GpuBackend,
+    rollout: Rollout,
+    stop: Callable[[], Awaitable[object]] | None,
+    controller: Callable[[], str] | None,
+    shell: _Shell,
+    checkpoints: CheckpointStoreService,
+    extra: grpcutil.RunningServer | None,
+) -> int:
     metrics = shell.metrics
     engine = rollout.engine
+    store = checkpoints.store
+    loader = rollout.loader
+    weights = None
+    if store is not None and loader is not None:
+        tls = config.tls
+        weights = WeightUpdater(
+            config.node,
+            store,
+            loader,
+            rollout.kind,
+            lambda node, address: GrpcCheckpointSource(node, address, tls),
+            keep=config.checkpoint_keep,
+        )
     collector = Collector(
         config.node,
         gpus,
@@ -280,6 +337,9 @@ async def _serve_with(
         engine_kind=rollout.kind,
         gateway=rollout.http.address if rollout.http is not None else "",
         instance_health=rollout.gateway.instance_health if rollout.gateway else None,
+        weight_version=(lambda: loader.weight_version) if loader is not None else None,
+        checkpoint_address=advertised_address(extra.address, None) if extra else "",
+        checkpoints=weights is not None,
     )
     follow = getattr(gpus, "follow", None)  # simulated GPUs: load follows the engine's
     if follow is not None:  # figures of the sample being taken
@@ -299,10 +359,12 @@ async def _serve_with(
         controllers=frozenset(config.controller_identities),
         metrics=metrics,
         gateway=rollout.gateway,
+        weights=weights,
     )
 
     def register(server: grpc.aio.Server) -> None:
         node_agent_pb2_grpc.add_NodeAgentServicer_to_server(servicer, server)
+        checkpoints_pb2_grpc.add_CheckpointStoreServicer_to_server(checkpoints, server)
 
     if config.tls is None:
         log.warning("serving_without_tls", note="--plaintext: for local development only")
@@ -312,7 +374,9 @@ async def _serve_with(
         if config.metrics_listen:
             serving = serve_metrics(config.metrics_listen, metrics.registry)
             stop_metrics, metrics_address = serving.stop, serving.address
-        server = await start_server(config.listen, register, [SERVICE_NAME], tls=config.tls)
+        server = await start_server(
+            config.listen, register, [SERVICE_NAME, CHECKPOINT_SERVICE], tls=config.tls
+        )
     except BaseException:  # nothing is serving: release what was opened, then report
         if stop_metrics is not None:
             await asyncio.to_thread(stop_metrics)

@@ -17,6 +17,7 @@ from node_agent.metrics import AgentMetrics
 from node_agent.roce import RoceConfigurator
 from node_agent.routes import HostRoutes
 from node_agent.telemetry import Collector, check_interval
+from node_agent.weights.update import WeightUpdater, order_from_pb
 from orchestrrl import errors
 from orchestrrl.fencing import FencingGate
 from orchestrrl.grpcutil import domain_errors_to_status, parse_address
@@ -45,6 +46,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         controllers: frozenset[str] = frozenset({"orl-fabric-controller"}),
         metrics: AgentMetrics | None = None,
         gateway: GatewayEngine | None = None,
+        weights: WeightUpdater | None = None,
     ) -> None:
         """``routes`` / ``roce`` None: this agent refuses ApplyRoutes / ConfigureRoce with
         FAILED_PRECONDITION instead of touching the host (the daemon always passes both).
@@ -60,8 +62,10 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         self._metrics = metrics
         self._exports = migration.Exports(engine)
         self._gateway = gateway
+        self._weights = weights
         # the newest controller fencing token of a route command (controller HA)
         self._route_fencing = FencingGate(f"agent {collector.node}: ApplyRoutes")
+        self._weights_fencing = FencingGate(f"agent {collector.node}: UpdateWeights")
 
     def _admit(self, context: Context, allowed: frozenset[str]) -> None:
         """Only ``allowed`` identities (with TLS), and only calls meant for this node."""
@@ -260,6 +264,29 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
                 )
         except RequestFailed as exc:
             raise errors.FailedPrecondition(f"request failed: {exc}") from exc
+
+    @domain_errors_to_status
+    async def UpdateWeights(
+        self, request: node_agent_pb2.UpdateWeightsRequest, context: Context
+    ) -> node_agent_pb2.UpdateWeightsResponse:
+        self._admit(context, self._controllers)
+        order = order_from_pb(request)
+        self._weights_fencing.admit(request.fencing_token)  # a deposed leader changes nothing
+        updater = self._weights
+        if updater is None:
+            raise errors.FailedPrecondition(
+                f"node {self._collector.node!r} cannot update its weights: its agent has no "
+                "checkpoint_dir (--checkpoint-dir)"
+            )
+
+        async def update() -> node_agent_pb2.UpdateWeightsResponse:
+            return (await updater.update(order)).to_pb(order.command_id)
+
+        # the fencing token is not part of what the command is: a retry carries the same
+        key = node_agent_pb2.UpdateWeightsRequest()
+        key.CopyFrom(request)
+        key.fencing_token = 0
+        return await self._commands.run("UpdateWeights", order.command_id, _key(key), update)
 
     @domain_errors_to_status
     async def ApplyRoutes(

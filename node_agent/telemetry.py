@@ -41,6 +41,9 @@ class NodeStatus:
     instance_health: tuple[str, ...] = ()
     kv_import: bool = True
     max_num_seqs: int = 0
+    weight_version: str = ""  # the weights the engines serve
+    checkpoint_address: str = ""  # where other nodes fetch its checkpoints ("": `listen`)
+    checkpoints: bool = False  # the agent has a checkpoint_dir
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class Telemetry:
     # Per-request progress of the step; None when this sample was taken without it (the
     # uplink reads it once per upload, see Uplink).
     progress: EngineProgress | None = None
+    weight_version: str = ""  # the weights the engines serve at this sample
 
 
 class Reading(NamedTuple):
@@ -70,6 +74,7 @@ class Reading(NamedTuple):
     engine_state: EngineState
     tp_layout: tuple[int, ...]
     progress: EngineProgress | None
+    weight_version: str = ""
 
 
 class Collector:
@@ -94,8 +99,14 @@ class Collector:
         engine_kind: str = "sim",
         gateway: str = "",
         instance_health: Callable[[], tuple[str, ...]] | None = None,
+        weight_version: Callable[[], str] | None = None,
+        checkpoint_address: str = "",
+        checkpoints: bool = False,
     ) -> None:
         self.node = node
+        self._weight_version = weight_version
+        self._checkpoint_address = checkpoint_address
+        self._checkpoints = checkpoints
         self._engine_kind = engine_kind
         self._gateway = gateway
         self._instance_health = instance_health
@@ -138,6 +149,9 @@ class Collector:
             instance_health=self._instance_health() if self._instance_health else (),
             kv_import=self._engine.kv_import,
             max_num_seqs=self._engine.max_num_seqs,
+            weight_version=self._weight_version() if self._weight_version else "",
+            checkpoint_address=self._checkpoint_address,
+            checkpoints=self._checkpoints,
         )
 
     async def read(self, progress: bool = True) -> Reading:
@@ -159,6 +173,7 @@ class Collector:
             engine.state,
             engine.tp_layout,
             engine.progress() if progress else None,
+            self._weight_version() if self._weight_version else "",
         )
 
     def telemetry(self, reading: Reading, rates: NicRates) -> Telemetry:
@@ -174,6 +189,7 @@ class Collector:
             reading.tp_layout,
             tuple(reading.rdma),
             reading.progress,
+            reading.weight_version,
         )
 
     async def sample(self, progress: bool = True) -> Telemetry:

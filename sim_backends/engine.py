@@ -27,6 +27,13 @@ arrivals still queue.
 
 Resharding changes the layout and redistributes in-flight requests; it moves no weights
 and says so (``bytes_moved=0``).
+
+Weights (:meth:`SimulatedEngine.update_weights`): the engine serves a weight version (its
+label, reported in telemetry). An update pauses decoding, reads the new checkpoint's
+tensor table (so a path that is not a whole checkpoint fails the update, and the old
+version stays), switches the version for every instance at once, and resumes; the
+requests in flight finish on the old weights or resume on the new ones as asked (the
+simulation counts them; it has no per-token versions).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from node_agent.engine import (
     Destination,
@@ -54,7 +62,8 @@ from node_agent.engine import (
     check_import_ids,
     validate_layout,
 )
-from orchestrrl import errors
+from node_agent.gateway.engine import WeightUpdate
+from orchestrrl import checkpoint, errors
 
 GIB = 2**30
 
@@ -125,6 +134,7 @@ class SimulatedEngine:
         clock: Callable[[], float] = time.monotonic,
         relayout_delay_s: float = 0.0,
         request_prefix: str | None = None,
+        weight_version: str = "0",
     ) -> None:
         """``request_prefix`` starts every request id (default: random, so ids are unique
         across nodes and requests can migrate between them)."""
@@ -157,6 +167,7 @@ class SimulatedEngine:
         # CPU seconds (this thread's) spent stepping the simulation: the work a real engine
         # does in its own processes; the agent reports it apart (bench/agent_overhead.py).
         self.simulation_cpu_s = 0.0
+        self.weight_version = weight_version
 
     # -- RolloutEngine ------------------------------------------------------------------
 
@@ -231,6 +242,45 @@ class SimulatedEngine:
     @property
     def paused(self) -> bool:
         return self._paused
+
+    async def update_weights(
+        self,
+        path: str,
+        version: str,
+        in_flight: str = "finish",
+        *,
+        drain_timeout_s: float | None = None,
+    ) -> WeightUpdate:
+        """Serve ``version`` from the checkpoint directory at ``path`` (see the module
+        docstring); FailedPrecondition, the old version kept, when it cannot be read."""
+        if in_flight not in ("finish", "resume"):
+            raise errors.field_error("in_flight", in_flight, '"finish" or "resume"')
+        t0 = time.perf_counter()
+        was_paused = self._paused
+        await self.pause()
+        try:
+            table = await asyncio.to_thread(
+                checkpoint.read_tensor_table, Path(path) / checkpoint.WEIGHTS
+            )
+        except (OSError, ValueError) as exc:
+            raise errors.FailedPrecondition(
+                f"simulated engine: cannot load {path}: {exc}; it keeps version "
+                f"{self.weight_version!r}"
+            ) from None
+        finally:
+            if not was_paused:
+                await self.unpause()
+        running = sum(len(i.running) for i in self._instances)
+        previous, self.weight_version = self.weight_version, version
+        return WeightUpdate(
+            version,
+            previous,
+            (StageTiming("load", time.perf_counter() - t0),),
+            len(self._instances),
+            running if in_flight == "resume" else 0,
+            running if in_flight == "finish" else 0,
+            f"sim ({len(table)} tensors)",
+        )
 
     async def drain(self) -> None:
         self._advance()

@@ -44,10 +44,14 @@ from node_agent.peers import GrpcPeers
 from node_agent.servicer import SERVICE_NAME as AGENT_SERVICE
 from node_agent.servicer import NodeAgentService
 from node_agent.telemetry import Collector
+from node_agent.weights.store import SERVICE_NAME as STORE_SERVICE
+from node_agent.weights.store import CheckpointDir, CheckpointStoreService
 from orchestrrl import grpcutil
 from orchestrrl.devcerts import make_dev_pki
 from orchestrrl.model import Wiring
 from orchestrrl.tls import Authorizer, TlsConfig
+from orchestrrl.v1 import checkpoints_pb2 as ck_pb
+from orchestrrl.v1 import checkpoints_pb2_grpc as ck_grpc
 from orchestrrl.v1 import common_pb2
 from orchestrrl.v1 import fabric_controller_pb2 as fc_pb
 from orchestrrl.v1 import fabric_controller_pb2_grpc as fc_grpc
@@ -67,6 +71,7 @@ SERVICES: dict[str, ServiceDescriptor] = {
     "NodeAgent": na_pb.DESCRIPTOR.services_by_name["NodeAgent"],
     "OpticalSwitch": os_pb.DESCRIPTOR.services_by_name["OpticalSwitch"],
     "OcsFaultInjection": os_pb.DESCRIPTOR.services_by_name["OcsFaultInjection"],
+    "CheckpointStore": ck_pb.DESCRIPTOR.services_by_name["CheckpointStore"],
 }
 
 OPERATOR, CONTROLLER, NODE, OTHER = "alice", "orl-fabric-controller", "gen0-n1", "mallory"
@@ -102,6 +107,10 @@ POLICY: dict[tuple[str, str], frozenset[str]] = {
     ("NodeAgent", "ImportRequests"): _CONTROLLER,
     ("NodeAgent", "ResolveExport"): _CONTROLLER,
     ("NodeAgent", "FollowRequest"): _CONTROLLER | _NODE,
+    ("NodeAgent", "UpdateWeights"): _CONTROLLER,
+    # an agent's checkpoints are open to every identity the CA signed (weight sync)
+    ("CheckpointStore", "GetCheckpoint"): SIGNED,
+    ("CheckpointStore", "ReadCheckpoint"): SIGNED,
     # a switch's reads are open to every identity the CA signed; changes are the
     # controller's; fault injection (served only when asked for) the operators'
     ("OpticalSwitch", "GetInfo"): SIGNED,
@@ -119,6 +128,9 @@ ALLOWED_FAILS: dict[tuple[str, str], grpc.StatusCode] = {
     ("NodeAgent", "ConfigureRoce"): grpc.StatusCode.FAILED_PRECONDITION,  # not enabled here
     ("NodeAgent", "ImportRequests"): grpc.StatusCode.INVALID_ARGUMENT,  # no method, requests
     ("NodeAgent", "ResolveExport"): grpc.StatusCode.NOT_FOUND,  # no such export
+    ("NodeAgent", "UpdateWeights"): grpc.StatusCode.INVALID_ARGUMENT,  # no version
+    ("CheckpointStore", "GetCheckpoint"): grpc.StatusCode.INVALID_ARGUMENT,  # no version
+    ("CheckpointStore", "ReadCheckpoint"): grpc.StatusCode.INVALID_ARGUMENT,  # no version
 }
 
 HANDSHAKE_FAILED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
@@ -209,11 +221,14 @@ async def cluster(example_wiring: Wiring, tmp_path: Path) -> AsyncIterator[Clust
         collector, gateway, commands, 0.05, auth=Authorizer(tls(pki[AGENT])),
         controllers=frozenset({CONTROLLER}), gateway=gateway,
     )  # fmt: skip
+    store = CheckpointStoreService(AGENT, CheckpointDir(tmp_path / "checkpoints"))
+
+    def register(s: Any) -> None:
+        na_grpc.add_NodeAgentServicer_to_server(agent, s)
+        ck_grpc.add_CheckpointStoreServicer_to_server(store, s)
+
     agent_server = await grpcutil.start_server(
-        "127.0.0.1:0",
-        lambda s: na_grpc.add_NodeAgentServicer_to_server(agent, s),
-        [AGENT_SERVICE],
-        tls=tls(pki[AGENT]),
+        "127.0.0.1:0", register, [AGENT_SERVICE, STORE_SERVICE], tls=tls(pki[AGENT])
     )
     req = source.submit((4, 5, 6), 100_000, Sampling(temperature=0.0))
     await eventually(lambda: len(req.output) >= 2)
@@ -233,6 +248,7 @@ async def cluster(example_wiring: Wiring, tmp_path: Path) -> AsyncIterator[Clust
         "NodeAgent": agent_server.address,
         "OpticalSwitch": ocs_server.address,
         "OcsFaultInjection": ocs_server.address,
+        "CheckpointStore": agent_server.address,
     }
     try:
         yield Cluster(
