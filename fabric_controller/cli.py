@@ -30,6 +30,8 @@ from orchestrrl.client import (
     NodeView,
     PhaseChange,
     ScheduleView,
+    WeightSyncIncomplete,
+    WeightSyncView,
     controller_addresses,
     to_json,
 )
@@ -111,6 +113,45 @@ def build_parser() -> argparse.ArgumentParser:
         help="idempotency key: a retry with the same phase returns the first result (a new "
         "epoch, 'nothing to change' or a gated answer) instead of applying again; the same "
         "key with another phase is refused",
+    )
+    ws = pset.add_argument_group(
+        "weight sync (with weight-sync: every generation node fetches the checkpoint over the "
+        "phase's circuits and loads it; the answer says when all of them run it)"
+    )
+    ws.add_argument("--checkpoint", metavar="VERSION", default="", help="the checkpoint's version")
+    ws.add_argument(
+        "--from",
+        dest="source",
+        metavar="NODE",
+        default="",
+        help="the node whose agent serves it (its checkpoint_dir), e.g. a training node",
+    )
+    ws.add_argument(
+        "--checksum",
+        metavar="HEX",
+        default="",
+        help="that checkpoint exactly (64 hex digits; default: the source's newest of VERSION)",
+    )
+    ws.add_argument(
+        "--in-flight",
+        choices=("finish", "resume"),
+        default="finish",
+        help="requests running at the load: finish on the old weights, or resume on the new "
+        "ones (default finish)",
+    )
+    ws.add_argument(
+        "--sync-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds each node may take to fetch and load (default 600)",
+    )
+    ws.add_argument(
+        "--streams",
+        type=int,
+        default=0,
+        metavar="N",
+        help="connections each node fetches over (default 4)",
     )
     pplan = add(psub, "plan", "show what `phase set` would change, without changing anything")
     pplan.add_argument("phase", choices=PHASES)
@@ -299,10 +340,11 @@ def _degraded(r: PhaseChange) -> list[str]:
 
 
 def describe_change(r: PhaseChange) -> str:
+    sync = [describe_weight_sync(r.weight_sync)] if r.weight_sync is not None else []
     if r.gated:
-        return "\n".join([f"epoch {r.epoch}: not changed: {r.message}", *_degraded(r)])
+        return "\n".join([f"epoch {r.epoch}: not changed: {r.message}", *_degraded(r), *sync])
     if not r.changed:
-        return "\n".join([f"epoch {r.epoch}: {r.message}", *_degraded(r)])
+        return "\n".join([f"epoch {r.epoch}: {r.message}", *_degraded(r), *sync])
     lines = [
         f"epoch {r.epoch}: phase {r.phase}  (+{len(r.added)} -{len(r.removed)} circuits, "
         f"{len(r.circuits)} in place)" + ("  DEGRADED" if r.degraded else ""),
@@ -311,6 +353,28 @@ def describe_change(r: PhaseChange) -> str:
         *_degraded(r),
     ]
     return "\n".join(lines + _by_pair(r.circuits))
+
+
+def describe_weight_sync(w: WeightSyncView) -> str:
+    when = time.strftime("%H:%M:%S", time.localtime(w.completed_at)) if w.complete else "-"
+    head = (
+        f"weight sync: version {w.version} ({w.checksum[:16]}, {w.checkpoint_bytes} bytes) from "
+        f"{w.source_node} at {w.source_address}, epoch {w.epoch}: "
+        + (f"every generation node runs it (at {when}, {w.seconds:.2f} s)" if w.complete else
+           "INCOMPLETE")
+    )  # fmt: skip
+    rows = [
+        f"  {'NODE':<14} {'OK':<3} {'VERSION':<10} {'BYTES':>11} {'FETCH S':>8} "
+        f"{'MB/S':>8} {'LOAD S':>7} {'CIRCUITS':>8} {'STREAMS':>7} {'RESUMED':>7}  HOW / ERROR"
+    ]
+    for n in w.nodes:
+        rows.append(
+            f"  {n.node:<14} {'yes' if n.ok else 'NO':<3} {n.version or '-':<10} "
+            f"{n.bytes_fetched:>11} {n.fetch_seconds:>8.2f} {n.mbytes_per_s:>8.1f} "
+            f"{n.load_seconds:>7.2f} {n.circuits:>8} {n.streams:>7} {n.resumes:>7}  "
+            + (n.how + (" (had it)" if n.cached else "") if n.ok else n.error)
+        )
+    return "\n".join([head, *rows, f"  {w.message}"])
 
 
 def _print(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None:
@@ -371,7 +435,29 @@ def cmd_phase(args: argparse.Namespace) -> int:
         else:
             if not args.idle_window_ms >= 0:
                 raise errors.field_error("--idle-window-ms", args.idle_window_ms, "a number >= 0")
-            r = c.set_phase(args.phase, args.request_id, args.idle_window_ms / 1000.0)
+            if bool(args.checkpoint) != bool(args.source):
+                raise errors.field_error(
+                    "--from" if args.checkpoint else "--checkpoint",
+                    "",
+                    "--checkpoint VERSION and --from NODE are given together",
+                )
+            try:
+                r = c.set_phase(
+                    args.phase,
+                    args.request_id,
+                    args.idle_window_ms / 1000.0,
+                    checkpoint=args.checkpoint,
+                    source=args.source,
+                    checksum=args.checksum,
+                    in_flight=args.in_flight,
+                    sync_timeout_s=args.sync_timeout,
+                    streams=args.streams,
+                )
+            except WeightSyncIncomplete as exc:
+                r = exc.change
+                _print(args, r, lambda: describe_change(r))
+                print(f"orlctl: error: {exc}", file=sys.stderr)
+                return 1
             _print(args, r, lambda: describe_change(r))
     return 0
 
@@ -385,7 +471,7 @@ def _node_row(n: NodeView) -> str:
     return (
         f"{n.node:<14} {n.pod:<10} {n.role:<6} {n.health:<8} {n.agent_address:<22} "
         f"{seen:<11} {n.gpu_backend or '-':<5} {util:>5} {tps:>8} {layout:<8} "
-        f"{n.engine or '-':<9} {n.gateway or '-'}"
+        f"{n.engine or '-':<9} {n.weight_version or '-':<8} {n.gateway or '-'}"
     )
 
 
@@ -394,7 +480,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         nodes = c.nodes()
     header = (
         f"{'NODE':<14} {'POD':<10} {'ROLE':<6} {'HEALTH':<8} {'AGENT':<22} {'LAST SEEN':<11} "
-        f"{'GPUS':<5} {'UTIL':>5} {'TOK/S':>8} {'TP':<8} {'ENGINE':<9} GATEWAY"
+        f"{'GPUS':<5} {'UTIL':>5} {'TOK/S':>8} {'TP':<8} {'ENGINE':<9} {'WEIGHTS':<8} GATEWAY"
     )
     _print(args, nodes, lambda: "\n".join([header, *(_node_row(n) for n in nodes)]))
     return 0

@@ -275,11 +275,17 @@ class Controller:
         return await self.epochs.plan(phase)
 
     async def set_phase(
-        self, phase: Phase, request_id: str = "", idle_window_s: float | None = None
+        self,
+        phase: Phase,
+        request_id: str = "",
+        idle_window_s: float | None = None,
+        then: Callable[[PhaseResult], Awaitable[PhaseResult]] | None = None,
+        then_what: str = "",
     ) -> PhaseResult:
-        """Change to ``phase`` (a new epoch), or say why nothing changed; see
+        """Change to ``phase`` (a new epoch), or say why nothing changed; ``then``: work on
+        the committed phase under its lock (a weight sync); see
         :meth:`fabric_controller.epochs.EpochManager.set_phase`."""
-        return await self.epochs.set_phase(phase, request_id, idle_window_s)
+        return await self.epochs.set_phase(phase, request_id, idle_window_s, then, then_what)
 
     async def reconcile_once(self) -> str | None:
         """One drift check; see :meth:`fabric_controller.epochs.EpochManager.reconcile_once`."""

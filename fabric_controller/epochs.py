@@ -46,7 +46,7 @@ import asyncio
 import contextlib
 import secrets
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, replace
 
 import structlog
@@ -57,6 +57,7 @@ from fabric_controller.metrics import ControllerMetrics
 from fabric_controller.reconcile import converge, describe_shortfall, ours, shortfall, steps
 from fabric_controller.store import EpochRecord, EpochStore, Missing, PendingRecord, RequestOutcome
 from fabric_controller.switches import StageError, Switches
+from fabric_controller.weight_sync import SyncReport
 from orchestrrl import errors
 from orchestrrl.logs import get_logger
 from orchestrrl.model import Circuit, Phase, Wiring
@@ -77,6 +78,7 @@ class PhaseResult:
     message: str
     gated: bool = False
     explanation: str = ""  # how the circuits were chosen (planner or template, and why)
+    weight_sync: SyncReport | None = None  # what a weight sync after the commit did
 
     @property
     def missing(self) -> Missing:
@@ -468,9 +470,20 @@ class EpochManager:
     # -- phases --
 
     async def set_phase(
-        self, phase: Phase, request_id: str = "", idle_window_s: float | None = None
+        self,
+        phase: Phase,
+        request_id: str = "",
+        idle_window_s: float | None = None,
+        then: Callable[[PhaseResult], Awaitable[PhaseResult]] | None = None,
+        then_what: str = "",
     ) -> PhaseResult:
         """Change to ``phase`` (a new epoch), or say why nothing changed.
+
+        ``then``: work that needs the phase's circuits (a weight sync), run on the result
+        while the lock is still held, so that no other phase change moves the circuits
+        under it (they wait for it, or give up after ``lock_timeout_s`` naming
+        ``then_what``); it runs on a replayed answer too. Its errors are its own: the epoch
+        stays committed.
 
         With a ``request_id`` the request is idempotent: its first successful outcome
         (a new epoch, "nothing to change", a gated change, a drift repair) is recorded
@@ -480,42 +493,49 @@ class EpochManager:
         (FailedPrecondition naming the first request's phase and epoch). A failed
         attempt (an error, or a change rolled back) changes nothing and is not
         recorded: a retry with its id is a fresh attempt."""
-        if request_id:
+        if request_id and then is None:
             replay = await self._replay(phase, request_id)
             if replay is not None:
                 return replay
-        async with (
-            self._locked(f"epoch {self.current.epoch + 1} ({phase.value})"),
-            self._watched(),
-        ):
-            self.role.check(f"phase change to {phase.value}")
-            if request_id:  # a caller with this id may have finished while this one waited
+        async with self._locked(f"epoch {self.current.epoch + 1} ({phase.value})"):
+            async with self._watched():
+                result = await self._set_phase_locked(phase, request_id, idle_window_s)
+            if then is None:
+                return result
+            self._in_progress = then_what or f"work after epoch {result.record.epoch}"
+            return await then(result)
+
+    async def _set_phase_locked(
+        self, phase: Phase, request_id: str, idle_window_s: float | None
+    ) -> PhaseResult:
+        self.role.check(f"phase change to {phase.value}")
+        if request_id:  # a caller with this id may have finished while this one waited
+            replay = await self._replay(phase, request_id)
+            if replay is not None:
+                return replay
+        if self._needs_recovery:
+            try:
+                await self._recover()
+            except NotLeader:
+                raise
+            except errors.OrlError as exc:
+                raise errors.FailedPrecondition(
+                    f"cannot change phase: the switches are not at a known epoch yet "
+                    f"(recovery failed: {exc})"
+                ) from None
+            if request_id:  # recovery may have committed this id's interrupted epoch
                 replay = await self._replay(phase, request_id)
                 if replay is not None:
                     return replay
-            if self._needs_recovery:
-                try:
-                    await self._recover()
-                except NotLeader:
-                    raise
-                except errors.OrlError as exc:
-                    raise errors.FailedPrecondition(
-                        f"cannot change phase: the switches are not at a known epoch yet "
-                        f"(recovery failed: {exc})"
-                    ) from None
-                if request_id:  # recovery may have committed this id's interrupted epoch
-                    replay = await self._replay(phase, request_id)
-                    if replay is not None:
-                        return replay
-            result = await self._reconfigure(phase, request_id, idle_window_s)
-            if request_id and not result.changed:  # a new epoch recorded its outcome itself
-                await self.store.record_outcome(
-                    RequestOutcome(
-                        request_id, phase, result.record.epoch, False, result.gated,
-                        result.message, result.explanation, self._wall(),
-                    )
-                )  # fmt: skip
-            return result
+        result = await self._reconfigure(phase, request_id, idle_window_s)
+        if request_id and not result.changed:  # a new epoch recorded its outcome itself
+            await self.store.record_outcome(
+                RequestOutcome(
+                    request_id, phase, result.record.epoch, False, result.gated,
+                    result.message, result.explanation, self._wall(),
+                )
+            )  # fmt: skip
+        return result
 
     async def _replay(self, phase: Phase, request_id: str) -> PhaseResult | None:
         """The recorded outcome of ``request_id`` (None if it has none yet); refused when

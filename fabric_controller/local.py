@@ -315,6 +315,9 @@ def up(
                     "--gpus",
                     str(n.gpus),
                     *how,
+                    # weight sync: a trainer writes here; generation nodes fetch into theirs
+                    "--checkpoint-dir",
+                    str(checkpoint_dir(run_dir, n.name).resolve()),
                     "--plaintext",  # loopback only
                 ],
                 engine.start_timeout_s if real and engine is not None else timeout_s,
@@ -335,6 +338,12 @@ def up(
         _stop(procs, _marker(run_dir))
         (run_dir / STATE_FILE).unlink(missing_ok=True)
         raise
+
+
+def checkpoint_dir(run_dir: Path, node: str) -> Path:
+    """The node agent's checkpoint_dir in a local cluster (weight sync: a trainer publishes
+    a checkpoint with ``orchestrrl.checkpoint.write`` into its training node's)."""
+    return run_dir / "checkpoints" / node
 
 
 def _netconf_dir(run_dir: Path, ocs: str) -> Path:

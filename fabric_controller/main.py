@@ -36,6 +36,7 @@ from fabric_controller.leadership import Leadership, Role
 from fabric_controller.scheduler_loop import ComputeScheduler
 from fabric_controller.servicer import FabricControllerServicer
 from fabric_controller.store import EpochStore, Store
+from fabric_controller.weight_sync_runner import WeightSync
 from orchestrrl import add_version_flag, errors, grpcutil, leader
 from orchestrrl import tls as tls_mod
 from orchestrrl import wiring as wiring_mod
@@ -446,7 +447,10 @@ async def serve(args: argparse.Namespace) -> int:
         listen,
         lambda s: fabric_controller_pb2_grpc.add_FabricControllerServicer_to_server(
             FabricControllerServicer(
-                controller, tls_mod.Authorizer(tls, frozenset(args.operator)), compute
+                controller,
+                tls_mod.Authorizer(tls, frozenset(args.operator)),
+                compute,
+                WeightSync(controller, agents.get),
             ),
             s,
         ),

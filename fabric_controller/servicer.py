@@ -27,6 +27,8 @@ from fabric_controller.registry import Health
 from fabric_controller.scheduler_loop import ComputeScheduler, ScheduleView
 from fabric_controller.scheduling import after_index, layouts_after
 from fabric_controller.store import EpochRecord
+from fabric_controller.weight_sync import SyncReport, check_spec
+from fabric_controller.weight_sync_runner import WeightSync
 from orchestrrl import errors, leader, limits
 from orchestrrl.convert import (
     circuit_to_pb,
@@ -100,8 +102,12 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
         controller: Controller,
         auth: Authorizer | None = None,
         scheduler: ComputeScheduler | None = None,
+        weights: WeightSync | None = None,
     ) -> None:
-        """``scheduler`` None: GetSchedule reports compute scheduling as off."""
+        """``scheduler`` None: GetSchedule reports compute scheduling as off; ``weights``
+        None: SetPhase with a checkpoint is refused (this controller sends no weight
+        updates)."""
+        self.weights = weights
         self.c = controller
         self.auth = auth or Authorizer(None)
         # Phase replies carry thousands of circuits on a large fabric, mostly the same
@@ -274,10 +280,26 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
             raise errors.field_error(
                 "idle_window_s", window, "seconds >= 0 (0 means unknown: no slack gate)"
             )
-        result = await self.c.set_phase(phase, request.request_id, window or None)
-        return self._epoch_reply(
+        if request.HasField("checkpoint"):
+            ck = request.checkpoint
+            spec = check_spec(
+                self.c.wiring, phase, ck.version, ck.source_node, ck.checksum, ck.in_flight,
+                ck.timeout_s, ck.streams,
+            )  # fmt: skip
+            if self.weights is None:
+                raise errors.FailedPrecondition(
+                    "this controller cannot send weight updates (it was started without agent "
+                    "clients); set the phase without a checkpoint"
+                )
+            result = await self.weights.set_phase(phase, request.request_id, window or None, spec)
+        else:
+            result = await self.c.set_phase(phase, request.request_id, window or None)
+        reply = self._epoch_reply(
             result.record, result.changed, result.message, result.gated, result.explanation
         )
+        if result.weight_sync is not None:
+            reply.weight_sync.CopyFrom(report_to_pb(result.weight_sync))
+        return reply
 
     @domain_errors_to_status
     @leader_only
@@ -399,6 +421,42 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
             return
         async for event in self.c.events.subscribe(request.recent):
             yield event_to_pb(event)
+
+
+def report_to_pb(r: SyncReport) -> pb.WeightSyncReport:
+    return pb.WeightSyncReport(
+        version=r.version,
+        checksum=r.checksum,
+        source_node=r.source,
+        source_address=r.source_address,
+        checkpoint_bytes=r.checkpoint_bytes,
+        nodes=[
+            pb.NodeWeightSync(
+                node=o.node,
+                ok=o.ok,
+                version=o.version,
+                previous=o.previous,
+                bytes_fetched=o.bytes_fetched,
+                fetch_seconds=o.fetch_seconds,
+                load_seconds=o.load_seconds,
+                seconds=o.seconds,
+                mbytes_per_s=o.mbytes_per_s,
+                error=o.error,
+                how=o.how,
+                resumes=o.resumes,
+                cached=o.cached,
+                circuits=o.circuits,
+                finished_at=o.finished_at,
+                streams=o.streams,
+            )
+            for o in r.nodes
+        ],
+        complete=r.complete,
+        completed_at=r.completed_at,
+        seconds=r.seconds,
+        message=r.message,
+        epoch=r.epoch,
+    )
 
 
 def event_to_pb(e: Event) -> pb.Event:

@@ -130,6 +130,98 @@ class PhaseChange:
     # pod pairs lack how many); the controller re-plans when the ports come back up
     degraded: bool = False
     missing: list[MissingCircuits] = field(default_factory=list)
+    # with a checkpoint (weight-sync): what every generation node did with it
+    weight_sync: WeightSyncView | None = None
+
+
+@dataclass(frozen=True)
+class NodeWeightSyncView:
+    """One generation node's part of a weight sync."""
+
+    node: str
+    ok: bool  # it runs the new version
+    version: str  # served now (after a failure: the version it kept)
+    previous: str
+    bytes_fetched: int
+    fetch_seconds: float
+    load_seconds: float
+    seconds: float
+    mbytes_per_s: float
+    error: str  # why it did not take the new version
+    how: str  # in place, restart, sim
+    resumes: int  # ranges resumed after a cut connection
+    cached: bool  # it had the checkpoint already
+    circuits: int  # between the source's pod and its pod in the epoch
+    finished_at: float  # seconds since the Unix epoch
+    streams: int
+
+
+@dataclass(frozen=True)
+class WeightSyncView:
+    """A weight sync (``set_phase("weight-sync", checkpoint=..., source=...)``)."""
+
+    version: str
+    checksum: str
+    source_node: str
+    source_address: str
+    checkpoint_bytes: int
+    epoch: int  # whose circuits carried the bytes
+    complete: bool  # every generation node runs the new version
+    completed_at: float  # when the last one said so (seconds since the Unix epoch; 0: not)
+    seconds: float
+    message: str
+    nodes: list[NodeWeightSyncView]
+
+
+class WeightSyncIncomplete(errors.FailedPrecondition):
+    """A weight sync that did not reach every generation node: ``change`` is the whole
+    answer (the epoch is committed; ``change.weight_sync`` names each node's outcome; a
+    node that failed keeps its old version). Retrying the same ``request_id`` sends the
+    updates again (nodes that took the version answer at once)."""
+
+    def __init__(self, change: PhaseChange) -> None:
+        self.change = change
+        assert change.weight_sync is not None
+        super().__init__(change.weight_sync.message)
+
+
+def _weight_sync(r: pb.SetPhaseResponse) -> WeightSyncView | None:
+    if not r.HasField("weight_sync"):
+        return None
+    w = r.weight_sync
+    return WeightSyncView(
+        version=w.version,
+        checksum=w.checksum,
+        source_node=w.source_node,
+        source_address=w.source_address,
+        checkpoint_bytes=w.checkpoint_bytes,
+        epoch=w.epoch,
+        complete=w.complete,
+        completed_at=w.completed_at,
+        seconds=w.seconds,
+        message=w.message,
+        nodes=[
+            NodeWeightSyncView(
+                node=n.node,
+                ok=n.ok,
+                version=n.version,
+                previous=n.previous,
+                bytes_fetched=n.bytes_fetched,
+                fetch_seconds=n.fetch_seconds,
+                load_seconds=n.load_seconds,
+                seconds=n.seconds,
+                mbytes_per_s=n.mbytes_per_s,
+                error=n.error,
+                how=n.how,
+                resumes=n.resumes,
+                cached=n.cached,
+                circuits=n.circuits,
+                finished_at=n.finished_at,
+                streams=n.streams,
+            )
+            for n in w.nodes
+        ],
+    )
 
 
 @dataclass(frozen=True)
@@ -153,6 +245,7 @@ class NodeView:
     telemetry: dict[str, Any] = field(default_factory=dict)
     engine: str = ""  # rollout engine kind
     gateway: str = ""  # HOST:PORT of the node's generation gateway ("" without one)
+    weight_version: str = ""  # the weights its engines serve (newest telemetry; "" unknown)
 
 
 @dataclass(frozen=True)
@@ -279,6 +372,7 @@ def _telemetry_summary(n: pb.NodeState) -> dict[str, Any]:
         "queued_requests": t.engine.queued_requests,
         "kv_cache_usage": t.engine.kv_cache_usage,
         "tp_layout": list(t.tp_layout),
+        "weight_version": t.weight_version,
     }
 
 
@@ -357,11 +451,30 @@ class AsyncClient:
         return await _Route(self, rpc).run(send)
 
     async def set_phase(
-        self, phase: Phase | str, request_id: str = "", idle_window_s: float = 0.0
+        self,
+        phase: Phase | str,
+        request_id: str = "",
+        idle_window_s: float = 0.0,
+        *,
+        checkpoint: str = "",
+        source: str = "",
+        checksum: str = "",
+        in_flight: str = "finish",
+        sync_timeout_s: float = 600.0,
+        streams: int = 0,
     ) -> PhaseChange:
         """Change the phase. ``idle_window_s``: predicted idle time of the traffic before
         the phase needs its circuits (0: unknown); a shorter window than the OCS needs
-        keeps the current topology (``gated`` in the result, ``message`` says why)."""
+        keeps the current topology (``gated`` in the result, ``message`` says why).
+
+        Weight sync (``phase="weight-sync"``): with ``checkpoint`` (a version) and
+        ``source`` (the node whose agent holds it), every generation node fetches it over
+        the phase's circuits and loads it; the result's ``weight_sync`` says when every one
+        runs it. ``checksum``: that checkpoint exactly ("" the source's newest of the
+        version); ``in_flight``: "finish" or "resume"; ``sync_timeout_s``: per node (the
+        call waits that much longer than ``timeout_s``); ``streams``: connections per node
+        (0: the default, 4). Raises :class:`WeightSyncIncomplete` (carrying the whole
+        answer) when a generation node did not take it."""
         p = phase if isinstance(phase, Phase) else Phase.parse(phase)
         # one request for every attempt: a retry or a hedge carries the same request id
         request = pb.SetPhaseRequest(
@@ -369,10 +482,23 @@ class AsyncClient:
             request_id=request_id or f"{AUTO_REQUEST_PREFIX}{uuid.uuid4().hex}",
             idle_window_s=idle_window_s,
         )
+        extra_s = 0.0
+        if checkpoint or source:
+            request.checkpoint.CopyFrom(
+                pb.WeightSyncRequest(
+                    version=checkpoint,
+                    source_node=source,
+                    checksum=checksum,
+                    in_flight=in_flight,
+                    timeout_s=sync_timeout_s,
+                    streams=streams,
+                )
+            )
+            extra_s = sync_timeout_s if sync_timeout_s > 0 else 600.0
         r: pb.SetPhaseResponse = await self._unary(
-            "SetPhase", lambda stub, timeout: stub.SetPhase(request, timeout=timeout)
+            "SetPhase", lambda stub, timeout: stub.SetPhase(request, timeout=timeout + extra_s)
         )
-        return PhaseChange(
+        change = PhaseChange(
             epoch=r.epoch,
             phase=_phase_name(r.phase),
             changed=r.changed,
@@ -385,7 +511,11 @@ class AsyncClient:
             explanation=r.explanation,
             degraded=r.degraded,
             missing=[MissingCircuits(m.pod_a, m.pod_b, m.circuits) for m in r.missing],
+            weight_sync=_weight_sync(r),
         )
+        if change.weight_sync is not None and not change.weight_sync.complete:
+            raise WeightSyncIncomplete(change)
+        return change
 
     @contextlib.asynccontextmanager
     async def phase(
@@ -459,6 +589,7 @@ class AsyncClient:
                 telemetry=_telemetry_summary(n),
                 engine=n.engine,
                 gateway=n.gateway,
+                weight_version=n.last_telemetry.weight_version,
             )
             for n in r.nodes
         ]
@@ -766,9 +897,32 @@ class Client:
         self.close()
 
     def set_phase(
-        self, phase: Phase | str, request_id: str = "", idle_window_s: float = 0.0
+        self,
+        phase: Phase | str,
+        request_id: str = "",
+        idle_window_s: float = 0.0,
+        *,
+        checkpoint: str = "",
+        source: str = "",
+        checksum: str = "",
+        in_flight: str = "finish",
+        sync_timeout_s: float = 600.0,
+        streams: int = 0,
     ) -> PhaseChange:
-        result: PhaseChange = self._run(self._async.set_phase(phase, request_id, idle_window_s))
+        """See :meth:`AsyncClient.set_phase`."""
+        result: PhaseChange = self._run(
+            self._async.set_phase(
+                phase,
+                request_id,
+                idle_window_s,
+                checkpoint=checkpoint,
+                source=source,
+                checksum=checksum,
+                in_flight=in_flight,
+                sync_timeout_s=sync_timeout_s,
+                streams=streams,
+            )
+        )
         return result
 
     def get_phase(self) -> PhaseState:
@@ -849,9 +1003,12 @@ __all__ = [
     "Client",
     "EventView",
     "NodeView",
+    "NodeWeightSyncView",
     "PhaseChange",
     "PhasePlan",
     "PhaseState",
+    "WeightSyncIncomplete",
+    "WeightSyncView",
     "controller_address",
     "controller_addresses",
     "to_json",

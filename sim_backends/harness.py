@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from fabric_controller.controller import Controller
+from fabric_controller.drivers.agents import AgentClients
 from fabric_controller.drivers.ocs import GrpcOcsDriver, OcsDriver
 from fabric_controller.servicer import FabricControllerServicer
 from fabric_controller.store import Store
+from fabric_controller.weight_sync_runner import WeightSync
 from orchestrrl import grpcutil, leader
 from orchestrrl.model import Wiring
 from orchestrrl.v1 import fabric_controller_pb2, fabric_controller_pb2_grpc
@@ -30,6 +32,7 @@ class _ControllerProcess:
     server: grpcutil.RunningServer
     drivers: list[OcsDriver]
     liveness: asyncio.Task[None]
+    agents: AgentClients
 
     async def stop(self) -> None:
         self.liveness.cancel()
@@ -38,6 +41,7 @@ class _ControllerProcess:
         await self.server.stop(0.1)
         for d in self.drivers:
             await d.close()
+        await self.agents.close()
         self.store.close()
 
 
@@ -82,16 +86,17 @@ async def serve_controller(
         **options,
     )
     await controller.start()
+    agents = AgentClients(None)  # weight sync's commands to the agents (plaintext loopback)
     server = await grpcutil.start_server(
         "127.0.0.1:0",
         lambda s: fabric_controller_pb2_grpc.add_FabricControllerServicer_to_server(
-            FabricControllerServicer(controller), s
+            FabricControllerServicer(controller, weights=WeightSync(controller, agents.get)), s
         ),
         [SERVICE],
         options=leader.SERVER_OPTIONS,
     )
     liveness = asyncio.create_task(controller.run_liveness())
-    return _ControllerProcess(controller, store, server, list(drivers.values()), liveness)
+    return _ControllerProcess(controller, store, server, list(drivers.values()), liveness, agents)
 
 
 @dataclass

@@ -22,6 +22,8 @@ import grpc
 
 from orchestrrl import errors, grpcutil
 from orchestrrl.tls import TlsConfig, addressed_to
+from orchestrrl.v1 import checkpoints_pb2 as ck_pb
+from orchestrrl.v1 import checkpoints_pb2_grpc as ck_grpc
 from orchestrrl.v1 import node_agent_pb2 as pb
 from orchestrrl.v1 import node_agent_pb2_grpc as pb_grpc
 
@@ -75,6 +77,7 @@ class GrpcAgentClient:
         self.address = address
         self.timeout_s = timeout_s
         self._stub = cast("NodeAgentAsyncStub", pb_grpc.NodeAgentStub(channel))
+        self._checkpoints = ck_grpc.CheckpointStoreStub(channel)
         self._to = addressed_to(node)
 
     def _what(self, rpc: str) -> str:
@@ -167,6 +170,32 @@ class GrpcAgentClient:
             self._stub.ResolveExport(req, timeout=self.timeout_s, metadata=self._to),
         )
         return Resolved(tuple(r.restored), tuple(r.released), r.message)
+
+    # -- weight sync --
+
+    async def get_status(self) -> pb.NodeStatus:
+        status: pb.NodeStatus = await self._call(
+            "GetStatus",
+            self._stub.GetStatus(pb.GetStatusRequest(), timeout=self.timeout_s, metadata=self._to),
+        )
+        return status
+
+    async def get_checkpoint(self, version: str, checksum: str) -> ck_pb.CheckpointInfo:
+        req = ck_pb.GetCheckpointRequest(version=version, checksum=checksum)
+        info: ck_pb.CheckpointInfo = await self._call(
+            "GetCheckpoint",
+            self._checkpoints.GetCheckpoint(req, timeout=self.timeout_s, metadata=self._to),
+        )
+        return info
+
+    async def update_weights(
+        self, request: pb.UpdateWeightsRequest, timeout_s: float
+    ) -> pb.UpdateWeightsResponse:
+        """``timeout_s``: the agent's own bound on fetch and load, plus a margin."""
+        return await self._call(
+            "UpdateWeights",
+            self._stub.UpdateWeights(request, timeout=timeout_s, metadata=self._to),
+        )
 
 
 class AgentClients:

@@ -156,3 +156,45 @@ def test_events_and_plan_commands(cluster: dict[str, Any]) -> None:
     assert "epoch_committed" in text
     plan = orljson(*ctl, "plan", "phase", "weight-sync")
     assert len(plan["added"]) == 16 and len(plan["removed"]) == 8
+
+
+def test_weight_sync_moves_a_checkpoint_to_every_generation_node(cluster: dict[str, Any]) -> None:
+    """A trainer publishes a checkpoint into its agent's directory; `phase set weight-sync
+    --checkpoint --from` commits the circuits, every generation agent fetches and loads it,
+    and `orlctl nodes` shows the version."""
+    import time
+
+    from fabric_controller.local import checkpoint_dir
+    from sim_backends.tiny_models import TinyShape, write_checkpoint
+
+    ctl = ["--controller", cluster["controller"]]
+    shape = TinyShape(layers=1, hidden=64, head_dim=32, intermediate=128, vocab=128)
+    published = write_checkpoint(checkpoint_dir(cluster["run_dir_path"], "train0-n0"), "7", shape)
+    r = orljson(*ctl, "phase", "set", "weight-sync", "--checkpoint", "7", "--from", "train0-n0")
+    ws = r["weight_sync"]
+    assert r["phase"] == "weight-sync" and ws["complete"], ws
+    assert ws["checksum"][:16] == published.name.split("-")[1]
+    assert {n["node"] for n in ws["nodes"]} == {"gen0-n0", "gen0-n1", "gen1-n0", "gen1-n1"}
+    assert all(n["ok"] and n["version"] == "7" and n["bytes_fetched"] > 0 for n in ws["nodes"])
+    for n in ws["nodes"]:  # each generation agent holds it, verified
+        assert (checkpoint_dir(cluster["run_dir_path"], n["node"]) / published.name).is_dir()
+    text = orlctl(*ctl, "phase", "set", "weight-sync", "--checkpoint", "7", "--from", "train0-n0")
+    assert "every generation node runs it" in text.stdout and "(had it)" in text.stdout
+    # a version nobody has: refused before any circuit moves, exit status 1
+    bad = orlctl(*ctl, "phase", "set", "weight-sync", "--checkpoint", "8", "--from", "train0-n0",
+                 check=False)  # fmt: skip
+    assert bad.returncode == 1 and "no checkpoint 8" in bad.stderr
+    half = orlctl(*ctl, "phase", "set", "training", "--checkpoint", "7", check=False)
+    assert half.returncode == 2 and "--from" in half.stderr
+    deadline = time.monotonic() + 30
+    while True:  # the agents report the version with their next telemetry upload
+        nodes = {n["node"]: n for n in orljson(*ctl, "nodes")}
+        if all(nodes[g]["weight_version"] == "7" for g in ws_nodes(ws)):
+            break
+        assert time.monotonic() < deadline, nodes
+        time.sleep(0.2)
+    assert " 7 " in orlctl(*ctl, "nodes").stdout
+
+
+def ws_nodes(ws: dict[str, Any]) -> list[str]:
+    return [n["node"] for n in ws["nodes"]]
