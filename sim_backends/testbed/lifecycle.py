@@ -502,7 +502,7 @@ def _ours(pid: int, testbed_id: str) -> bool:
 
 
 RUN_DIR_ENTRIES = frozenset(
-    {STATE_FILE, f".{STATE_FILE}.tmp", "wiring.toml", "ready", "logs", "state.db"}
+    {STATE_FILE, f".{STATE_FILE}.tmp", "wiring.toml", "ready", "logs", "state.db", "checkpoints"}
     | {"state.db-wal", "state.db-shm", "state.db-journal"}
 )
 

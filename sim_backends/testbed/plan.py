@@ -20,7 +20,10 @@ The model of the hardware, and where it simplifies:
 - capacities: every link is shaped with tbf on both ends to ``gbps * 1000 / scale``
   Mb/s; uplinks (hence circuits) run at ``uplink_gbps`` (the planner's default, 400);
 - management: a bridge ``<id>-br`` in the host namespace with the controller's and the
-  OCS daemons' address, and one veth per node (``mg0`` inside the node).
+  OCS daemons' address, and one veth per node (``mg0`` inside the node);
+- weight sync: every agent keeps checkpoints in ``RUN/checkpoints/NODE`` and serves them on
+  its data address (``checkpoint_listen``, port CHECKPOINT_PORT), so a generation node's
+  fetch from a training node crosses the ToRs and the OCS circuits like any data.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ UPLINK_POOL = ipaddress.IPv4Network("172.16.0.0/12")
 CONTROLLER_PORT = 50051
 OCS_PORT = 50061  # + index of the OCS
 AGENT_PORT = 50101
+CHECKPOINT_PORT = 50102  # each agent serves its checkpoints on its data address too
 HEARTBEAT_INTERVAL_S = 0.5
 RECONCILE_INTERVAL_S = 2.0  # how soon a failed OCS port is noticed and routed around
 OCS_DEVICE_PREFIX = "p"
@@ -512,6 +516,11 @@ def _uplink_addresses(w: Wiring, avoid: list[ipaddress.IPv4Network]) -> dict[tup
     return out
 
 
+def checkpoint_dir(plan: TestbedPlan, node: str) -> Path:
+    """The node agent's checkpoint_dir (a trainer publishes into its training node's)."""
+    return Path(plan.run_dir) / "checkpoints" / node
+
+
 def _daemons(plan: TestbedPlan, python: str) -> Iterator[Daemon]:
     run = Path(plan.run_dir)
 
@@ -560,6 +569,8 @@ def _daemons(plan: TestbedPlan, python: str) -> Iterator[Daemon]:
             "--engine", "sim",
             "--gpus", str(max(1, n.gpus)),
             "--nic", f"{n.device}={n.nic_gbps:g}",
+            "--checkpoint-dir", str(checkpoint_dir(plan, n.name)),
+            "--checkpoint-listen", f"{n.ip}:{CHECKPOINT_PORT}",
             "--plaintext",
             "--ready-file", ready,
             *common,

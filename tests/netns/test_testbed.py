@@ -259,3 +259,35 @@ async def test_weight_sync_follows_the_planner_and_reports_against_the_ideal(
     await set_phase(bed, Phase.GENERATION)
     with pytest.raises(errors.FailedPrecondition, match="no circuit for"):
         await traffic.weight_sync(bed, 20_000_000)
+
+
+async def test_a_checkpoint_crosses_the_weight_sync_circuits_and_only_them(
+    bed: TestbedPlan,
+) -> None:
+    """Every generation agent fetches the training agent's checkpoint from its data
+    address: with the weight-sync circuits the bytes leave the OCS ports toward the
+    generation pods; without them (the slack gate keeps the generation topology) no byte
+    crosses the OCS and every node keeps its version."""
+    from orchestrrl import checkpoint
+    from sim_backends.testbed import weights
+
+    await set_phase(bed, Phase.GENERATION)
+    path = await asyncio.to_thread(weights.publish, bed, "train0-n0", "1", 4_000_000)
+    size = checkpoint.verify(path).manifest.size
+
+    kept = await weights.checkpoint_sync(bed, "1", "train0-n0", idle_window_ms=1, timeout_s=6)
+    assert kept.change.gated and kept.change.phase == "generation"
+    assert not kept.complete and len(kept.nodes) == 4
+    # no path: the packets to the training node's data address go nowhere
+    assert all(not n.ok and "for the manifest (no answer)" in n.error for n in kept.nodes)
+    assert all(n.version == "0" for n in kept.change.weight_sync.nodes)  # type: ignore[union-attr]
+    assert kept.ocs_bytes == 0  # nothing crossed any circuit: there was none to cross
+
+    done = await weights.checkpoint_sync(bed, "1", "train0-n0", timeout_s=60)
+    assert done.complete and done.change.phase == "weight-sync", done.change.weight_sync
+    assert done.fetched_bytes == 4 * size
+    assert all(n.ok and n.circuits == 4 and n.capacity_mbps > 0 for n in done.nodes)
+    # the bytes went out of the circuits' ports toward the generation pods (with the
+    # TCP/IP, HTTP/2 and gRPC headers, and nothing else of that size)
+    assert done.fetched_bytes <= done.circuit_bytes < 1.2 * done.fetched_bytes
+    assert done.circuit_bytes <= done.ocs_bytes
