@@ -58,6 +58,7 @@ demo-testbed: $(STAMP)
 bench-testbed: $(STAMP)
 	@test "$$(id -u)" = 0 || { echo "make bench-testbed needs root"; exit 1; }
 	$(PY) bench/testbed.py --json bench/results/testbed.json
+	$(PY) bench/weight_sync.py --json bench/results/weight_sync.json
 
 test: $(STAMP) engines package
 	$(PY) -m pytest -q

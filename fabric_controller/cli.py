@@ -352,7 +352,7 @@ def describe_change(r: PhaseChange) -> str:
         *(f"  {line}" for line in r.explanation.splitlines()),
         *_degraded(r),
     ]
-    return "\n".join(lines + _by_pair(r.circuits))
+    return "\n".join(lines + _by_pair(r.circuits) + sync)
 
 
 def describe_weight_sync(w: WeightSyncView) -> str:

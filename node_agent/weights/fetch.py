@@ -299,7 +299,7 @@ async def fetch_checkpoint(
     record = progress_file(root, name)
     await asyncio.to_thread(_prepare_staging, staging, info.manifest, m)
     done = plan.parse_progress(record.read_bytes() if record.is_file() else b"", checksum, m.files)
-    parts = plan.plan_parts(m.files, done, part_bytes)
+    parts = plan.plan_parts(m.files, done, part_bytes, streams)
     run = _Run(source, version, checksum, staging, record, done, stall_s, attempts, backoff_s)
     status.stage, status.of = "parts", m.size - plan.done_bytes(done)
     run.status = status

@@ -1,8 +1,13 @@
 """Pure decisions of a checkpoint fetch: which byte ranges to ask for, how to resume.
 
-Every file of a checkpoint is cut into parts of at most ``part_bytes`` at fixed offsets
-(multiples of ``part_bytes``: the cut depends on the file's size only, so a fetch that
-starts again plans the same parts). Parts are fetched over several connections at once;
+Every file of a checkpoint is cut into parts at fixed offsets (multiples of the part
+size, :func:`part_size`: at most ``part_bytes``, and small enough that every one of the
+fetch's connections gets about four parts of a file: the connections take parts from one
+queue, so one that the fabric puts on a busy circuit takes fewer, and none idles while
+another carries a long last part). The cut depends on the file's size and the number of
+connections only: a fetch that starts again the same way plans the same parts, and one
+that starts another way fetches again only the parts its record does not cover. Parts are
+fetched over several connections at once;
 a connection cut in the middle of a part resumes that part at the first byte not yet
 written (:func:`rest_of`), and a part written whole is recorded as done
 (:func:`record_done`), so a fetch interrupted altogether (the agent restarted) asks only
@@ -25,6 +30,9 @@ from orchestrrl.checkpoint import FileEntry
 
 MIB = 1024 * 1024
 DEFAULT_PART_BYTES = 8 * MIB
+MIN_PART_BYTES = 256 * 1024
+PART_ALIGN = 64 * 1024
+PARTS_PER_STREAM = 4
 MAX_CHUNK_BYTES = MIB  # a CheckpointChunk's data, at most
 DEFAULT_STREAMS = 4
 MAX_STREAMS = 16
@@ -63,12 +71,22 @@ def check_streams(streams: int, field: str = "streams") -> int:
     return streams
 
 
-def cut(entry: FileEntry, part_bytes: int) -> tuple[Part, ...]:
-    """The parts of one file (none for an empty file)."""
+def part_size(size: int, part_bytes: int, streams: int = 1) -> int:
+    """The part size of a file of ``size`` bytes: at most ``part_bytes``; for a file that
+    ``streams`` connections would otherwise share unevenly, about ``size / (4 streams)``
+    (a multiple of 64 KiB, at least 256 KiB, and never more than ``part_bytes``)."""
     check_part_bytes(part_bytes)
+    even = -(-size // (PARTS_PER_STREAM * max(1, streams)))
+    even = -(-even // PART_ALIGN) * PART_ALIGN
+    return min(part_bytes, max(MIN_PART_BYTES, even))
+
+
+def cut(entry: FileEntry, part_bytes: int, streams: int = 1) -> tuple[Part, ...]:
+    """The parts of one file (none for an empty file)."""
+    step = part_size(entry.size, part_bytes, streams)
     return tuple(
-        Part(entry.name, start, min(start + part_bytes, entry.size))
-        for start in range(0, entry.size, part_bytes)
+        Part(entry.name, start, min(start + step, entry.size))
+        for start in range(0, entry.size, step)
     )
 
 
@@ -81,13 +99,15 @@ def plan_parts(
     files: Iterable[FileEntry],
     done: Mapping[str, Spans],
     part_bytes: int = DEFAULT_PART_BYTES,
+    streams: int = 1,
 ) -> tuple[Part, ...]:
-    """The parts still to fetch, in file order then offset order: every part of every
-    file that ``done`` does not cover."""
+    """The parts still to fetch, largest files first (so the connections finish
+    together), then in offset order: every part of every file that ``done`` does not
+    cover."""
     out: list[Part] = []
-    for entry in files:
+    for entry in sorted(files, key=lambda f: (-f.size, f.name)):
         spans = done.get(entry.name, ())
-        out.extend(p for p in cut(entry, part_bytes) if not covered(spans, p))
+        out.extend(p for p in cut(entry, part_bytes, streams) if not covered(spans, p))
     return tuple(out)
 
 

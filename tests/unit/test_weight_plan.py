@@ -29,12 +29,28 @@ def bytes_of(parts: tuple[Part, ...]) -> dict[str, set[int]]:
     return out
 
 
-@given(files_st, st.integers(1, 700))
-def test_the_parts_tile_every_file_once(files: tuple[FileEntry, ...], part_bytes: int) -> None:
-    parts = plan.plan_parts(files, {}, part_bytes)
-    assert all(0 < p.size <= part_bytes and p.start % part_bytes == 0 for p in parts)
+@given(files_st, st.integers(1, 700), st.integers(1, 16))
+def test_the_parts_tile_every_file_once(
+    files: tuple[FileEntry, ...], part_bytes: int, streams: int
+) -> None:
+    parts = plan.plan_parts(files, {}, part_bytes, streams)
+    assert all(0 < p.size <= part_bytes for p in parts)
     assert sum(p.size for p in parts) == sum(f.size for f in files)
     assert bytes_of(parts) == {f.name: set(range(f.size)) for f in files if f.size}
+
+
+@given(st.integers(0, 10**11), st.integers(1, 16))
+def test_a_big_file_gives_every_connection_work(size: int, streams: int) -> None:
+    step = plan.part_size(size, plan.DEFAULT_PART_BYTES, streams)
+    assert plan.MIN_PART_BYTES <= step <= plan.DEFAULT_PART_BYTES
+    assert step % plan.PART_ALIGN == 0
+    k = plan.PARTS_PER_STREAM * streams
+    if size >= k * plan.DEFAULT_PART_BYTES:  # a big file: parts of the most allowed
+        assert step == plan.DEFAULT_PART_BYTES
+    elif size >= k * plan.MIN_PART_BYTES:  # a middling one: about k parts
+        assert k - streams <= -(-size // step) <= k
+    # the same file and connections: the same cut (a resumed fetch plans the same parts)
+    assert step == plan.part_size(size, plan.DEFAULT_PART_BYTES, streams)
 
 
 @given(files_st, st.integers(1, 700), st.data())
