@@ -24,8 +24,8 @@ from node_agent.telemetry import Collector
 from node_agent.weights.fetch import GrpcCheckpointSource
 from node_agent.weights.store import SERVICE_NAME as STORE_SERVICE
 from node_agent.weights.store import CheckpointDir, CheckpointStoreService
-from node_agent.weights.update import WeightUpdater
-from orchestrrl import checkpoint, grpcutil
+from node_agent.weights.update import WeightUpdater, order_from_pb
+from orchestrrl import checkpoint, errors, grpcutil
 from orchestrrl.v1 import checkpoints_pb2, checkpoints_pb2_grpc
 from orchestrrl.v1 import node_agent_pb2 as pb
 from orchestrrl.v1 import node_agent_pb2_grpc as pb_grpc
@@ -246,3 +246,66 @@ async def test_an_agent_without_a_checkpoint_dir_or_a_converter_refuses(tmp_path
         code, details = await bed.refused(bed.order("c1", ck))
         assert code is grpc.StatusCode.FAILED_PRECONDITION and "GGUF" in details
         assert bed.engine.weight_version == "0"
+
+
+async def test_a_gateways_engines_take_a_fetched_checkpoint_all_or_nothing(
+    tmp_path: Path,
+) -> None:
+    """Real engine instances behind the gateway (scripted stand-ins loading in place):
+    one instance refusing the new weights rolls the other back, the node keeps its
+    version; the retry loads the checkpoint already fetched, without fetching again."""
+    from node_agent.engines.base import Placement
+    from node_agent.gateway.engine import GatewayEngine
+    from node_agent.weights.prepare import hf_directory
+    from sim_backends.token_engine import ScriptedEngine
+
+    servers: list[ScriptedEngine] = []
+
+    def make(p: Placement) -> ScriptedEngine:
+        servers.append(ScriptedEngine(p, token_delay_s=0.001, in_place_updates=True))
+        return servers[-1]
+
+    gateway = GatewayEngine("scripted", 2, (1, 1), make, lambda p: 0, node="gen0-n0")
+    await gateway.start()
+    source_root = tmp_path / "train"
+    store = CheckpointStoreService("train0-n0", CheckpointDir(source_root))
+    server = await grpcutil.start_server(
+        "127.0.0.1:0",
+        lambda s: checkpoints_pb2_grpc.add_CheckpointStoreServicer_to_server(store, s),
+        [STORE_SERVICE],
+    )
+    updater = WeightUpdater(
+        "gen0-n0",
+        CheckpointDir(tmp_path / "gen"),
+        gateway,
+        "scripted",
+        lambda node, address: GrpcCheckpointSource(node, address, None),
+        prepare=hf_directory,
+    )
+    try:
+        ck = write_checkpoint(source_root, "1", SHAPE, seed=1)
+        m = checkpoint.parse_manifest((ck / checkpoint.MANIFEST).read_bytes())
+        order = order_from_pb(
+            pb.UpdateWeightsRequest(
+                command_id="g1", version="1", checksum=m.checksum, source_node="train0-n0",
+                source_address=server.address, timeout_s=TIMEOUT,
+            )
+        )  # fmt: skip
+        servers[1].fail_updates = 1
+        with pytest.raises(errors.FailedPrecondition) as info:
+            await updater.update(order)
+        assert "instance 1" in str(info.value) and "keeps serving version '0'" in str(info.value)
+        assert gateway.weight_version == "0"
+        assert [s.model for s in servers] == ["scripted-0", "scripted-0"]  # rolled back
+        done = await updater.update(order)
+        assert (done.version, done.cached, done.bytes_fetched, done.how) == (
+            "1",
+            True,
+            0,
+            "in place",
+        )
+        assert gateway.weight_version == "1"
+        assert {s.model for s in servers} == {str(tmp_path / "gen" / ck.name)}
+    finally:
+        await server.stop(0)
+        await gateway.close()
