@@ -445,10 +445,14 @@ class AsyncClient:
     def _stub_for(self, address: str) -> pb_grpc.FabricControllerStub:
         return pb_grpc.FabricControllerStub(self._channel(address))
 
-    async def _unary(self, rpc: str, send: Callable[[Any, float], Awaitable[T]]) -> T:
+    async def _unary(
+        self, rpc: str, send: Callable[[Any, float], Awaitable[T]], patience_s: float = 0.0
+    ) -> T:
         """``send(stub, timeout)`` to the leader: hedged, following redirects (see the
-        class docstring)."""
-        return await _Route(self, rpc).run(send)
+        class docstring). ``patience_s``: how much longer than usual the leader may work
+        on this call before it is given up, or hedged for its silence (a weight sync moves
+        bytes: a leader that died meanwhile is found by the connection's pings)."""
+        return await _Route(self, rpc, patience_s).run(send)
 
     async def set_phase(
         self,
@@ -496,7 +500,7 @@ class AsyncClient:
             )
             extra_s = sync_timeout_s if sync_timeout_s > 0 else 600.0
         r: pb.SetPhaseResponse = await self._unary(
-            "SetPhase", lambda stub, timeout: stub.SetPhase(request, timeout=timeout + extra_s)
+            "SetPhase", lambda stub, timeout: stub.SetPhase(request, timeout=timeout), extra_s
         )
         change = PhaseChange(
             epoch=r.epoch,
@@ -660,13 +664,14 @@ class _Route:
     failures, at most ``backoff_max_s``), while a silent one stays in flight: a frozen
     controller never delays the others."""
 
-    def __init__(self, client: AsyncClient, rpc: str) -> None:
+    def __init__(self, client: AsyncClient, rpc: str, patience_s: float = 0.0) -> None:
         self._client = client
         self._rpc = rpc
+        self._patience_s = patience_s  # more time for this call (and its silences)
         self.address = client.address  # where the next attempt goes
         self._loop = asyncio.get_running_loop()
         self._started = self._loop.time()
-        self._deadline = self._started + client.timeout_s
+        self._deadline = self._started + client.timeout_s + patience_s
         # the list, the leader found by an earlier call, and the leaders named on the way
         self._candidates = list(dict.fromkeys([client.address, *client.addresses]))
         self._hops = 0  # redirects followed (watch), or new leaders named (unary calls)
@@ -704,7 +709,7 @@ class _Route:
         """Attempts of ``send(stub, timeout)`` until one answers as the leader (see the
         class docstring); its result, or the error that ends the call."""
         c = self._client
-        attempt_s = c.attempt_timeout_s
+        attempt_s = c.attempt_timeout_s + self._patience_s
         primary = self.address
         inflight: dict[asyncio.Task[T], tuple[str, float]] = {}  # -> (address, since)
         # when each address may be asked (again): the others after the hedge delay

@@ -205,3 +205,19 @@ async def test_a_phase_change_waits_for_the_bytes(cluster: Cluster) -> None:
     cluster.store.hold.set()
     assert (await sync).weight_sync is not None
     assert (await cluster.client.get_phase()).phase == "weight-sync"
+
+
+async def test_a_sync_may_outlast_the_clients_own_timeout(cluster: Cluster) -> None:
+    """The client waits sync_timeout_s more than its timeout for a weight sync."""
+    write_checkpoint(cluster.train_root, "1", SHAPE, seed=1)
+    cluster.store.hold = asyncio.Event()
+    async with AsyncClient(cluster.fabric.address, timeout_s=1.0) as quick:
+        sync = asyncio.ensure_future(
+            quick.set_phase("weight-sync", checkpoint="1", source="train0-n0", sync_timeout_s=60)
+        )
+        await asyncio.wait_for(cluster.store.reading.wait(), 10)
+        await asyncio.sleep(1.5)  # the bytes are held past the client's 1 s
+        assert not sync.done()
+        cluster.store.hold.set()
+        change = await sync
+    assert change.weight_sync is not None and change.weight_sync.complete
