@@ -339,7 +339,7 @@ async def _serve_agent(
         instance_health=rollout.gateway.instance_health if rollout.gateway else None,
         weight_version=(lambda: loader.weight_version) if loader is not None else None,
         checkpoint_address=advertised_address(extra.address, None) if extra else "",
-        checkpoints=weights is not None,
+        checkpoints=store is not None,
     )
     follow = getattr(gpus, "follow", None)  # simulated GPUs: load follows the engine's
     if follow is not None:  # figures of the sample being taken

@@ -488,6 +488,14 @@ class AsyncClient:
         )
         extra_s = 0.0
         if checkpoint or source:
+            if (
+                isinstance(streams, bool)
+                or not isinstance(streams, int)
+                or not 0 <= streams < 2**32
+            ):
+                raise errors.field_error("streams", streams, "connections per node, 0: the default")
+            if not isinstance(sync_timeout_s, int | float) or not 0 <= sync_timeout_s < 1e9:
+                raise errors.field_error("sync_timeout_s", sync_timeout_s, "seconds >= 0")
             request.checkpoint.CopyFrom(
                 pb.WeightSyncRequest(
                     version=checkpoint,

@@ -8,6 +8,7 @@ for during the sync waits for it."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from fabric_controller import cli
 from node_agent.commands import CommandLog
 from node_agent.nics import SysfsNics
 from node_agent.servicer import SERVICE_NAME, NodeAgentService
@@ -162,7 +164,9 @@ async def test_every_generation_node_runs_the_new_version(cluster: Cluster) -> N
     assert nodes["gen0-n0"].health == "up"
 
 
-async def test_a_node_that_fails_is_named_and_keeps_its_version(cluster: Cluster) -> None:
+async def test_a_node_that_fails_is_named_and_keeps_its_version(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
     write_checkpoint(cluster.train_root, "1", SHAPE, seed=1)
     cluster.fabric.controller.register("gen1-n1", "127.0.0.1:1", "sim", 8, "sim")  # nobody there
     with pytest.raises(WeightSyncIncomplete) as info:
@@ -176,6 +180,16 @@ async def test_a_node_that_fails_is_named_and_keeps_its_version(cluster: Cluster
     assert "serves on 3 of 4" in ws.message and "gen1-n1" in str(info.value)
     # the epoch is committed either way
     assert (await cluster.client.get_phase()).phase == "weight-sync"
+    # orlctl prints the whole answer and exits 1
+    capsys.readouterr()
+    argv = ["--controller", cluster.fabric.address, "--json", "phase", "set", "weight-sync"]
+    argv += ["--checkpoint", "1", "--from", "train0-n0"]
+    assert await asyncio.to_thread(cli.main, argv) == 1
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out[captured.out.index("{\n") :])
+    assert printed["weight_sync"]["complete"] is False
+    assert [n["node"] for n in printed["weight_sync"]["nodes"] if not n["ok"]] == ["gen1-n1"]
+    assert "orlctl: error: version 1 serves on 3 of 4" in captured.err
 
 
 async def test_a_checkpoint_the_source_lacks_changes_no_circuit(cluster: Cluster) -> None:
