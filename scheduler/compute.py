@@ -208,7 +208,10 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
     unplaceable.extend(left)
     if not changed:
         keep_s = max(pl.queued_runs(), default=0.0)
-    pl.balance(cost_fn, max(config.move_margin_s, EPS))
+    if not config.carry_tail:
+        # under partial rollout the step does not wait for its last instance (the tail
+        # is carried into the next step): evening out predicted finishes buys nothing
+        pl.balance(cost_fn, max(config.move_margin_s, EPS))
 
     # predicted times, migrations, reshards
     pauses = {n: prob.node_cost(prob.current_pattern[n], target[n]) for n in changed}

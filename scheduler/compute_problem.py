@@ -81,6 +81,14 @@ class PlannerConfig:
     # most this: without the bound, 57 instances with 1500 requests took 94 s to plan
     all_candidates_work: int = 4096
     max_moves: int = 1_000_000
+    # partial rollout (scheduler.rollout): the step's tail is carried into the next step
+    # rather than waited for, so a request's critical path is its expected remaining
+    # tokens (layouts are scored on the work, not on the longest response), no group is
+    # admitted ahead of its turn for being predicted long (it would be carried anyway;
+    # queues stay first come, first served, carried requests first), no request is moved
+    # off a straggler (the step does not wait for its last instance), and a layout change
+    # must beat the relative switching margin whatever holds KV (scheduler.layout)
+    carry_tail: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.tail_quantile < 1.0:
@@ -435,7 +443,7 @@ def build_problem(
     scales = forecast.group_log_scale
     long_group = np.array(
         [scales.get(g, 0.0) > 0.0 if g is not None else False for g in groups]
-        if scales
+        if scales and not config.carry_tail
         else np.zeros(n_req, np.bool_),
         dtype=np.bool_,
     )
@@ -456,7 +464,7 @@ def build_problem(
     # int(x * SCALE + 0.5) for x >= 0 (means are never negative)
     mi_a = np.floor(means * SCALE + 0.5).astype(np.int64)
     m_a = mi_a / SCALE
-    q_a = np.maximum(quants, m_a)  # q if q > m else m
+    q_a = m_a if config.carry_tail else np.maximum(quants, m_a)  # q if q > m else m
     ctx = tuple(ctx_a.tolist())
     has_kv = tuple(kv_a.tolist())
     pre_a = np.where(kv_a, 0, ctx_a)

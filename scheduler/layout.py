@@ -815,7 +815,10 @@ def choose_layout(
     current = next(c for c in choices if c.is_current)
     best = choices[0]
     margin = max(prob.config.switch_margin_s, EPS)
-    if prob.kv_array.any():
+    # Under partial rollout (carry_tail) the prediction covers work the step will not
+    # wait for (its tail is carried into the next step), so a gain on it overstates what
+    # the step gets: the relative margin applies whatever holds KV.
+    if prob.kv_array.any() or prob.config.carry_tail:
         # The relative margin is a bias toward the layout the planner chose for the work
         # in flight: it keeps a forecast's noise from flapping the layout under running
         # requests. When no request holds KV (a step's batch has just arrived, nothing

@@ -40,7 +40,14 @@ def _run(args: argparse.Namespace) -> int:
                 f"{f'{o.gen_gpus}/{o.train_gpus}':>15} {f'TP{o.static_tp}':>9} {o.gen_s:>13.2f} "
                 f"{o.train_s:>11.2f} {o.sync_s:>7.3f} {o.step_s:>8.2f}  {o.bound}{mark}"
             )
-    result = run_scenario(scenario)
+    rl = None
+    if scenario.rollout.mode != "full" or scenario.split.choose == "plan":
+        from sim_backends.clustersim.rollout import run_scenario_rl
+
+        rl = run_scenario_rl(scenario)
+        result = rl.run
+    else:
+        result = run_scenario(scenario)
     print(
         f"{scenario.name}: {scenario.model.name} on {result.gpus} GPUs "
         f"({scenario.split.gen_gpus} generate, {scenario.split.train_gpus} train), "
@@ -63,6 +70,8 @@ def _run(args: argparse.Namespace) -> int:
         f"perf/cost {result.perf_per_cost:.4f} steps/s per MUSD; the pipeline is "
         f"{result.bound}-bound"
     )
+    if rl is not None:
+        _print_rollout(rl)
     print(
         f"engines run at most {scenario.generation.max_num_seqs} sequences per instance at "
         "every TP (generation.max_num_seqs; the KV cache may hold fewer)"
@@ -75,7 +84,7 @@ def _run(args: argparse.Namespace) -> int:
             f"{moves} moves"
         )
     ceil: dict[str, Any] | None = None
-    if not scenario.generation.static_tp and scenario.generation.policy != "static":
+    if rl is None and not scenario.generation.static_tp and scenario.generation.policy != "static":
         # policies compared: every static TP, adaptive, oracle and the fluid bound
         from sim_backends.clustersim.report import (
             CEILING_HEADER,
@@ -106,10 +115,39 @@ def _run(args: argparse.Namespace) -> int:
         }
         if ceil is not None:
             summary["ceilings"] = ceil
+        if rl is not None:
+            summary["rollout"] = rl.summary()
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
         print(f"wrote {args.json}")
     return 0
+
+
+def _print_rollout(rl: Any) -> None:
+    """The rollout bookkeeping of a run under a rollout rule (an ``RLRun``)."""
+    rule = rl.rule
+    print(
+        f"rollout {rule.mode.value}: over_provision {rule.over_provision:g}, max_staleness "
+        f"{rule.max_staleness}, step end {rule.end.value}"
+    )
+    print(
+        f"{'step':>4} {'gen/train':>9} {'started':>8} {'carried in':>10} {'trained':>8} "
+        f"{'carried out':>11} {'waiting':>8} {'dropped':>8}"
+    )
+    for x, st in zip(rl.rollout, rl.run.steps, strict=True):
+        print(
+            f"{x.step:>4} {f'{st.gen_gpus}/{st.train_gpus}':>9} {x.started_groups:>8} "
+            f"{x.carried_in:>10} {x.trained_responses:>8} {x.carried_out:>11} "
+            f"{x.waiting_groups:>8} {x.dropped_responses:>8}"
+        )
+    for reason in rl.plans:
+        print(f"  {reason}")
+    print(
+        f"RL throughput (steps {rl.steady_steps[0].step}-{rl.steady_steps[-1].step}): "
+        f"{rl.samples_per_s:.2f} trained samples/s, {rl.tokens_per_s:.0f} trained tokens/s, "
+        f"mean step {rl.mean_step_s:.2f} s; off-policy tokens "
+        f"{rl.offpolicy_token_share:.1%}, dropped responses {rl.dropped_share:.1%}"
+    )
 
 
 def _reproduce(args: argparse.Namespace) -> int:

@@ -67,6 +67,7 @@ from scheduler.compute_state import (
 )
 from scheduler.forecast import PriorLengths, build_forecast, prior_log_scales
 from scheduler.perf_model import DecodeBreakdown, PerfModel
+from scheduler.rollout import RolloutRule, StepEnd, StepProgress, rule_met, step_deadline, step_done
 from sim_backends.clustersim.oracle import OracleConfig, oracle_plan
 from sim_backends.clustersim.workload import RolloutRequest
 
@@ -109,11 +110,32 @@ class GenStepResult:
     reasons: tuple[str, ...]  # the planner's reason for every plan that changed something
     # (plan time, the planner's predicted rest of the step after its plan) per plan
     predicted: tuple[tuple[float, float], ...] = ()
+    # partial rollout (a StepStop): the requests finished, in completion order; the
+    # unfinished ones at the step's end with the tokens each has generated in all (its
+    # carried prefix included); when the rule was first met (None: not before the end)
+    finished: tuple[str, ...] = ()
+    unfinished: tuple[tuple[str, int], ...] = ()
+    ready_s: float | None = None
+
+
+@dataclass(frozen=True)
+class StepStop:
+    """Partial rollout in one step's simulation (:mod:`scheduler.rollout`): the rule, the
+    groups the trainer takes, the earliest end (the previous batch's training), the
+    responses each open group still needs to complete, and the complete groups that wait
+    from earlier steps."""
+
+    rule: RolloutRule
+    groups_per_step: int
+    min_end_s: float
+    need: Mapping[str, int]
+    complete: int = 0
 
 
 def group_name(r: RolloutRequest) -> str:
-    """The request's GRPO group: the samples of one prompt."""
-    return f"p{r.prompt}"
+    """The request's GRPO group: the samples of one prompt (named across steps when
+    partial rollout carries it)."""
+    return r.group or f"p{r.prompt}"
 
 
 def perfect_priors(requests: Sequence[RolloutRequest]) -> dict[str, PriorLengths]:
@@ -224,7 +246,7 @@ class _Req:
         self.group = group_name(r)
         self.prompt = r.prompt_tokens
         self.length = r.response_tokens
-        self.generated = 0  # tokens generated as of the instance's iteration it0
+        self.generated = r.generated  # tokens generated as of the instance's iteration it0
         self.inst: _Inst | None = None
         self.running = False
         self.it0 = 0
@@ -268,6 +290,7 @@ class GenerationSim:
         config: PlannerConfig,
         max_response_tokens: int,
         history: Sequence[Sequence[int]],
+        stop: StepStop | None = None,
     ) -> None:
         self.perf = perf
         self.decode = DecodeTimes(perf)
@@ -301,6 +324,13 @@ class GenerationSim:
         self.group_prior: dict[str, float] = {}  # per group, the previous epoch's prior
         self.reqs: dict[str, _Req] = {}
         self.lengths: dict[str, int] = {}  # true lengths: read by the oracle policy only
+        self.stop = stop
+        self.need = dict(stop.need) if stop is not None else {}
+        self.complete_groups = stop.complete if stop is not None else 0
+        self.finished: list[str] = []
+        self.tokens = 0  # decode tokens generated in this step (finished segments)
+        self.check_due = False
+        self.ready_s: float | None = None
         self.oracle = OracleConfig(
             max_num_seqs=config.max_num_seqs,
             tps=tuple(
@@ -415,6 +445,7 @@ class GenerationSim:
         _, k, b, _, _ = s.seg
         s.it += k
         s.ctx_sum += b * k
+        self.tokens += b * k
         s.clock = now
         s.last_work = now
         s.seg = None
@@ -429,18 +460,24 @@ class GenerationSim:
             self.completed.append(r.length)
             self.completed_groups.append(r.group)
             self.completions.append(now)
+            self.finished.append(r.id)
             self.unfinished -= 1
+            if self.stop is not None:
+                left = self.need.get(r.group, 0) - 1
+                self.need[r.group] = left
+                if left == 0:
+                    self.complete_groups += 1
+                self.check_due = True
         if s.ctx_sum > s.cap and len(s.running) > 1:
             newest = max(s.running.values(), key=lambda r: (r.it0, r.id))
             self._stop(s, newest)
             s.queue.appendleft(newest)
             self.preemptions += 1
 
-    def _sync(self, s: _Inst, now: float) -> None:
-        """Bring an instance with a decode segment in flight to ``now`` (whole iterations)."""
-        if s.seg is None or now <= s.clock:
-            return
-        start, k, b, f0, slope = s.seg
+    @staticmethod
+    def _iterations_done(seg: tuple[float, int, int, float, float], now: float) -> int:
+        """Whole iterations of a decode segment done by ``now`` (fewer than all of it)."""
+        start, k, _, f0, slope = seg
         elapsed = now - start
         # iterations done: largest j <= k with j*f0 + slope*j*(j-1)/2 <= elapsed
         if slope > 1e-15:
@@ -452,8 +489,17 @@ class GenerationSim:
         j = max(0, min(k - 1, j))
         while j > 0 and j * f0 + slope * j * (j - 1) / 2.0 > elapsed + 1e-12:
             j -= 1
+        return j
+
+    def _sync(self, s: _Inst, now: float) -> None:
+        """Bring an instance with a decode segment in flight to ``now`` (whole iterations)."""
+        if s.seg is None or now <= s.clock:
+            return
+        start, _, b, f0, slope = s.seg
+        j = self._iterations_done(s.seg, now)
         s.it += j
         s.ctx_sum += b * j
+        self.tokens += b * j
         s.clock = start + j * f0 + slope * j * (j - 1) / 2.0
         if j:
             s.last_work = s.clock
@@ -485,10 +531,19 @@ class GenerationSim:
             self.global_queue = ordered
         now = 0.0
         next_plan = 0.0 if self.policy != "static" else math.inf
+        stop = self.stop
+        deadline = step_deadline(stop.rule, stop.min_end_s) if stop is not None else math.inf
+        ended: float | None = None
         for s in self.insts.values():
             self._schedule(s)
         while self.unfinished > 0:
             t_event = self.events[0][0] if self.events else math.inf
+            if deadline <= min(next_plan, t_event):
+                now, deadline = deadline, math.inf
+                if self._stop_now(now):
+                    ended = now
+                    break
+                continue
             if next_plan <= t_event:
                 if math.isinf(next_plan):
                     raise errors.FailedPrecondition(
@@ -509,12 +564,58 @@ class GenerationSim:
                 continue
             now = t
             self._finish_segment(live, t)
+            if self.check_due:
+                self.check_due = False
+                if self._stop_now(now):
+                    ended = now
+                    break
             self._schedule(live)
         end = max(self.completions, default=0.0)
+        if stop is not None:
+            end = ended if ended is not None else max(end, stop.min_end_s)
+            if ended is not None:
+                for s in self.insts.values():
+                    self._sync(s, end)
         self.final_layout = self.layout()
         for s in list(self.insts.values()):
             self._retire(s, max(end, s.busy_until))
         return end
+
+    def _stop_now(self, now: float) -> bool:
+        """Whether the step's rule (a ``StepStop``) ends its generation at ``now``."""
+        stop = self.stop
+        if stop is None:
+            return False
+        progress = StepProgress(
+            elapsed_s=now,
+            complete_groups=self.complete_groups,
+            tokens=self._tokens_at(now) if stop.rule.end is StepEnd.TOKENS else 0,
+            in_flight=self.unfinished,
+            min_end_s=stop.min_end_s,
+        )
+        if self.ready_s is None and rule_met(stop.rule, stop.groups_per_step, progress):
+            self.ready_s = now
+        return step_done(stop.rule, stop.groups_per_step, progress)
+
+    def _tokens_at(self, now: float) -> int:
+        """Decode tokens generated in this step by ``now`` (segments in flight included)."""
+        return self.tokens + sum(
+            self._iterations_done(s.seg, now) * s.seg[2]
+            for s in self.insts.values()
+            if s.seg is not None and now > s.clock
+        )
+
+    def unfinished_tokens(self) -> list[tuple[str, int]]:
+        """Every unfinished request and the tokens it has generated in all (after the
+        step's end brought the instances up to date)."""
+        out: list[tuple[str, int]] = []
+        for r in self.reqs.values():
+            if r.done_at >= 0:
+                continue
+            s = r.inst
+            g = r.generated + (s.it - r.it0) if r.running and s is not None else r.generated
+            out.append((r.id, g))
+        return out
 
     # -- the planner in the loop --
 
@@ -655,8 +756,11 @@ def simulate_step(
     config: PlannerConfig = DEFAULT_CONFIG,
     max_response_tokens: int = 20480,
     history: Sequence[Sequence[int]] = (),
+    stop: StepStop | None = None,
 ) -> GenStepResult:
-    """Simulate one step's generation from a starting layout (node -> TP pattern)."""
+    """Simulate one step's generation from a starting layout (node -> TP pattern); with
+    ``stop``, until its partial-rollout rule ends the step (requests may carry a prefix
+    generated in earlier steps: ``RolloutRequest.generated``)."""
     if policy == "proactive":
         config = replace(config, move_margin_s=math.inf)
     sim = GenerationSim(
@@ -668,6 +772,7 @@ def simulate_step(
         config,
         max_response_tokens,
         history,
+        stop,
     )
     start = sim.layout()
     seconds = sim.run(requests)
@@ -688,4 +793,7 @@ def simulate_step(
         pause_s=sim.pause_s,
         reasons=tuple(sim.reasons),
         predicted=tuple(sim.predicted),
+        finished=tuple(sim.finished),
+        unfinished=tuple(sim.unfinished_tokens()) if stop is not None else (),
+        ready_s=sim.ready_s,
     )

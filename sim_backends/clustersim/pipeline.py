@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from scheduler.compute_problem import PlannerConfig
 from scheduler.perf_model import ModelShape, PerfModel, default_model
+from scheduler.rollout import RolloutMode, StepPhases, step_seconds
 from sim_backends.clustersim.collectives import weight_sync_transfers
 from sim_backends.clustersim.cost import CostBreakdown
 from sim_backends.clustersim.fabrics import (
@@ -84,6 +85,9 @@ class StepTiming:
     sync_reconfig_s: float
     sync_reconfigured: bool
     sync_reason: str
+    switch_s: float = 0.0  # pause of moving nodes between the pools before the step
+    train_gpus: int = 0  # the step's split (0: the run's)
+    gen_gpus: int = 0
 
 
 @dataclass(frozen=True)
@@ -312,6 +316,122 @@ def train_compute_s(s: Scenario, perf: PerfModel, tokens: int) -> float:
     )
 
 
+@dataclass(frozen=True)
+class TrainTiming:
+    """Training of one batch: compute, exposed communication (reconfiguration included)."""
+
+    train_s: float = 0.0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    reconfig_s: float = 0.0
+
+
+class StepTimer:
+    """Training and weight sync of consecutive RL steps on one fabric: what
+    :func:`run_pipeline` and the partial-rollout driver compose with generation. Call
+    :meth:`train` (the previous batch's tokens; None at the first step), then
+    :meth:`finish` with the step's generation seconds; :meth:`result` at the end."""
+
+    def __init__(
+        self, s: Scenario, perf: PerfModel, fabric: Fabric, mode: RolloutMode = RolloutMode.FULL
+    ) -> None:
+        self.perf, self.mode = perf, mode
+        self.use(s, fabric)
+        self.util_sum: dict[str, dict[str, float]] = {}
+        self.util_n: dict[str, int] = {}
+        self.steps: list[StepTiming] = []
+        self.algorithms: dict[str, str] = {}
+        self.start = 0.0
+
+    def use(self, s: Scenario, fabric: Fabric) -> None:
+        """Time the next steps on ``s``'s split and this fabric (the split changed)."""
+        self.s, self.fabric = s, fabric
+        self.sync_transfers = _sync_transfers(s, self.perf, fabric.cluster, fabric)
+
+    def train(self, tokens: int | None) -> TrainTiming:
+        """Training of a batch of ``tokens`` (prompt and response) on the fabric."""
+        if tokens is None:
+            return TrainTiming()
+        s, fabric, layout = self.s, self.fabric, self.s.parallelism
+        traffic = training_step(s, self.perf, tokens)
+        reconfig, _, _ = fabric.prepare_phase(
+            "training", traffic.demand(layout.algorithm), traffic.update_compute_s
+        )
+        seen: dict[int, dict[str, float]] = {}
+
+        def seconds_of(ts: Sequence[Transfer], seen: dict[int, dict[str, float]] = seen) -> float:
+            sec, util = fabric.measure(ts, s.parallelism.timing)
+            seen[id(ts)] = util
+            return sec
+
+        timing = time_training(
+            traffic,
+            seconds_of,
+            algorithm=layout.algorithm,
+            overlap=layout.overlap,
+            latency_s=self.perf.efficiency.network_latency_s,
+        )
+        for p in traffic.patterns:
+            used = seen.get(id(p.option(timing.choices[p.name]).transfers))
+            if used:
+                _acc(self.util_sum, self.util_n, "training", used)
+        self.algorithms.update(timing.choices)
+        comm = timing.exposed_s + reconfig
+        return TrainTiming(timing.compute_s + comm, timing.compute_s, comm, reconfig)
+
+    def finish(
+        self, step: int, gen_s: float, train: TrainTiming, switch_s: float = 0.0
+    ) -> StepTiming:
+        """The weight sync after the step's generation and training, and the step
+        (``switch_s``: a pause before it, nodes moving between the pools)."""
+        window = max(0.0, gen_s - train.train_s)
+        sync = self.fabric.run_phase("weight-sync", self.sync_transfers, idle_window_s=window)
+        _acc(self.util_sum, self.util_n, "weight-sync", sync.link_utilisation)
+        step_s = switch_s + step_seconds(self.mode, StepPhases(gen_s, train.train_s, sync.seconds))
+        timing = StepTiming(
+            step=step,
+            start_s=self.start,
+            gen_s=gen_s,
+            train_s=train.train_s,
+            train_compute_s=train.compute_s,
+            train_comm_s=train.comm_s,
+            sync_s=sync.seconds,
+            step_s=step_s,
+            sync_window_s=window,
+            train_reconfig_s=train.reconfig_s,
+            sync_reconfig_s=sync.reconfig_s,
+            sync_reconfigured=sync.reconfigured,
+            sync_reason=sync.reason,
+            switch_s=switch_s,
+            train_gpus=self.s.split.train_gpus,
+            gen_gpus=self.s.split.gen_gpus,
+        )
+        self.steps.append(timing)
+        self.start += step_s
+        return timing
+
+    def result(self, gens: Sequence[GenStepResult], *, policy: str, static_tp: int) -> RunResult:
+        s = self.s
+        util = {
+            phase: {k: v / self.util_n[phase] for k, v in classes.items()}
+            for phase, classes in self.util_sum.items()
+        }
+        return RunResult(
+            name=s.name,
+            policy=policy,
+            static_tp=static_tp,
+            fabric=self.fabric.kind.value,
+            gpus=s.split.train_gpus + s.split.gen_gpus,
+            steps=tuple(self.steps),
+            gens=tuple(gens),
+            cost=self.fabric.cost(),
+            link_utilisation=util,
+            train_gpus=s.split.train_gpus,
+            gen_gpus=s.split.gen_gpus,
+            algorithms=self.algorithms,
+        )
+
+
 def run_pipeline(
     s: Scenario,
     perf: PerfModel,
@@ -322,87 +442,13 @@ def run_pipeline(
     static_tp: int,
 ) -> RunResult:
     """Compose generation results with training and weight sync on ``fabric``."""
-    sync_transfers = _sync_transfers(s, perf, fabric.cluster, fabric)
-    layout = s.parallelism
-    latency = perf.efficiency.network_latency_s
-    util_sum: dict[str, dict[str, float]] = {}
-    util_n: dict[str, int] = {}
-    steps: list[StepTiming] = []
-    algorithms: dict[str, str] = {}
-    start = 0.0
+    timer = StepTimer(s, perf, fabric)
     prev: GenStepResult | None = None
     for g in gens:
-        train_s = compute = comm = train_reconfig = 0.0
-        if prev is not None:
-            traffic = training_step(s, perf, prev.response_tokens + prev.prompt_tokens)
-            train_reconfig, _, _ = fabric.prepare_phase(
-                "training", traffic.demand(layout.algorithm), traffic.update_compute_s
-            )
-            seen: dict[int, dict[str, float]] = {}
-
-            def seconds_of(
-                ts: Sequence[Transfer], seen: dict[int, dict[str, float]] = seen
-            ) -> float:
-                sec, util = fabric.measure(ts, s.parallelism.timing)
-                seen[id(ts)] = util
-                return sec
-
-            timing = time_training(
-                traffic,
-                seconds_of,
-                algorithm=layout.algorithm,
-                overlap=layout.overlap,
-                latency_s=latency,
-            )
-            for p in traffic.patterns:
-                used = seen.get(id(p.option(timing.choices[p.name]).transfers))
-                if used:
-                    _acc(util_sum, util_n, "training", used)
-            algorithms.update(timing.choices)
-            compute = timing.compute_s
-            comm = timing.exposed_s + train_reconfig
-            train_s = compute + comm
-        window = max(0.0, g.seconds - train_s if prev is not None else g.seconds)
-        sync = fabric.run_phase("weight-sync", sync_transfers, idle_window_s=window)
-        _acc(util_sum, util_n, "weight-sync", sync.link_utilisation)
-        step_s = max(g.seconds, train_s) + sync.seconds
-        steps.append(
-            StepTiming(
-                step=g.step,
-                start_s=start,
-                gen_s=g.seconds,
-                train_s=train_s,
-                train_compute_s=compute,
-                train_comm_s=comm,
-                sync_s=sync.seconds,
-                step_s=step_s,
-                sync_window_s=window,
-                train_reconfig_s=train_reconfig,
-                sync_reconfig_s=sync.reconfig_s,
-                sync_reconfigured=sync.reconfigured,
-                sync_reason=sync.reason,
-            )
-        )
-        start += step_s
+        tokens = None if prev is None else prev.response_tokens + prev.prompt_tokens
+        timer.finish(g.step, g.seconds, timer.train(tokens))
         prev = g
-    util = {
-        phase: {k: v / util_n[phase] for k, v in classes.items()}
-        for phase, classes in util_sum.items()
-    }
-    return RunResult(
-        name=s.name,
-        policy=policy,
-        static_tp=static_tp,
-        fabric=fabric.kind.value,
-        gpus=s.split.train_gpus + s.split.gen_gpus,
-        steps=tuple(steps),
-        gens=tuple(gens),
-        cost=fabric.cost(),
-        link_utilisation=util,
-        train_gpus=s.split.train_gpus,
-        gen_gpus=s.split.gen_gpus,
-        algorithms=algorithms,
-    )
+    return timer.result(gens, policy=policy, static_tp=static_tp)
 
 
 def _acc(

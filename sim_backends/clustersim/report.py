@@ -170,6 +170,112 @@ def e2e_table(results: Mapping[str, Mapping[str, Any]]) -> str:
     return _table(E2E_HEADER, e2e_rows(results))
 
 
+RL_HEADER = (
+    "scenario",
+    "baseline (best static, full)",
+    "TP alone",
+    "split alone",
+    "partial alone",
+    "static + partial + split",
+    "adaptive + partial + split",
+    "off-policy tokens",
+    "dropped",
+    "bound (full)",
+)
+# the RL rows shown, in order (keys of reproduce.RL_ROWS)
+RL_SHOWN = ("tp", "split", "partial", "partial_split", "adaptive_partial")
+
+
+def _rl_cell(r: Mapping[str, Any]) -> str:
+    """A row's speedup over the baseline in trained samples/s (and tokens/s)."""
+    return f"{r['samples_speedup']:.3f}x ({r['tokens_speedup']:.2f}x)"
+
+
+def rl_rows(results: Mapping[str, Mapping[str, Any]]) -> list[list[object]]:
+    """Rows of :data:`RL_HEADER`: RL throughput end to end (trained samples per second,
+    tokens per second in brackets) of each mechanism over the best static TP with full
+    rollout, the off-policy token share and dropped responses of the whole system, and
+    the fluid bound's end-to-end ceiling for full rollout on the baseline's split."""
+    rows: list[list[object]] = []
+    for name, c in results.items():
+        rs = c["rows"]
+        b = rs["baseline"]
+        a = rs["adaptive_partial"]
+        rows.append(
+            [
+                name,
+                f"TP{c['best_static_tp']} {c['gen_gpus']}/{c['train_gpus']}: "
+                f"{b['mean_step_s']:.1f} s, {b['samples_per_s']:.2f} samples/s",
+                *(_rl_cell(rs[k]) for k in RL_SHOWN),
+                f"{a['offpolicy_token_share']:.0%}",
+                f"{a['dropped_share']:.1%}",
+                f"{c['bound_speedup']:.3f}x",
+            ]
+        )
+    return rows
+
+
+OP_HEADER = (
+    "over_provision",
+    "splits",
+    "step s",
+    "samples/s",
+    "speedup (samples, tokens)",
+    "off-policy tokens",
+    "dropped",
+)
+
+
+def op_rows(sweep: Mapping[str, Any]) -> list[list[object]]:
+    """Rows of :data:`OP_HEADER` for one scenario's over-provisioning sweep."""
+    return [
+        [
+            op,
+            " ".join(r["splits"]),
+            r["mean_step_s"],
+            r["samples_per_s"],
+            f"{r['samples_speedup']:.3f}x, {r['tokens_speedup']:.3f}x",
+            f"{r['offpolicy_token_share']:.0%}",
+            f"{r['dropped_share']:.1%}",
+        ]
+        for op, r in sweep["rows"].items()
+    ]
+
+
+def rl_discussion(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Observations on the RL-throughput rows (computed from the run)."""
+    if not results:
+        return []
+    lines: list[str] = []
+    full = {n: c["rows"]["adaptive_partial"]["samples_speedup"] for n, c in results.items()}
+    low = min(full, key=full.__getitem__)
+    lines.append(
+        "Adaptive TP + partial rollout + the step planner's split: "
+        f"{min(full.values()):.3f}x ({low}) to {max(full.values()):.3f}x of the best static "
+        "full-rollout baseline in trained samples per second."
+    )
+    behind = [
+        f"{n} ({c['rows']['adaptive_partial']['samples_speedup']:.3f}x vs "
+        f"{c['rows']['partial_split']['samples_speedup']:.3f}x)"
+        for n, c in results.items()
+        if c["rows"]["adaptive_partial"]["samples_speedup"]
+        < c["rows"]["partial_split"]["samples_speedup"]
+    ]
+    lines.append(
+        "With partial rollout on, adaptive TP is behind static TP on "
+        + (", ".join(behind) if behind else "no scenario")
+        + " (the tail it re-lays out for is carried into the next step instead)."
+    )
+    moved = [
+        f"{n} ({' '.join(c['rows']['adaptive_partial']['splits'])})"
+        for n, c in results.items()
+        if len(set(c["rows"]["adaptive_partial"]["splits"])) > 1
+    ]
+    if moved:
+        lines.append("The step planner moved the split on " + ", ".join(moved) + ".")
+    return lines
+
+
 SWEEP_HEADER = (
     "gen/train GPUs",
     "best static",
@@ -441,6 +547,39 @@ def write_report(out: Mapping[str, Any], runs: Mapping[str, RunResult], outdir: 
             )
         )
         md.append("")
+    rl = out.get("rl", {})
+    if rl:
+        any_rl = next(iter(rl.values()))
+        md += ["## 1b. RL throughput end to end: partial rollout, the split, adaptive TP", ""]
+        md.append(
+            "Trained samples per second (response tokens per second in brackets) over the "
+            "best static TP with full rollout on the scenario's split (the baseline), with "
+            "each mechanism alone and together: adaptive TP (`TP alone`), the step "
+            "planner's generation/training split from the third step on (`split alone`), "
+            "partial rollout (over-provisioning 1.25, a step ends once the trainer's groups "
+            "are complete, max staleness 1; the planner turns over-provisioning off when "
+            "full rollout fits inside training), and all of them. A step trains the batch "
+            "the step before collected, so every mean leaves out the first "
+            f"{any_rl['warmup']} of {any_rl['steps']} steps (partial rollout's carry-over "
+            "reaches the trainer from the third step on). Off-policy tokens: trained "
+            "tokens generated under an older weight version than their batch's (beyond "
+            "the pipeline's one-step lag); dropped: responses dropped for staleness (with "
+            "their groups) over dropped and trained. `bound (full)`: generation at its "
+            "fluid bound with the baseline's training and sync, full rollout."
+        )
+        md.append("")
+        md.append(_table(RL_HEADER, rl_rows(rl)))
+        md.append("")
+        md += [f"- {line}" for line in rl_discussion(rl)]
+        md.append("")
+    ops = out.get("sensitivity_over_provision", {})
+    if ops:
+        md += ["### Over-provisioning (partial rollout, static TP, the planner's split)", ""]
+        for name, sweep in ops.items():
+            md.append(f"#### {name} (TP{sweep['best_static_tp']})")
+            md.append("")
+            md.append(_table(OP_HEADER, op_rows(sweep)))
+            md.append("")
     sp = out.get("sensitivity_split", {})
     if sp:
         md += ["## 3b. Sensitivity: generation / training split", ""]

@@ -32,11 +32,12 @@ pure function of the seed (wall-clock times go to the progress output only).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from scheduler.rollout import FULL, RolloutMode, RolloutRule, StepEnd
 from sim_backends.clustersim import regimes
 from sim_backends.clustersim.generation import GenStepResult, decode_time
 from sim_backends.clustersim.pipeline import (
@@ -58,6 +59,7 @@ from sim_backends.clustersim.pipeline import (
     with_max_num_seqs,
     with_split,
 )
+from sim_backends.clustersim.rollout import RLRun, run_rl
 from sim_backends.clustersim.scenario import (
     FABRIC_KINDS,
     Scenario,
@@ -82,6 +84,21 @@ SUITE_DIR = Path(__file__).resolve().parents[2] / "examples" / "sim" / "suite"
 QUICK_SUITE = ("default-14b", "dapo-14b")  # the --quick run's subset, shrunk
 SPLIT_SWEEP = ("default-14b", "dapo-14b")  # suite scenarios swept over the split
 SEQS_SWEEP = ("default-14b", "dapo-14b")  # ... and over max_num_seqs
+OP_SWEEP = ("default-14b", "dapo-14b")  # ... and over the partial rollout's over-provisioning
+# Partial rollout as the suite runs it: RollPacker's over-provisioning (1.25, arXiv
+# 2509.21009), a step ends once the trainer's groups are complete, a response spans at
+# most one weight version more than the pipeline's own lag (the issue's default)
+PARTIAL = RolloutRule(RolloutMode.PARTIAL, 1.25, 1, StepEnd.GROUPS)
+OVER_PROVISION = (1.1, 1.25, 1.5, 2.0)
+# the RL-throughput rows, in report order: (key, policy, rule, the step planner's split)
+RL_ROWS = (
+    ("baseline", "static", FULL, False),
+    ("tp", "adaptive", FULL, False),
+    ("split", "static", FULL, True),
+    ("partial", "static", PARTIAL, False),
+    ("partial_split", "static", PARTIAL, True),
+    ("adaptive_partial", "adaptive", PARTIAL, True),
+)
 
 
 @dataclass(frozen=True)
@@ -140,6 +157,13 @@ class Plan:
         """Training nodes of the split sweep (of the scenario's pool, 8 nodes in the
         swept scenarios; a split that leaves no generation node is skipped)."""
         return (1, 2) if self.quick else (1, 2, 3, 4)
+
+    @property
+    def rl_steps(self) -> tuple[int, int]:
+        """Steps of the RL-throughput runs and the warm-up left out of their means: a
+        partial step trains the batch of the step before, which carried responses only
+        from the third step on (quick: 4 steps, 2 left out)."""
+        return (4, 2) if self.quick else (5, 3)
 
     @property
     def seqs(self) -> tuple[int, ...]:
@@ -279,6 +303,14 @@ def tasks(plan: Plan, out: dict[str, Any], runs: dict[str, RunResult]) -> Iterat
 
         yield f"suite {s.name}: static TPs, adaptive, oracle, bound", suite_one
 
+    out["rl"] = {}
+    for s in plan.suite:
+
+        def rl_one(s: Scenario = s) -> None:
+            out["rl"][s.name] = rl_row(s, plan)
+
+        yield f"RL throughput {s.name}: full and partial rollout, split, TP", rl_one
+
     out["network"] = {}
     for nodes in plan.network_nodes:
         s = network_scenario(plan, nodes)
@@ -364,6 +396,17 @@ def tasks(plan: Plan, out: dict[str, Any], runs: dict[str, RunResult]) -> Iterat
             f"{len(regimes.PLACEMENTS)} placements x {len(FABRIC_KINDS)} fabrics",
             regime_size,
         )
+
+    ops: dict[str, Any] = {}
+    out["sensitivity_over_provision"] = ops
+    for s in plan.suite:
+        if s.name not in OP_SWEEP:
+            continue
+
+        def one_op(s: Scenario = s) -> None:
+            ops[s.name] = over_provision_rows(s, plan, out["rl"][s.name])
+
+        yield f"over-provisioning sweep {s.name}: {len(OVER_PROVISION)} budgets", one_op
 
     sweeps: dict[str, Any] = {}
     out["sensitivity_split"] = sweeps
@@ -482,6 +525,70 @@ def suite_row(s: Scenario, prompt_oracle: bool = True) -> dict[str, Any]:
     return row
 
 
+def rl_row(s: Scenario, plan: Plan) -> dict[str, Any]:
+    """RL throughput end to end on one scenario (its own split): the best static TP with
+    full rollout (the baseline, best of every uniform TP), then each mechanism from it
+    alone and together (:data:`RL_ROWS`): adaptive TP, the step planner's split, partial
+    rollout, both, and everything (adaptive TP, partial rollout, the planner's split and
+    budget); and the fluid bound on generation with the baseline's training and sync.
+    Each row: :meth:`.rollout.RLRun.summary` plus its speedups over the baseline in
+    trained samples and tokens per second."""
+    steps, warmup = plan.rl_steps
+    s, _ = resolve_split(replace(s, steps=steps))
+    perf = perf_model(s)
+
+    def run(policy: str, tp: int, rule: RolloutRule, split: bool) -> RLRun:
+        return run_rl(s, perf, policy, tp, rule, plan_split=split, warmup=warmup)
+
+    statics = {t: run("static", t, FULL, False) for t in candidate_tps(s, perf)}
+    tp = min(statics, key=lambda t: (statics[t].mean_step_s, t))
+    runs: dict[str, RLRun] = {}
+    for key, policy, rule, split in RL_ROWS:
+        runs[key] = statics[tp] if key == "baseline" else run(policy, tp, rule, split)
+    base = runs["baseline"]
+    bounds = step_bounds(s, perf)
+    window = base.steady_steps
+    bound_step = sum(max(bounds[x.step], x.train_s) + x.sync_s for x in window) / len(window)
+    rows: dict[str, Any] = {}
+    for key, r in runs.items():
+        row = r.summary()
+        row["samples_speedup"] = r.samples_per_s / base.samples_per_s
+        row["tokens_speedup"] = r.tokens_per_s / base.tokens_per_s
+        rows[key] = row
+    return {
+        "model": s.model.name,
+        "train_gpus": s.split.train_gpus,
+        "gen_gpus": s.split.gen_gpus,
+        "steps": steps,
+        "warmup": warmup,
+        "best_static_tp": tp,
+        "static_step_s": {str(t): r.mean_step_s for t, r in sorted(statics.items())},
+        "rows": rows,
+        "bound_step_s": bound_step,
+        "bound_speedup": base.mean_step_s / bound_step,
+    }
+
+
+def over_provision_rows(s: Scenario, plan: Plan, rl: Mapping[str, Any]) -> dict[str, Any]:
+    """The static TP of ``rl`` (the scenario's :func:`rl_row`) with partial rollout and
+    the planner's split at every over-provisioning of :data:`OVER_PROVISION`: throughput
+    against off-policy tokens and dropped responses, speedups over ``rl``'s baseline."""
+    steps, warmup = plan.rl_steps
+    s, _ = resolve_split(replace(s, steps=steps))
+    perf = perf_model(s)
+    tp = rl["best_static_tp"]
+    base = rl["rows"]["baseline"]
+    rows: dict[str, Any] = {}
+    for op in OVER_PROVISION:
+        rule = replace(PARTIAL, over_provision=op)
+        r = run_rl(s, perf, "static", tp, rule, plan_split=True, warmup=warmup)
+        row = r.summary()
+        row["samples_speedup"] = r.samples_per_s / base["samples_per_s"]
+        row["tokens_speedup"] = r.tokens_per_s / base["tokens_per_s"]
+        rows[f"{op:g}"] = row
+    return {"best_static_tp": tp, "rows": rows}
+
+
 DONE_FRACTIONS = (0.5, 0.75, 0.9)
 
 
@@ -578,6 +685,18 @@ def headline(out: dict[str, Any]) -> list[tuple[str, str, str]]:
                 f"compute 64 GPUs {model} end to end vs best static TP{row['static_tp']}",
                 got,
                 f"{paper} (up to 1.42x)",
+            )
+        )
+    rl = out.get("rl", {})
+    if rl:
+        full = {n: c["rows"]["adaptive_partial"]["samples_speedup"] for n, c in rl.items()}
+        dapo = f"; dapo-14b {full['dapo-14b']:.2f}x" if "dapo-14b" in full else ""
+        rows.append(
+            (
+                f"RL throughput, suite ({len(rl)} scenarios): adaptive TP + partial rollout + "
+                "split vs best static TP, full rollout",
+                f"{min(full.values()):.2f}x-{max(full.values()):.2f}x{dapo}",
+                "1.42x (up to; paper's end-to-end figure)",
             )
         )
     for gpus, table in out.get("network", {}).items():

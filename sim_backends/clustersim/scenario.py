@@ -32,6 +32,7 @@ A scenario (every key optional except ``cluster.nodes``; defaults below)::
     [training]   ...  see TrainingConfig
     [parallelism] ... see sim_backends.clustersim.parallel.Parallelism
     [fabric]     ...  see FabricConfig
+    [rollout]    ...  see RolloutConfig (full or partial rollout)
 
 Defaults and their public basis are documented on each dataclass.
 """
@@ -46,11 +47,18 @@ from typing import Any
 
 from orchestrrl import errors
 from scheduler.perf_model import HARDWARE, MODELS, default_model
+from scheduler.rollout import (
+    MAX_OVER_PROVISION,
+    MAX_STALENESS_LIMIT,
+    MIN_OVER_PROVISION,
+    RolloutRule,
+    build_rule,
+)
 from sim_backends.clustersim.models import SHAPES
 from sim_backends.clustersim.parallel import Parallelism
 
 POLICIES = ("static", "proactive", "reactive", "adaptive", "prompt-oracle", "oracle")
-SPLIT_CHOICES = ("fixed", "auto")
+SPLIT_CHOICES = ("fixed", "auto", "plan")
 PLACEMENTS = ("contiguous", "scattered")
 FABRIC_KINDS = ("fat-tree", "fat-tree-oversub", "rail-optimised", "static-optical", "rfabric")
 
@@ -88,7 +96,10 @@ class SplitConfig:
     (``train_gpus + gen_gpus``) and picks the split of it that minimises the best static
     layout's mean steady step time in the one-step-asynchronous pipeline (every whole-node
     split, or the training-pool sizes listed in ``sweep_train_gpus``; ties go to the split
-    with more generation GPUs). The rule is :func:`~.pipeline.choose_split`.
+    with more generation GPUs). The rule is :func:`~.pipeline.choose_split`, with
+    hindsight (every split simulated). ``plan``: starts on this split and lets the step
+    planner (:mod:`scheduler.step_plan`) move whole nodes between the pools from the third
+    step on, from its forecast and what the last step measured (no hindsight).
 
     ``placement``: ``contiguous`` (the training pool fills whole pods first, generation
     the pods after) or ``scattered`` (training ranks dealt round-robin over the pods, as a
@@ -208,6 +219,51 @@ class TrainingConfig:
 
 
 @dataclass(frozen=True)
+class RolloutConfig:
+    """When a step's generation ends (:mod:`scheduler.rollout`, the rule's reference).
+
+    ``mode``: ``full`` (every group of the step completes: verl's synchronous rollout,
+    run one step asynchronous here) or ``partial`` (a step ends by ``end`` and carries
+    its unfinished responses into the next step on the new weights: Kimi k1.5, AReaL,
+    APRIL, RollPacker). ``over_provision``: prompt groups kept in flight per group the
+    trainer takes, 1.0-2.0 (APRIL and Seer's Partial Rollout baseline use 2.0,
+    RollPacker 1.25; 1.0 in full mode). ``max_staleness``: weight versions a response may
+    span beyond the pipeline's one-step lag, 0-16 (AReaL's eta; beyond it the response and
+    its group are dropped and counted). ``end``: ``groups`` (default: once
+    ``prompts_per_step`` groups are complete), ``tokens`` (``token_budget`` tokens
+    generated in the step) or ``time`` (``time_budget_s`` seconds); empty: the mode's own.
+    A partial step never ends before the trainer has finished the previous batch
+    (generation goes on meanwhile). Carried requests recompute their KV cache on the new
+    weights when admitted (a prefill of prompt and prefix, the migration path's
+    recompute)."""
+
+    mode: str = "full"
+    over_provision: float = 1.0
+    max_staleness: int = 1
+    end: str = ""
+    token_budget: int = 0
+    time_budget_s: float = 0.0
+
+    def built(self) -> tuple[RolloutRule | None, list[str]]:
+        return build_rule(
+            mode=self.mode,
+            end=self.end,
+            over_provision=self.over_provision,
+            max_staleness=self.max_staleness,
+            token_budget=self.token_budget,
+            time_budget_s=self.time_budget_s,
+        )
+
+    @property
+    def rule(self) -> RolloutRule:
+        """The validated rule (a parsed scenario's is always valid)."""
+        rule, problems = self.built()
+        if rule is None:
+            raise errors.InvalidArgument("; ".join(problems))
+        return rule
+
+
+@dataclass(frozen=True)
 class FabricConfig:
     """The network (see sim_backends.clustersim.fabrics). Defaults: a 3:1
     oversubscribed Fat-Tree when that kind is chosen; a 3D MEMS OCS of 320 ports
@@ -233,6 +289,7 @@ class Scenario:
     training: TrainingConfig = TrainingConfig()
     parallelism: Parallelism = field(default_factory=Parallelism)
     fabric: FabricConfig = FabricConfig()
+    rollout: RolloutConfig = RolloutConfig()
     source: str = field(default="", compare=False)
 
     @property
@@ -253,6 +310,7 @@ _SECTIONS: dict[str, type] = {
     "training": TrainingConfig,
     "parallelism": Parallelism,
     "fabric": FabricConfig,
+    "rollout": RolloutConfig,
 }
 _TOP = {"name": str, "seed": int, "steps": int}
 
@@ -274,6 +332,17 @@ _NON_NEGATIVE = {
     ("parallelism", "tp"),
     ("parallelism", "ep"),
     ("parallelism", "overlap"),
+}
+# numbers whose range the section checks itself (scheduler.rollout), and the allowed
+# values a wrong type is told
+_OWN_RANGE = {
+    ("rollout", "over_provision"): (
+        f"a number from {MIN_OVER_PROVISION} to {MAX_OVER_PROVISION} "
+        "(prompts started / prompts the trainer takes)"
+    ),
+    ("rollout", "max_staleness"): f"an integer from 0 to {MAX_STALENESS_LIMIT}",
+    ("rollout", "token_budget"): 'an integer > 0 with rollout.end = "tokens", else 0',
+    ("rollout", "time_budget_s"): 'a number > 0 with rollout.end = "time", else 0',
 }
 
 
@@ -336,7 +405,9 @@ def _invalid(where: str, problems: list[str]) -> errors.InvalidArgument:
     )
 
 
-def _typed(name: str, value: Any, kind: Any, problems: list[str]) -> bool:
+def _typed(
+    name: str, value: Any, kind: Any, problems: list[str], allowed: str | None = None
+) -> bool:
     ok: bool
     if kind is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
@@ -345,7 +416,7 @@ def _typed(name: str, value: Any, kind: Any, problems: list[str]) -> bool:
     else:
         ok = isinstance(value, kind)
     if not ok:
-        problems.append(str(errors.field_error(name, value, f"a {kind.__name__}")))
+        problems.append(str(errors.field_error(name, value, allowed or f"a {kind.__name__}")))
     return ok
 
 
@@ -386,10 +457,12 @@ def _section(name: str, table: Mapping[str, Any], problems: list[str]) -> Any:
                 continue
             kwargs[key] = tuple(value)
             continue
-        if not _typed(dotted, value, kind, problems):
+        if not _typed(dotted, value, kind, problems, _OWN_RANGE.get((name, key))):
             continue
         if kind in (int, float):
-            if (name, key) in _NON_NEGATIVE:
+            if (name, key) in _OWN_RANGE:
+                pass
+            elif (name, key) in _NON_NEGATIVE:
                 if value < 0:
                     problems.append(str(errors.field_error(dotted, value, "a number >= 0")))
                     continue
@@ -550,6 +623,7 @@ def _check_semantics(s: Scenario, problems: list[str]) -> None:
                         )
                     )
                 )
+    problems += s.rollout.built()[1]
     f = s.fabric
     if f.kind not in FABRIC_KINDS:
         problems.append(

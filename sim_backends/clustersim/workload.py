@@ -52,6 +52,10 @@ class RolloutRequest:
     response_tokens: int  # what the policy will generate (unknown to the scheduler)
     dataset_prompt: int | None = None  # the prompt's id in the dataset (None: fresh)
     previous: PromptHistory | None = None  # None: not seen before, or not passed on
+    # partial rollout: the GRPO group's name across steps ("" : "p<prompt>", one step's)
+    # and the tokens already generated in earlier steps (carried with their prefix)
+    group: str = ""
+    generated: int = 0
 
 
 @dataclass(frozen=True)
@@ -82,21 +86,79 @@ def steps_per_epoch(cfg: WorkloadConfig) -> int:
 def step_workload(cfg: WorkloadConfig, seed: int, step: int) -> StepWorkload:
     """The requests of simulated RL step ``step`` (0-based; the run's step
     ``cfg.start_step + step``)."""
+    reqs = [r for d in group_draws(cfg, seed, step) for r in group_requests(cfg, d, step)]
+    return StepWorkload(step, tuple(reqs))
+
+
+@dataclass(frozen=True)
+class GroupDraw:
+    """One prompt group as drawn, before the policy's drift is applied: the ``index``-th
+    prompt of chunk ``chunk`` (the prompts of simulated step ``chunk`` under full
+    rollout), its prompt tokens, and per sample the log of its length over the median
+    (prompt term + sample term)."""
+
+    chunk: int
+    index: int
+    prompt_tokens: int
+    log_terms: tuple[float, ...]
+    dataset_prompt: int | None = None
+    previous: PromptHistory | None = None
+
+
+def _length(cfg: WorkloadConfig, median: float, log_term: float) -> int:
+    return max(1, min(cfg.max_response_tokens, round(median * math.exp(log_term))))
+
+
+@functools.lru_cache(maxsize=64)
+def group_draws(cfg: WorkloadConfig, seed: int, chunk: int) -> tuple[GroupDraw, ...]:
+    """The ``prompts_per_step`` groups of chunk ``chunk``: a stream of prompts cut into
+    steps' worth (partial rollout takes them at its own pace)."""
     if cfg.dataset_prompts > 0:
-        return _dataset_step_workload(cfg, seed, step)
-    rng = random.Random(f"orl-sim/{seed}/{step}")
-    median = median_at(cfg, step)
-    reqs: list[RolloutRequest] = []
+        run_step = cfg.start_step + chunk
+        return tuple(
+            GroupDraw(
+                chunk,
+                i,
+                tokens,
+                terms,
+                p,
+                previous_occurrence(cfg, seed, p, run_step) if cfg.prompt_history else None,
+            )
+            for i, (p, tokens, terms) in enumerate(_run_step_terms(cfg, seed, run_step))
+        )
+    rng = random.Random(f"orl-sim/{seed}/{chunk}")
+    out = []
     for i in range(cfg.prompts_per_step):
         prompt_tokens = max(
             1, round(cfg.prompt_tokens * math.exp(rng.gauss(0.0, cfg.prompt_sigma)))
         )
         difficulty = rng.gauss(0.0, cfg.prompt_sigma_response)
-        for j in range(cfg.samples_per_prompt):
-            raw = median * math.exp(difficulty + rng.gauss(0.0, cfg.sample_sigma))
-            length = max(1, min(cfg.max_response_tokens, round(raw)))
-            reqs.append(RolloutRequest(f"s{step}-p{i}-r{j}", i, prompt_tokens, length))
-    return StepWorkload(step, tuple(reqs))
+        terms = tuple(
+            difficulty + rng.gauss(0.0, cfg.sample_sigma) for _ in range(cfg.samples_per_prompt)
+        )
+        out.append(GroupDraw(chunk, i, prompt_tokens, terms))
+    return tuple(out)
+
+
+def group_requests(
+    cfg: WorkloadConfig, draw: GroupDraw, step: int, *, group: str = ""
+) -> tuple[RolloutRequest, ...]:
+    """A group's requests when simulated step ``step`` starts it: lengths at that step's
+    median (so a prompt drawn for a later chunk gets the policy of the step that runs it).
+    Ids name the chunk: ``s<chunk>-p<index>-r<sample>``."""
+    median = median_at(cfg, step)
+    return tuple(
+        RolloutRequest(
+            f"s{draw.chunk}-p{draw.index}-r{j}",
+            draw.index,
+            draw.prompt_tokens,
+            _length(cfg, median, term),
+            draw.dataset_prompt,
+            draw.previous,
+            group,
+        )
+        for j, term in enumerate(draw.log_terms)
+    )
 
 
 def workload(cfg: WorkloadConfig, seed: int, steps: int) -> tuple[StepWorkload, ...]:
@@ -129,32 +191,37 @@ def _prompt_at(cfg: WorkloadConfig, seed: int, prompt: int, epoch: int) -> tuple
 
 
 @functools.lru_cache(maxsize=64)
-def _run_step(
+def _run_step_terms(
     cfg: WorkloadConfig, seed: int, run_step: int
-) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+) -> tuple[tuple[int, int, tuple[float, ...]], ...]:
     """Run step ``run_step`` (absolute, >= 0): per prompt of the step, in order, its
-    dataset id, its prompt tokens and its samples' response lengths."""
+    dataset id, its prompt tokens and its samples' log lengths over the median."""
     per_epoch = steps_per_epoch(cfg)
     epoch, index = divmod(run_step, per_epoch)
     order, _ = _epoch_order(cfg.dataset_prompts, seed, epoch)
-    median = median_at(cfg, run_step - cfg.start_step)
     rows = []
     n = cfg.prompts_per_step
     for p in order[index * n : (index + 1) * n]:
         tokens, difficulty = _prompt_at(cfg, seed, p, epoch)
         rng = random.Random(f"orl-sim/{seed}/prompt{p}/epoch{epoch}")
-        lengths = tuple(
-            max(
-                1,
-                min(
-                    cfg.max_response_tokens,
-                    round(median * math.exp(difficulty + rng.gauss(0.0, cfg.sample_sigma))),
-                ),
-            )
-            for _ in range(cfg.samples_per_prompt)
+        terms = tuple(
+            difficulty + rng.gauss(0.0, cfg.sample_sigma) for _ in range(cfg.samples_per_prompt)
         )
-        rows.append((p, tokens, lengths))
+        rows.append((p, tokens, terms))
     return tuple(rows)
+
+
+@functools.lru_cache(maxsize=64)
+def _run_step(
+    cfg: WorkloadConfig, seed: int, run_step: int
+) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+    """Run step ``run_step`` (absolute, >= 0): per prompt of the step, in order, its
+    dataset id, its prompt tokens and its samples' response lengths."""
+    median = median_at(cfg, run_step - cfg.start_step)
+    return tuple(
+        (p, tokens, tuple(_length(cfg, median, t) for t in terms))
+        for p, tokens, terms in _run_step_terms(cfg, seed, run_step)
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -180,15 +247,3 @@ def previous_occurrence(
         lengths = next(ls for p, _, ls in rows if p == prompt)
         return PromptHistory(lengths, _run_step_log_mean(cfg, seed, then), run_step - then)
     return None
-
-
-def _dataset_step_workload(cfg: WorkloadConfig, seed: int, step: int) -> StepWorkload:
-    run_step = cfg.start_step + step
-    reqs: list[RolloutRequest] = []
-    for i, (p, tokens, lengths) in enumerate(_run_step(cfg, seed, run_step)):
-        previous = previous_occurrence(cfg, seed, p, run_step) if cfg.prompt_history else None
-        reqs.extend(
-            RolloutRequest(f"s{step}-p{i}-r{j}", i, tokens, length, p, previous)
-            for j, length in enumerate(lengths)
-        )
-    return StepWorkload(step, tuple(reqs))

@@ -58,6 +58,18 @@ def test_run_with_split_auto_prints_the_sweep_and_runs_the_chosen_split(tmp_path
     assert data["split_choose"] == "auto" and data["bound"] in {"generation", "training", "mixed"}
 
 
+def test_run_with_partial_rollout_and_the_step_planner(tmp_path: Path) -> None:
+    out = tmp_path / "res.json"
+    proc = _orl_sim("run", "examples/sim/partial.toml", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "rollout partial: over_provision 1.25, max_staleness 1, step end groups" in proc.stdout
+    assert "trained samples/s" in proc.stdout and "step 2: split" in proc.stdout
+    data = json.loads(out.read_text())["rollout"]
+    assert data["mode"] == "partial" and data["over_provision"] == 1.25
+    assert data["samples_per_s"] > 0 and 0 < data["offpolicy_token_share"] < 1
+    assert len(data["splits"]) == 5 and len(data["plans"]) == 3
+
+
 def test_bad_scenario_is_rejected_before_running(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text(
@@ -75,7 +87,7 @@ def test_bad_scenario_is_rejected_before_running(tmp_path: Path) -> None:
 def test_reproduce_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     proc = _orl_sim("reproduce", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    assert "] 19/19" in proc.stderr  # the progress bar reached the end
+    assert "] 23/23" in proc.stderr  # the progress bar reached the end
     assert "compute 64 GPUs Qwen2.5-14B" in proc.stdout and "paper" in proc.stdout
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results) >= {"compute", "network", "sensitivity_switching", "sensitivity_split"}
@@ -143,6 +155,33 @@ def test_reproduce_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
         assert r["algorithm"] in {"ring", "tree", "hierarchical"}
     assert len(regime["verdicts"]) == 6
     assert "## 2b. Regime map" in report and "RFabric / best static" in report
+    # RL throughput end to end: every mechanism over the best static full rollout
+    rl = results["rl"]
+    assert set(rl) == {"default-14b", "dapo-14b"}
+    for c in rl.values():
+        assert set(c["rows"]) == {
+            "baseline",
+            "tp",
+            "split",
+            "partial",
+            "partial_split",
+            "adaptive_partial",
+        }
+        assert c["rows"]["baseline"]["samples_speedup"] == 1.0
+        for r in c["rows"].values():
+            assert {
+                "mean_step_s",
+                "samples_per_s",
+                "offpolicy_token_share",
+                "dropped_share",
+            } <= set(r)
+            assert 0.0 <= r["offpolicy_token_share"] <= 1.0 and 0.0 <= r["dropped_share"] <= 1.0
+            assert r["steady_steps"] == [2, 3]
+        for key in ("baseline", "tp", "split"):
+            assert c["rows"][key]["offpolicy_token_share"] == 0.0  # full rollout
+    assert "## 1b. RL throughput end to end" in report and "adaptive + partial + split" in report
+    assert set(results["sensitivity_over_provision"]) == {"default-14b", "dapo-14b"}
+    assert "RL throughput, suite" in proc.stdout
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert "regime-map.png" in pngs
     assert "perf-cost.png" in pngs and any(p.startswith("timeline-") for p in pngs)

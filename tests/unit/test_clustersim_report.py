@@ -8,9 +8,13 @@ import pytest
 
 from sim_backends.clustersim.report import (
     E2E_HEADER,
+    RL_HEADER,
     SWEEP_HEADER,
     discussion,
     e2e_rows,
+    op_rows,
+    rl_discussion,
+    rl_rows,
     seqs_caps,
     seqs_discussion,
     sweep_discussion,
@@ -211,3 +215,49 @@ def test_a_table_where_no_row_ran_the_prompt_oracle_leaves_its_column_out() -> N
         {"a": ceilings(statics, 98.0, 90.0, 70.0), "b": ceilings(statics, 98.0, 90.0, 70.0, 95.0)}
     )
     assert "| prompt-oracle/best |" in told and "| - |" in told
+
+
+def _rl_row(speedup: float, static_partial: float, splits: list[str]) -> dict[str, Any]:
+    def row(x: float, sp: list[str] | None = None) -> dict[str, Any]:
+        return {
+            "samples_speedup": x,
+            "tokens_speedup": x * 0.9,
+            "mean_step_s": 100.0 / x,
+            "samples_per_s": 80.0 * x,
+            "offpolicy_token_share": 0.35,
+            "dropped_share": 0.004,
+            "splits": sp or ["48/16"],
+        }
+
+    return {
+        "best_static_tp": 4,
+        "gen_gpus": 48,
+        "train_gpus": 16,
+        "bound_speedup": 1.5,
+        "rows": {
+            "baseline": row(1.0),
+            "tp": row(1.01),
+            "split": row(1.05),
+            "partial": row(1.02),
+            "partial_split": row(static_partial),
+            "adaptive_partial": row(speedup, splits),
+        },
+    }
+
+
+def test_rl_rows_give_each_mechanism_and_the_off_policy_and_dropped_shares() -> None:
+    results = {
+        "dapo": _rl_row(1.342, 1.340, ["48/16", "48/16", "40/24"]),
+        "hd": _rl_row(1.031, 1.058, ["48/16"]),
+    }
+    rows = rl_rows(results)
+    assert len(rows[0]) == len(RL_HEADER)
+    assert rows[0][1] == "TP4 48/16: 100.0 s, 80.00 samples/s"
+    assert rows[0][6] == "1.342x (1.21x)" and rows[0][7] == "35%" and rows[0][8] == "0.4%"
+    lines = rl_discussion(results)
+    assert "1.031x (hd) to 1.342x" in lines[0]
+    assert "behind static TP on hd (1.031x vs 1.058x)" in lines[1]
+    assert "moved the split on dapo (48/16 48/16 40/24)" in lines[2]
+    assert rl_discussion({}) == []
+    sweep = {"rows": {"1.25": results["dapo"]["rows"]["adaptive_partial"]}}
+    assert op_rows(sweep)[0][:2] == ["1.25", "48/16 48/16 40/24"]

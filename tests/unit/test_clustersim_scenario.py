@@ -165,3 +165,60 @@ def test_bad_split_choice_names_field_value_and_what_is_allowed(
     split: dict[str, Any], needle: str
 ) -> None:
     assert needle in _error({"cluster": {"nodes": 8}, "split": split})
+
+
+def test_rollout_defaults_to_full_and_partial_keys_build_the_rule() -> None:
+    s = parse_scenario({"cluster": {"nodes": 8}})
+    assert s.rollout.mode == "full" and s.rollout.rule.partial is False
+    p = parse_scenario(
+        {
+            "cluster": {"nodes": 8},
+            "split": {"choose": "plan"},
+            "rollout": {"mode": "partial", "over_provision": 2, "max_staleness": 2},
+        }
+    )
+    rule = p.rollout.rule
+    assert rule.partial and rule.over_provision == 2.0 and rule.max_staleness == 2
+    assert rule.end.value == "groups" and p.split.choose == "plan"
+
+
+@pytest.mark.parametrize(
+    ("rollout", "needle"),
+    [
+        ({"mode": "async"}, "rollout.mode='async' is not valid: one of full, partial"),
+        (
+            {"mode": "partial", "over_provision": 2.5},
+            "rollout.over_provision=2.5 is not valid: a number from 1.0 to 2.0",
+        ),
+        (
+            {"mode": "partial", "over_provision": -1},
+            "rollout.over_provision=-1.0 is not valid: a number from 1.0 to 2.0",
+        ),
+        (
+            {"mode": "partial", "over_provision": "lots"},
+            "rollout.over_provision='lots' is not valid: a number from 1.0 to 2.0",
+        ),
+        (
+            {"over_provision": 1.5},
+            'rollout.over_provision=1.5 is not valid: 1.0 unless rollout.mode = "partial"',
+        ),
+        (
+            {"mode": "partial", "max_staleness": 1.5},
+            "rollout.max_staleness=1.5 is not valid: an integer from 0 to 16",
+        ),
+        (
+            {"mode": "partial", "max_staleness": -2},
+            "rollout.max_staleness=-2 is not valid: an integer from 0 to 16",
+        ),
+        ({"mode": "partial", "end": "never"}, "rollout.end='never' is not valid: one of all"),
+        (
+            {"mode": "partial", "end": "time"},
+            'rollout.time_budget_s=0.0 is not valid: a number > 0 with rollout.end = "time"',
+        ),
+        ({"mode": "partial", "budget": 3}, "rollout.budget=3 is not valid: unknown key"),
+    ],
+)
+def test_bad_rollout_values_name_the_key_the_value_and_the_range(
+    rollout: dict[str, Any], needle: str
+) -> None:
+    assert needle in _error({"cluster": {"nodes": 8}, "rollout": rollout})

@@ -381,3 +381,27 @@ def test_balancing_looks_at_every_instance_only_when_the_search_stays_small(
     plan = balance(state, forecast_for(state), PM, 0.0)
     assert seen == [exhaustive]
     assert_valid(state, plan)
+
+
+def test_under_partial_rollout_the_planner_moves_nothing_off_stragglers() -> None:
+    """With ``carry_tail`` (partial rollout) the step does not wait for its last instance:
+    the straggler above is left alone, and a fresh batch keeps its layout unless the gain
+    beats the relative margin (the prediction covers a tail the step will not wait for)."""
+    carry = PlannerConfig(carry_tail=True)
+    nodes, insts = cluster(2, (4, 4))
+    hot = insts[0]
+    reqs = tuple(Request(f"r{i:02d}", 2000, 500 + 10 * i, hot.id, True) for i in range(16))
+    state = ComputeState(nodes, tuple(insts), reqs)
+    plan = balance(state, forecast_for(state), PM, now=1.0, config=carry)
+    assert not [m for m in plan.migrations if m.source != m.target]
+    assert_valid(state, plan)
+    nodes, insts = cluster(6, (8,))
+    fresh = ComputeState(nodes, tuple(insts), tuple(Request(f"r{i:04d}", 256) for i in range(6144)))
+    thru = plan_compute(fresh, forecast_for(fresh), PM, 0.0, config=carry)
+    # scored on the work (no critical path): the most throughput, small instances
+    assert thru.reshards and max(i.tp for i in thru.instances) < 8
+    p = thru.prediction
+    assert p.keep_makespan_s - p.planned_makespan_s > 0.05 * p.keep_makespan_s
+    strict = dataclasses.replace(carry, switch_margin_rel=0.5)
+    kept = plan_compute(fresh, forecast_for(fresh), PM, 0.0, config=strict)
+    assert not kept.reshards and "not more than the margin" in kept.reason

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.compute import build_problem, plan_compute
+from scheduler.compute import PlannerConfig, build_problem, plan_compute
 from scheduler.compute_state import (
     ComputeState,
     Instance,
@@ -117,3 +117,20 @@ def test_equal_requests_take_turns_between_groups_in_the_longest_first_order() -
     order = [prob.rids[r] for r in prob.by_length]
     # every group's first sample before any group's second (LPT spreads the siblings)
     assert [x[0] for x in order] == ["a", "b", "c"] * 3
+
+
+def test_under_partial_rollout_long_groups_wait_their_turn() -> None:
+    """With ``carry_tail`` a predicted-long group would be carried anyway: queues stay
+    first come, first served."""
+    done, done_groups = _finished("hard", "easy")
+    waiting = [(f"e{k}", "easy") for k in range(4)] + [(f"h{k}", "hard") for k in range(3)]
+    state = _state(waiting)
+    fc = build_forecast(
+        completed=done,
+        completed_groups=done_groups,
+        running=[0] * len(waiting),
+        running_groups=[g for _, g in waiting],
+        max_tokens=20480,
+    )
+    plan = plan_compute(state, fc, PM, 0.0, PlannerConfig(carry_tail=True))
+    assert plan.admit_order == ()
