@@ -46,7 +46,21 @@ What it serves:
   ``--decode-log-interval`` decode steps and when idle, as the scheduler of TP rank 0
   does), ``sglang:prompt_tokens_total`` and ``sglang:generation_tokens_total`` (counted
   when a call ends), with SGLang's labels;
-- ``GET /server_info`` and ``GET /get_server_info``: the launch settings and ``version``.
+- ``GET /server_info`` and ``GET /get_server_info``: the launch settings and ``version``;
+- ``return_logprob`` in ``/generate``: ``meta_info.output_token_logprobs``, a list of
+  ``[logprob, token_id, null]`` (tokenizer_manager.py ``detokenize_logprob_tokens``), all
+  of them so far, or with ``--incremental-streaming-output`` the new ones
+  (``_INCREMENTAL_STREAMING_META_INFO_KEYS``). The stand-in's logprob of a token is a
+  number in [-5, -0.001] fixed by the state it was drawn in (:func:`logprob_of`);
+- ``POST /update_weights_from_disk {"model_path", "weight_version", "flush_cache"}``
+  (http_server.py ``update_weights_from_disk``): ``{"success", "message",
+  "num_paused_requests"}``, HTTP 400 and the old weights kept when the path has no
+  ``config.json`` of the same vocabulary. The stand-in's "weights" are a salt of its rule,
+  taken from the checkpoint's ``*.safetensors`` files (:func:`weights_salt`; 0 without
+  any): the same checkpoint always continues a prefix the same way, another one
+  differently. Calls retracted to the queue (``/pause_generation`` mode ``retract``) are
+  recomputed on the new weights; ``weight_version`` is then every answer's
+  ``meta_info.weight_version`` (``default`` before).
 
 SIGTERM drains as SGLang does: it exits once no call is left, checking every 5 s.
 
@@ -62,6 +76,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -110,13 +125,46 @@ def extend_hash(h: int, tokens: Iterable[int]) -> int:
     return h
 
 
-def greedy(prompt: Sequence[int], n: int, vocab: int) -> list[int]:
+def start_hash(sequence: Iterable[int], salt: int = 0) -> int:
+    """The model's state after ``sequence`` (prefilled) under the weights ``salt``."""
+    return extend_hash((17 + salt) % _M, sequence)
+
+
+def logprob_of(h: int) -> float:
+    """The stand-in's logprob of the token drawn in state ``h``."""
+    return -(1 + (h >> 7) % 5000) / 1000.0
+
+
+def weights_salt(model_path: Path) -> int:
+    """The stand-in's weights: a hash of the checkpoint's safetensors files (their size
+    and their first and last 64 KiB), 0 when it has none."""
+    digest = hashlib.sha256()
+    files = sorted(model_path.glob("*.safetensors"))
+    if not files:
+        return 0
+    for f in files:
+        size = f.stat().st_size
+        with f.open("rb") as fh:
+            digest.update(size.to_bytes(8, "little") + fh.read(65536))
+            fh.seek(max(0, size - 65536))
+            digest.update(fh.read(65536))
+    return int.from_bytes(digest.digest()[:4], "little") % _M
+
+
+def greedy(prompt: Sequence[int], n: int, vocab: int, salt: int = 0) -> list[int]:
     """What an uninterrupted greedy call of ``n`` tokens returns (no stop tokens)."""
-    h = extend_hash(17, prompt)
-    out: list[int] = []
+    return [t for t, _ in greedy_logprobs(prompt, n, vocab, salt)]
+
+
+def greedy_logprobs(
+    prompt: Sequence[int], n: int, vocab: int, salt: int = 0
+) -> list[tuple[int, float]]:
+    """The tokens and logprobs of an uninterrupted greedy call."""
+    h = start_hash(prompt, salt)
+    out: list[tuple[int, float]] = []
     for _ in range(n):
-        out.append(h % vocab)
-        h = extend_hash(h, out[-1:])
+        out.append((h % vocab, logprob_of(h)))
+        h = extend_hash(h, (out[-1][0],))
     return out
 
 
@@ -173,8 +221,11 @@ class Req:
     seed: int | None  # None: greedy
     stream: bool
     log_metrics: bool = True
+    return_logprob: bool = False
     h: int = 0
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    stale: bool = False  # retracted: its state is recomputed at its next prefill
     finished_reason: dict[str, Any] | None = None
     to_finish: dict[str, Any] | None = None
     send_offset: int = 0
@@ -298,6 +349,9 @@ class FakeSglang:
         self.metrics = Metrics(opts.served_model_name) if opts.enable_metrics else None
         self.sigterm_received = asyncio.Event()
         self.exited = asyncio.Event()
+        self.model_path = opts.model_path
+        self.salt = weights_salt(opts.model_path)
+        self.weight_version = "default"
 
     # -- HTTP ----------------------------------------------------------------------------
 
@@ -310,6 +364,7 @@ class FakeSglang:
         app.router.add_post("/continue_generation", self.http_continue_generation)
         app.router.add_get("/health", self.http_health)
         app.router.add_get("/health_generate", self.http_health)
+        app.router.add_post("/update_weights_from_disk", self.http_update_weights_from_disk)
         app.router.add_get("/server_info", self.http_server_info)
         app.router.add_get("/get_server_info", self.http_server_info)
         if self.metrics is not None:
@@ -369,6 +424,25 @@ class FakeSglang:
         await json_body(request)
         await self.continue_generation()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def http_update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        path = body.get("model_path")
+        version = body.get("weight_version")
+        if not isinstance(path, str) or not path:
+            return web.json_response({"error": "model_path is required"}, status=400)
+        try:
+            config = json.loads((Path(path) / "config.json").read_text())
+            if int(config.get("vocab_size", 32000)) != self.opts.vocab_size:
+                raise ValueError(f"vocab_size {config.get('vocab_size')} != {self.opts.vocab_size}")
+            salt = await asyncio.to_thread(weights_salt, Path(path))
+        except (OSError, ValueError, TypeError) as exc:
+            message = f"Failed to get weights iterator: {exc}. Rolling back to original weights."
+            doc = {"success": False, "message": message, "num_paused_requests": 0}
+            return web.json_response(doc, status=400)
+        await self._call("weights", (Path(path), salt, version))
+        message = "Succeeded to update model weights."
+        return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
 
     async def http_health(self, request: web.Request) -> web.Response:
         """http_server.py ``health_generate``."""
@@ -467,7 +541,8 @@ class FakeSglang:
             seed=None if greedy_ else int(seed if seed is not None else random.getrandbits(31)),
             stream=bool(body.get("stream", False)),
             log_metrics=log_metrics,
-            h=extend_hash(17, ids),
+            return_logprob=bool(body.get("return_logprob", False)),
+            h=start_hash(ids, self.salt),
         )
 
     def _validate(self, req: Req) -> None:
@@ -576,7 +651,7 @@ class FakeSglang:
             "id": req.rid,
             "finish_reason": reason,
             "prompt_tokens": len(req.input_ids),
-            "weight_version": "default",
+            "weight_version": self.weight_version,
             "num_retractions": req.num_retractions,
             "reasoning_tokens": 0,
             "completion_tokens": len(req.output_ids),
@@ -587,7 +662,16 @@ class FakeSglang:
             del self.rid_to_state[req.rid]
             if self.metrics is not None and req.log_metrics:
                 self.metrics.finished(len(req.input_ids), len(req.output_ids), req.stream)
-        if req.stream and self.opts.incremental_streaming_output:
+        incremental = req.stream and self.opts.incremental_streaming_output
+        if req.return_logprob:
+            n = len(req.output_ids)
+            ids, lps = (
+                (delta, req.output_logprobs[n - len(delta) :])
+                if incremental
+                else (req.output_ids, req.output_logprobs)
+            )
+            meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(ids, lps, strict=True)]
+        if incremental:
             out = {"output_ids": delta, "meta_info": meta}
         elif req.stream or state.finished:
             out = {"output_ids": list(state.output_ids), "meta_info": meta}
@@ -608,7 +692,7 @@ class FakeSglang:
         meta = {
             "id": req.rid,
             "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
-            "weight_version": "default",
+            "weight_version": self.weight_version,
             "e2e_latency": time.monotonic() - state.created,
             "completion_tokens": len(state.output_ids),
         }
@@ -638,6 +722,8 @@ class FakeSglang:
                 self._pause(payload)
             elif kind == "continue":
                 self.engine_paused = False
+            elif kind == "weights":
+                self._update_weights(*payload)
             if done is not None and not done.done():
                 done.set_result(None)
 
@@ -649,7 +735,7 @@ class FakeSglang:
                 "enable --allow-auto-truncate."
             )
             req.input_ids = [0]  # Req.set_finish_with_abort: a cheap one-token prefill
-            req.h = extend_hash(17, req.input_ids)
+            req.h = start_hash(req.input_ids, self.salt)
             req.to_finish = abort_reason(message, 400)
         self.waiting.append(req)
 
@@ -662,11 +748,21 @@ class FakeSglang:
             if req.finished_reason is None and (abort_all or req.rid.startswith(rid)):
                 req.to_finish = abort_reason()  # after one more decode step
 
+    def _update_weights(self, path: Path, salt: int, version: str | None) -> None:
+        """The new weights for every later forward pass; a call still running keeps the
+        state it had (SGLang keeps its KV cache), a queued one is prefilled anew."""
+        self.model_path, self.salt = path, salt
+        if version is not None:
+            self.weight_version = version
+        for req in self.waiting:
+            req.stale = True
+
     def _pause(self, mode: str) -> None:
         self.engine_paused = True
         if mode == "retract":
             for req in self.running:
                 req.num_retractions += 1
+                req.stale = True
             self.waiting = self.running + self.waiting
             self.running = []
             self._log_stats(len(self.running))
@@ -689,6 +785,10 @@ class FakeSglang:
             if self.waiting and seats > 0:  # a prefill batch
                 batch = self.waiting[:seats]
                 del self.waiting[:seats]
+                for req in batch:
+                    if req.stale:  # a retracted call: its KV recomputed, on today's weights
+                        req.h = start_hash(req.input_ids + req.output_ids, self.salt)
+                        req.stale = False
                 self._log_stats(len(self.running))  # the running batch before the merge
                 self.running += batch
             elif self.running:  # a decode batch
@@ -712,6 +812,7 @@ class FakeSglang:
     def _process_batch_result(self, batch: list[Req]) -> None:
         for req in batch:
             token = req.next_token(self.opts.vocab_size)
+            req.output_logprobs.append(logprob_of(req.h))
             req.output_ids.append(token)
             req.h = extend_hash(req.h, (token,))
             self._update_finish_state(req, token)
@@ -767,6 +868,11 @@ def coalesce(out_list: list[dict[str, Any]]) -> dict[str, Any]:
         return out_list[0]
     out = dict(out_list[-1])
     out["output_ids"] = [t for chunk in out_list for t in chunk["output_ids"]]
+    if "output_token_logprobs" in out["meta_info"]:
+        out["meta_info"] = dict(out["meta_info"])
+        out["meta_info"]["output_token_logprobs"] = [
+            e for chunk in out_list for e in chunk["meta_info"].get("output_token_logprobs", [])
+        ]
     return out
 
 

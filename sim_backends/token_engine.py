@@ -24,6 +24,7 @@ from node_agent.engines.base import (
     Chunk,
     EngineFailed,
     InstanceLoad,
+    PauseMode,
     Placement,
     Submission,
 )
@@ -230,7 +231,10 @@ class ScriptedEngine:
     def use_model(self, path: str) -> None:
         self._model = path
 
-    async def update_weights(self, path: str) -> None:
+    async def prepare_model(self, checkpoint: str) -> str:
+        return checkpoint  # the scripted weights are named by the path itself
+
+    async def update_weights(self, path: str, *, version: str | None = None) -> None:
         if CAP_UPDATE_WEIGHTS not in self.capabilities:
             raise NotImplementedError("this scripted engine restarts to change weights")
         await asyncio.sleep(self.start_delay_s)
@@ -243,7 +247,7 @@ class ScriptedEngine:
         self.weights = weights_of(path)
         self.updates.append(path)
 
-    async def pause(self) -> None:
+    async def pause(self, mode: PauseMode = "keep") -> None:
         raise NotImplementedError("the scripted engine cannot pause in place")
 
     async def resume(self) -> None:

@@ -8,7 +8,16 @@ per-request state and talks to instances only through this protocol.
 
 Token ids in, token ids out: the gateway never tokenizes. A submission carries the whole
 prompt (for a resumed or migrated request: the original prompt followed by the tokens
-generated so far) and the number of tokens still to generate.
+generated so far) and the number of tokens still to generate. Asked for
+(``Submission.logprobs``), every adapter streams the logprob of each sampled token under
+the model's raw distribution (log-softmax of the logits, temperature 1, before any
+top-k/top-p filter): what an RL trainer recomputes from the same weights.
+
+Weights: an instance serves one model path (``model``: a checkpoint directory, or a GGUF
+file for llama.cpp). A trainer's checkpoint becomes a path the engine loads with
+:meth:`EngineServer.prepare_model` (checked; for llama.cpp converted to GGUF), and then
+either goes into the running engine (``CAP_UPDATE_WEIGHTS``: :meth:`update_weights`), or
+is set with :meth:`use_model` and loaded by the next :meth:`start` (a restart).
 """
 
 from __future__ import annotations
@@ -23,9 +32,29 @@ from orchestrrl import errors
 FinishReason = Literal["length", "stop"]
 Device = Literal["cpu", "cuda"]
 
+PauseMode = Literal["keep", "recompute", "wait", "abort"]
+"""How :meth:`EngineServer.pause` treats the calls in flight:
+
+- ``keep``: they stay in the engine with their KV cache and continue at resume;
+- ``recompute``: they stay in the engine, their KV cache is dropped and recomputed at
+  resume (after a weight update: on the new weights);
+- ``wait``: the engine finishes them first (new calls wait), then pauses;
+- ``abort``: the engine ends them; their streams fail with a retryable EngineFailed, so
+  the gateway resubmits them (with their output so far) and they run after the resume.
+"""
+
 # Optional capabilities an adapter may have (EngineServer.capabilities).
-CAP_PAUSE = "pause"  # pause generation in place, keeping in-flight state
-CAP_UPDATE_WEIGHTS = "update_weights"  # load new weights into the running server
+CAP_PAUSE = "pause"  # pause(mode="keep"): pause generation in place, keeping in-flight state
+CAP_PAUSE_RECOMPUTE = "pause:recompute"  # pause(mode="recompute")
+CAP_PAUSE_WAIT = "pause:wait"  # pause(mode="wait")
+CAP_PAUSE_ABORT = "pause:abort"  # pause(mode="abort")
+CAP_UPDATE_WEIGHTS = "update_weights"  # update_weights(): new weights into the running engine
+PAUSE_CAPS: dict[PauseMode, str] = {
+    "keep": CAP_PAUSE,
+    "recompute": CAP_PAUSE_RECOMPUTE,
+    "wait": CAP_PAUSE_WAIT,
+    "abort": CAP_PAUSE_ABORT,
+}
 
 
 @dataclass(frozen=True)
@@ -93,14 +122,14 @@ class Submission:
     prompt: tuple[int, ...]
     max_tokens: int
     sampling: Sampling = field(default_factory=Sampling)
-    logprobs: bool = False  # stream the sampled tokens' logprobs (Chunk.logprobs)
+    logprobs: bool = False  # stream each sampled token's logprob (Chunk.logprobs)
 
 
 class Chunk(NamedTuple):
     """Tokens streamed back; ``finish`` is set on the last chunk of a finished call.
-    ``logprobs``: when the submission asked for them, the log-probability of each token
-    of ``token_ids`` under the model's distribution (log softmax of the raw logits, what
-    an RL trainer recomputes), one per token; empty otherwise."""
+    ``logprobs``: when the submission asked for them, the logprob of each token of
+    ``token_ids`` (as many) under the raw model distribution (log-softmax of the logits at
+    temperature 1, before top-k/top-p); empty otherwise."""
 
     token_ids: tuple[int, ...]
     finish: FinishReason | None = None
@@ -187,20 +216,38 @@ class EngineServer(Protocol):
     async def healthy(self) -> bool:
         """The server answers its health check."""
 
-    async def pause(self) -> None:
-        """Stop generating, keeping in-flight calls and their KV cache (CAP_PAUSE)."""
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        """Stop generating; in-flight calls as ``mode`` says (the capability
+        ``PAUSE_CAPS[mode]`` says the engine has the mode). New calls wait until
+        :meth:`resume`."""
 
     async def resume(self) -> None:
         """Generate again after :meth:`pause`."""
 
     @property
     def model(self) -> str:
-        """The weights the server loads at its next start (and serves, unless updated in
-        place since): a path."""
+        """The model path this instance serves (or, not started, will load)."""
 
     def use_model(self, path: str) -> None:
-        """Load ``path`` at the next start (a restart-based weight update)."""
+        """The model path the next :meth:`start` loads (a weight update by restart: stop,
+        use_model, start). The running process is not touched. A path from
+        :meth:`prepare_model`."""
 
-    async def update_weights(self, path: str) -> None:
-        """Load the weights at ``path`` into the running server, no call in flight
-        (CAP_UPDATE_WEIGHTS); EngineFailed when it cannot, the old weights still served."""
+    async def prepare_model(self, checkpoint: str) -> str:
+        """The model path this engine loads for a trainer's checkpoint (a Hugging Face
+        directory of ``config.json`` and ``*.safetensors``): checked against the model it
+        serves (same tensors, shapes and types; files complete), for llama.cpp converted to
+        a GGUF (cached beside the checkpoint). CheckpointError naming the file and the
+        problem when it cannot serve it; nothing changes on the instance. Runs while the
+        instance keeps serving."""
+
+    async def update_weights(self, path: str, *, version: str | None = None) -> None:
+        """Load ``path`` (from :meth:`prepare_model`) into the running engine
+        (CAP_UPDATE_WEIGHTS), labelled ``version`` where the engine keeps a label. The
+        process and its in-flight calls stay; no token after the update is computed
+        from a KV cache of the old weights (kept calls are recomputed). Call it paused
+        (any mode) for a clean boundary between versions. On return the engine serves the
+        new weights and :attr:`model` is ``path`` (a later restart loads it). When
+        the engine refuses or fails the load: EngineFailed, the engine still serving the
+        old weights (it reloads them), or stopped when even that failed (never a
+        half-loaded model)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
@@ -20,18 +19,28 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from node_agent.engines.base import Chunk, EngineFailed, InstanceLoad, Placement, Submission
+from node_agent.engines.base import (
+    Chunk,
+    EngineFailed,
+    InstanceLoad,
+    PauseMode,
+    Placement,
+    Submission,
+)
+from node_agent.engines.checkpoint import check_layout, tensor_table
 from node_agent.engines.process import EngineProcess
+from orchestrrl import errors
 
 ABORT_TIMEOUT_S = 2.0
 METRICS_TIMEOUT_S = 2.0
+CONTROL_TIMEOUT_S = 600.0  # a control call (pause until drained, load weights) at most
 
 
 @dataclass(frozen=True)
 class EngineSettings:
     """How the agent runs its engine instances (from its config)."""
 
-    model: str  # path of the weights (a directory or a GGUF file)
+    model: str  # path of the weights the instances start on (a directory or a GGUF file)
     command: str  # the server executable (llama-server) or the Python with the engine
     served_model: str
     max_num_seqs: int = 8  # sequences per instance
@@ -43,6 +52,7 @@ class EngineSettings:
     stop_grace_s: float = 10.0
     seed: int = 0
     cpu_offset: int = 0  # CPU-only node: device i runs on core cpu_offset + i
+    gguf_dtype: str = "f32"  # llama.cpp: the GGUF a trainer's checkpoint converts to (or f16)
 
 
 def cpu_cores(devices: Sequence[int], offset: int = 0) -> tuple[int, ...]:
@@ -110,6 +120,7 @@ class HttpEngine:
     def __init__(self, placement: Placement, settings: EngineSettings) -> None:
         self.placement = placement
         self.settings = settings
+        self._model = settings.model  # per instance: a weight update changes it
         self.base = f"http://127.0.0.1:{placement.port}"
         self.name = f"{self.kind}[{placement.index}] TP{placement.tp} on {placement.device} " + (
             ",".join(map(str, placement.devices))
@@ -159,7 +170,35 @@ class HttpEngine:
             )
         return self._session
 
+    @property
+    def model(self) -> str:
+        return self._model
+
+    def use_model(self, path: str) -> None:
+        """The model the next :meth:`start` loads (this instance only: instances the
+        factory makes later start on ``EngineSettings.model``)."""
+        if not isinstance(path, str) or not path:
+            raise errors.field_error("path", path, "a path")
+        self._model = path
+        self.process.argv = tuple(self.argv())
+
+    async def prepare_model(self, checkpoint: str) -> str:
+        """A Hugging Face checkpoint directory, checked: every safetensors file complete
+        and, when this instance serves such a directory, the same tensors (names, shapes,
+        types) as it."""
+        new = Path(checkpoint)
+        current = Path(self.model)
+        if await asyncio.to_thread(lambda: (current / "config.json").is_file()):
+            await asyncio.to_thread(check_layout, current, new)
+        else:
+            await asyncio.to_thread(tensor_table, new)
+        return str(new)
+
+    async def update_weights(self, path: str, *, version: str | None = None) -> None:
+        raise NotImplementedError(f"{self.kind} cannot load weights in place: restart it")
+
     async def start(self) -> None:
+        self.process.argv = tuple(self.argv())  # the model may have changed since
         await self.process.start(self.session)
 
     async def wait_exit(self) -> int:
@@ -208,6 +247,29 @@ class HttpEngine:
             ) as r:
                 await r.read()
 
+    async def control(
+        self, path: str, body: object = None, *, what: str, timeout_s: float = CONTROL_TIMEOUT_S
+    ) -> Any:
+        """A control call that must succeed: its JSON answer (None when the body is not
+        JSON), or EngineFailed (``instance`` when the server could not be reached)."""
+        try:
+            async with self.session.post(
+                self.base + path,
+                json=body if body is not None else {},
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as r:
+                if r.status != 200:
+                    raise await failure(r, f"{self.name}: {what}")
+                text = await r.text()
+        except aiohttp.ClientError as exc:
+            raise transport_failure(f"{self.name}: {what}", exc) from exc
+        except TimeoutError:
+            raise EngineFailed(f"{self.name}: {what}: no answer within {timeout_s:g} s") from None
+        try:
+            return json.loads(text) if text else None
+        except ValueError:
+            return None
+
     async def abort_in_background(self, ids: Sequence[str]) -> None:
         """Abort from a ``finally`` that may run while the caller is being cancelled."""
         await asyncio.shield(self.abort(ids))
@@ -215,19 +277,7 @@ class HttpEngine:
     def generate(self, submission: Submission) -> AsyncGenerator[Chunk, None]:
         raise NotImplementedError
 
-    @property
-    def model(self) -> str:
-        return self.settings.model
-
-    def use_model(self, path: str) -> None:
-        """Start on ``path`` from the next start on (a restart-based weight update)."""
-        self.settings = dataclasses.replace(self.settings, model=path)
-        self.process.argv = tuple(self.argv())
-
-    async def update_weights(self, path: str) -> None:
-        raise NotImplementedError(f"{self.kind} cannot load new weights in place")
-
-    async def pause(self) -> None:
+    async def pause(self, mode: PauseMode = "keep") -> None:
         raise NotImplementedError(f"{self.kind} cannot pause in place")
 
     async def resume(self) -> None:

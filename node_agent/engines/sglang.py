@@ -20,6 +20,22 @@ so that another release can be checked quickly):
   (``Req.set_finish_with_abort``: retrying cannot help). A request the tokenizer
   refuses (too long for the context) gets one ``{"error": {..., "retryable": false}}``
   event instead;
+- logprobs: ``return_logprob: true`` (``logprob_start_len`` -1: output tokens only); each
+  event's ``meta_info.output_token_logprobs`` is a list of ``[logprob, token_id, text]``
+  (text null without a tokenizer; managers/tokenizer_manager.py
+  ``add_logprob_to_meta_info`` and ``detokenize_logprob_tokens``), all of them so far or,
+  with incremental streaming, the new ones (``_INCREMENTAL_STREAMING_META_INFO_KEYS``):
+  the adapter takes the last as many as the event has new ids, right either way. By
+  default SGLang reports ``log_softmax(logits / temperature)``; the adapter sets
+  ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` so that it reports the raw distribution
+  (temperature 1), as vLLM and llama.cpp do (layers/sampler.py);
+- weights in place: ``POST /update_weights_from_disk {"model_path", "weight_version",
+  "flush_cache"}`` (entrypoints/http_server.py; managers/io_struct.py
+  ``UpdateWeightFromDiskReqInput``) answers ``{"success", "message",
+  "num_paused_requests"}`` (HTTP 400 when not successful; the model runner then reloads
+  the weights it had). The cache flush fails while calls run, so the adapter first
+  pauses in mode ``retract``: the running calls go back to the queue with their KV cache
+  freed and are recomputed on the new weights at the continue;
 - abort: ``POST /abort_request {"rid": ...}`` (``abort_all`` aborts everything). The
   scheduler aborts every rid that *starts with* the one given (managers/scheduler.py
   ``abort_request``), so the adapter sends fixed-length rids (a hash of the call id). A
@@ -60,7 +76,17 @@ from typing import Any
 
 import aiohttp
 
-from node_agent.engines.base import CAP_PAUSE, Chunk, EngineFailed, FinishReason, Submission
+from node_agent.engines.base import (
+    CAP_PAUSE,
+    CAP_PAUSE_ABORT,
+    CAP_PAUSE_RECOMPUTE,
+    CAP_UPDATE_WEIGHTS,
+    Chunk,
+    EngineFailed,
+    FinishReason,
+    PauseMode,
+    Submission,
+)
 from node_agent.engines.http_engine import HttpEngine, failure, sse_events, transport_failure
 from orchestrrl.logs import get_logger
 
@@ -68,6 +94,7 @@ log = get_logger("node_agent.engines")
 
 # /pause_generation with {"mode": "in_place"} (before: no modes, every call aborted)
 PAUSE_IN_PLACE_SINCE = (0, 5, 6)
+PAUSE_MODES: dict[PauseMode, str] = {"keep": "in_place", "recompute": "retract", "abort": "abort"}
 
 
 def cpu_supported(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
@@ -120,7 +147,7 @@ class SglangServer(HttpEngine):
 
     def argv(self) -> list[str]:
         s, p = self.settings, self.placement
-        argv = [s.command, "-m", "sglang.launch_server", "--model-path", s.model]
+        argv = [s.command, "-m", "sglang.launch_server", "--model-path", self.model]
         argv += ["--served-model-name", s.served_model]
         argv += ["--host", "127.0.0.1", "--port", str(p.port)]
         argv += ["--tp-size", str(p.tp), "--max-running-requests", str(s.max_num_seqs)]
@@ -137,16 +164,23 @@ class SglangServer(HttpEngine):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, p.devices))
         else:
             env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        env.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")  # logprobs at temperature 1
         return env
 
     version = ""  # the server's, read once it started ("" when it would not say)
+    paused: PauseMode | None = None  # how this adapter paused the server, if it did
+
+    @property
+    def modes(self) -> bool:
+        """The server's /pause_generation takes a mode (0.5.6 on)."""
+        v = version_tuple(self.version)
+        return v is None or v >= PAUSE_IN_PLACE_SINCE
 
     @property
     def capabilities(self) -> frozenset[str]:
-        v = version_tuple(self.version)
-        if v is not None and v < PAUSE_IN_PLACE_SINCE:
-            return frozenset()
-        return frozenset({CAP_PAUSE})
+        if not self.modes:  # a pause aborts every call
+            return frozenset({CAP_PAUSE_ABORT, CAP_UPDATE_WEIGHTS})
+        return frozenset({CAP_PAUSE, CAP_PAUSE_RECOMPUTE, CAP_PAUSE_ABORT, CAP_UPDATE_WEIGHTS})
 
     async def start(self) -> None:
         await super().start()
@@ -188,12 +222,14 @@ class SglangServer(HttpEngine):
         if sp.seed is not None:
             params["sampling_seed"] = sp.seed
         rid = rid_of(submission.engine_request_id)
-        body = {
+        body: dict[str, Any] = {
             "rid": rid,
             "input_ids": list(submission.prompt),
             "sampling_params": params,
             "stream": True,
         }
+        if submission.logprobs:
+            body["return_logprob"] = True
         seen = 0
         finished = False
         try:
@@ -209,6 +245,7 @@ class SglangServer(HttpEngine):
                     ids = event.get("output_ids") or []
                     need = int(meta.get("completion_tokens", seen + len(ids))) - seen
                     tokens = tuple(ids[-need:]) if need > 0 else ()
+                    lps = self.logprobs_of(meta, tokens) if submission.logprobs else ()
                     seen += len(tokens)
                     reason = meta.get("finish_reason")
                     kind = reason.get("type") if isinstance(reason, dict) else reason
@@ -216,7 +253,7 @@ class SglangServer(HttpEngine):
                         raise ended(self.name, reason)
                     finish: FinishReason | None = kind
                     finished = finish is not None
-                    yield Chunk(tokens, finish)
+                    yield Chunk(tokens, finish, lps)
                     if finished:
                         return
                 raise EngineFailed(f"{self.name}: the stream ended without a finish reason")
@@ -227,12 +264,74 @@ class SglangServer(HttpEngine):
                 with contextlib.suppress(Exception):
                     await self.abort_in_background([submission.engine_request_id])
 
+    def logprobs_of(self, meta: dict[str, Any], tokens: tuple[int, ...]) -> tuple[float, ...]:
+        """The logprobs of an event's new ids: the last ``len(tokens)`` entries of
+        ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]`` each)."""
+        if not tokens:
+            return ()
+        entries = meta.get("output_token_logprobs")
+        if not isinstance(entries, list) or len(entries) < len(tokens):
+            raise EngineFailed(
+                f"{self.name}: {len(tokens)} new ids and output_token_logprobs {str(entries)[:80]}"
+            )
+        try:
+            got = [(float(e[0]), int(e[1])) for e in entries[-len(tokens) :]]
+        except (TypeError, ValueError, IndexError):
+            raise EngineFailed(
+                f"{self.name}: malformed output_token_logprobs {str(entries)[:80]}"
+            ) from None
+        if tuple(t for _, t in got) != tokens:
+            raise EngineFailed(
+                f"{self.name}: output_token_logprobs name ids {[t for _, t in got][:8]}, the "
+                f"event streamed {list(tokens)[:8]}"
+            )
+        return tuple(v for v, _ in got)
+
     async def abort(self, engine_request_ids: Sequence[str]) -> None:
         for i in engine_request_ids:
             await self.post_quietly("/abort_request", {"rid": rid_of(i)})
 
-    async def pause(self) -> None:
-        await self.post_quietly("/pause_generation", {"mode": "in_place"})
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        """``keep`` is best effort (as the gateway's pause has always used it); the other
+        modes fail with EngineFailed when the server does not pause."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"SGLang has no pause mode {mode!r}")
+        if mode == "keep":
+            await self.post_quietly("/pause_generation", {"mode": "in_place"})
+        elif not self.modes:
+            await self.control("/pause_generation", what="pause")
+        else:
+            await self.control("/pause_generation", {"mode": PAUSE_MODES[mode]}, what="pause")
+        self.paused = mode
 
     async def resume(self) -> None:
         await self.post_quietly("/continue_generation", {})
+        self.paused = None
+
+    async def update_weights(self, path: str, *, version: str | None = None) -> None:
+        """``/update_weights_from_disk``, the running calls first retracted (recomputed on
+        the new weights at the continue) unless the caller paused with another mode
+        than keep. SGLang reloads its old weights when the new ones fail to load."""
+        paused_by_caller = self.paused
+        if self.modes and paused_by_caller in (None, "keep"):
+            await self.control("/pause_generation", {"mode": "retract"}, what="pause (retract)")
+        body: dict[str, Any] = {"path": path, "flush_cache": True}
+        if version is not None:
+            body["weight_version"] = version
+        try:
+            try:
+                doc = await self.control(
+                    "/update_weights_from_disk", body, what=f"load the weights of {path}"
+                )
+            except EngineFailed as exc:
+                raise EngineFailed(
+                    f"{exc} (SGLang keeps the weights of {self.model})", retry=False
+                ) from exc
+            if not (isinstance(doc, dict) and doc.get("success")):
+                raise EngineFailed(
+                    f"{self.name}: /update_weights_from_disk did not succeed: {doc!r}", retry=False
+                )
+            self.use_model(path)
+        finally:
+            if paused_by_caller is None and self.modes:
+                await self.resume()
