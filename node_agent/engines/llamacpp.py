@@ -93,10 +93,10 @@ def gguf_layout(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 def check_gguf_layout(current: Path, new: Path) -> None:
     """CheckpointError unless ``new`` is a readable GGUF with the tensors of ``current``
-    (when that is a GGUF) with their shapes."""
+    (when that is a GGUF file) with their shapes."""
     got = gguf_layout(new)
-    if current.suffix != ".gguf" or current.resolve() == new.resolve():
-        return
+    if current.suffix != ".gguf" or not current.is_file() or current.resolve() == new.resolve():
+        return  # nothing served to compare with
     have = gguf_layout(current)
     problems = errors.Problems()
     for name, (_, shape) in have.items():

@@ -19,16 +19,61 @@ import aiohttp
 import pytest
 
 from node_agent.engines import port_picker, server_factory
-from node_agent.engines.base import EngineServer, Placement, Sampling
+from node_agent.engines.base import EngineServer, Placement, Sampling, Submission
 from node_agent.engines.http_engine import EngineSettings
 from node_agent.gateway.engine import GatewayConfig, GatewayEngine
 from node_agent.gateway.http import GatewayServer, GatewaySettings
 from node_agent.gateway.requests import Request
 from sim_backends.tiny_models import TinyShape, write_gguf_llama, write_hf_llama
 from sim_backends.token_engine import LocalPeers
+from tests.engines.reference import Reference, max_abs_diff
 from tests.helpers import eventually
 
 GREEDY = Sampling(temperature=0.0, ignore_eos=True)
+# sampled as an RL rollout samples: the engines still report the raw model's logprobs
+SAMPLED = Sampling(temperature=0.8, top_k=40, top_p=0.95, seed=11, ignore_eos=True)
+LOGPROB_TOL = 1e-3  # float32 engine against float32 recomputation
+TIE = 1e-4  # a greedy token may differ from the reference's argmax only within this gap
+
+
+def cpu_placement(core: int = 0) -> Placement:
+    """A TP1 instance on one core, on a free loopback port."""
+    p = Placement(0, 1, (core,), "cpu", 0)
+    return dataclasses.replace(p, port=port_picker(0)(p))
+
+
+async def generate(
+    server: EngineServer, prompt: list[int], n: int, sampling: Sampling, rid: str
+) -> tuple[list[int], list[float]]:
+    """One call straight to the adapter (no gateway), with logprobs."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    async for chunk in server.generate(Submission(rid, tuple(prompt), n, sampling, logprobs=True)):
+        assert len(chunk.logprobs) == len(chunk.token_ids)
+        tokens += chunk.token_ids
+        logprobs += chunk.logprobs
+    return tokens, logprobs
+
+
+async def check_logprobs(
+    server: EngineServer, ref: Reference, prompts: list[list[int]], n: int, tag: str
+) -> tuple[float, list[list[int]]]:
+    """Greedy and sampled calls: every logprob within LOGPROB_TOL of the trainer's
+    recomputation, every greedy token the reference's argmax (or tied with it). Returns
+    the largest difference and the greedy outputs."""
+    worst = 0.0
+    outs = []
+    for i, prompt in enumerate(prompts):
+        for kind, sampling in (("g", GREEDY), ("s", SAMPLED)):
+            tokens, lps = await generate(server, prompt, n, sampling, f"{tag}-{kind}{i}")
+            assert len(tokens) == len(lps) == n
+            rec = ref.recompute(prompt, tokens)
+            worst = max(worst, max_abs_diff(lps, rec.logprobs))
+            if kind == "g":
+                assert all(gap <= TIE for gap in rec.argmax_gap), rec.argmax_gap
+                outs.append(tokens)
+    assert worst < LOGPROB_TOL, worst
+    return worst, outs
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +88,19 @@ def gguf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_hf_llama(tmp_path_factory.mktemp("hf") / "tiny", TinyShape(), seed=7)
+
+
+@pytest.fixture(scope="session")
+def hf_model_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same model after a training step: other weights, the same tensors."""
+    return write_hf_llama(tmp_path_factory.mktemp("hf") / "tiny-next", TinyShape(), seed=8)
+
+
+@pytest.fixture(scope="session")
+def hf_model_other(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint of another shape: an update to it must be refused."""
+    shape = TinyShape(layers=1, hidden=320, intermediate=640)
+    return write_hf_llama(tmp_path_factory.mktemp("hf") / "tiny-other", shape, seed=9)
 
 
 @dataclass

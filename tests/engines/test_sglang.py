@@ -24,11 +24,12 @@ import pytest
 
 from node_agent.engine import Destination
 from node_agent.engines import port_picker, server_factory
-from node_agent.engines.base import CAP_PAUSE, Device, EngineServer, Placement
+from node_agent.engines.base import CAP_PAUSE, CAP_UPDATE_WEIGHTS, Device, EngineServer, Placement
 from node_agent.engines.http_engine import HttpEngine
 from node_agent.engines.sglang import SglangServer, cpu_supported
 from node_agent.gateway.engine import GatewayConfig, GatewayEngine
-from tests.engines.conftest import GREEDY, Node, Nodes, read_all, settings_for
+from tests.engines.conftest import GREEDY, Node, Nodes, check_logprobs, read_all, settings_for
+from tests.engines.reference import Reference
 from tests.helpers import eventually
 
 pytestmark = [pytest.mark.engine, pytest.mark.gpu]
@@ -161,3 +162,21 @@ async def test_migration_mid_response_gives_the_uninterrupted_output(
     await a.engine.release_requests(exported, Destination("b", "in-process"))
     assert await asyncio.wait_for(asyncio.gather(*readers), 600) == reference
     assert all(r.hops == ["a", "b"] for r in moving)
+
+
+async def test_logprobs_and_a_weight_update_from_disk(
+    nodes: tuple[Nodes, Node, Node], model: Path, hf_model_next: Path
+) -> None:
+    """The tiny model's logprobs against the trainer's recomputation, then an update of
+    ``a`` to the next checkpoint: its outputs are the new weights', ``b`` keeps the old."""
+    if os.environ.get("ORL_SGLANG_MODEL"):
+        pytest.skip("compares with the tiny test models: unset $ORL_SGLANG_MODEL")
+    _, a, b = nodes
+    server, other = a.servers[0], b.servers[0]
+    assert isinstance(server, SglangServer) and CAP_UPDATE_WEIGHTS in server.capabilities
+    await check_logprobs(server, Reference(model), PROMPTS, 32, "sg")
+    path = await server.prepare_model(str(hf_model_next))
+    await server.update_weights(path, version="step-2")
+    assert server.model == path
+    await check_logprobs(server, Reference(hf_model_next), PROMPTS, 32, "sg2")
+    await check_logprobs(other, Reference(model), PROMPTS[:1], 32, "sg-old")

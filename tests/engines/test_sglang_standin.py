@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -24,11 +25,22 @@ import pytest
 
 from node_agent.engine import Destination
 from node_agent.engines.base import CAP_PAUSE, EngineFailed, EngineServer, Submission
+from node_agent.engines.checkpoint import CheckpointError
 from node_agent.engines.http_engine import HttpEngine
 from node_agent.engines.sglang import SglangServer
 from node_agent.gateway.requests import Request, RequestFailed, Where
-from sim_backends.fake_sglang import greedy, write_launcher
-from tests.engines.conftest import GREEDY, Node, Nodes, read_all, settings_for, stream_http
+from sim_backends.fake_sglang import greedy, greedy_logprobs, weights_salt, write_launcher
+from sim_backends.tiny_models import TinyShape, write_hf_llama
+from tests.engines.conftest import (
+    GREEDY,
+    Node,
+    Nodes,
+    cpu_placement,
+    generate,
+    read_all,
+    settings_for,
+    stream_http,
+)
 from tests.helpers import eventually
 
 pytestmark = pytest.mark.engine
@@ -299,3 +311,72 @@ async def test_a_killed_engine_is_restarted_and_its_requests_resume(
     os.kill(server.process.pid, signal.SIGKILL)
     assert await asyncio.gather(*readers) == [reference[i] for i in range(3)]
     assert node.engine.failures == 1 and node.engine.instance_health() == ("up",)
+
+
+# -- logprobs and weight updates, on the adapter itself ------------------------------------
+
+
+@pytest.fixture
+def checkpoints(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """Two steps of one model and a model of another shape (real safetensors files: the
+    stand-in's weights are a hash of them, the adapter checks their layout)."""
+    shape = TinyShape(layers=1, hidden=64, intermediate=128, vocab=VOCAB)
+    return (
+        write_hf_llama(tmp_path / "step-1", shape, seed=1),
+        write_hf_llama(tmp_path / "step-2", shape, seed=2),
+        write_hf_llama(tmp_path / "other", dataclasses.replace(shape, layers=2), seed=3),
+    )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [(), ("--incremental-streaming-output", "--stream-interval", "3")],
+    ids=["cumulative", "incremental-every-3"],
+)
+async def test_logprobs_and_an_update_from_disk_with_a_call_in_flight(
+    launcher: Path,
+    tmp_path: Path,
+    checkpoints: tuple[Path, Path, Path],
+    args: tuple[str, ...],
+) -> None:
+    step1, step2, other = checkpoints
+    salt1, salt2 = weights_salt(step1), weights_salt(step2)
+    settings = settings_for(launcher, step1, tmp_path, context=CONTEXT, args=args, env=FAST)
+    server = SglangServer(cpu_placement(), settings("n"))
+    await server.start()
+    try:
+        tokens, lps = await generate(server, PROMPTS[0], N, GREEDY, "first")
+        assert list(zip(tokens, lps, strict=True)) == greedy_logprobs(PROMPTS[0], N, VOCAB, salt1)
+        with pytest.raises(CheckpointError, match="not a checkpoint of the served model"):
+            await server.prepare_model(str(other))
+        path = await server.prepare_model(str(step2))
+        # a call in flight, held in place, then retracted and recomputed on the new weights
+        got: list[int] = []
+        got_lps: list[float] = []
+
+        async def read() -> None:
+            sub = Submission("across", tuple(PROMPTS[1]), LONG, GREEDY, logprobs=True)
+            async for chunk in server.generate(sub):
+                got.extend(chunk.token_ids)
+                got_lps.extend(chunk.logprobs)
+
+        reader = asyncio.create_task(read())
+        await eventually(lambda: len(got) >= 20, within_s=60)
+        await server.pause("keep")
+        await server.update_weights(path, version="step-2")
+        await server.resume()
+        await asyncio.wait_for(reader, 60)
+        old = greedy_logprobs(PROMPTS[1], LONG, VOCAB, salt1)
+        cut = next((i for i, (t, (o, _)) in enumerate(zip(got, old, strict=True)) if t != o), LONG)
+        assert 20 <= cut < LONG and list(zip(got[:cut], got_lps[:cut], strict=True)) == old[:cut]
+        new = greedy_logprobs(PROMPTS[1] + got[:cut], LONG - cut, VOCAB, salt2)
+        assert list(zip(got[cut:], got_lps[cut:], strict=True)) == new
+        assert server.model == path
+        # a failed load keeps the weights the engine had, and says so
+        with pytest.raises(EngineFailed, match="keeps the weights") as exc:
+            await server.update_weights(str(tmp_path / "nowhere"))
+        assert not exc.value.retry and server.model == path
+        tokens, _ = await generate(server, PROMPTS[0], N, GREEDY, "after")
+        assert tokens == greedy(PROMPTS[0], N, VOCAB, salt2)
+    finally:
+        await server.stop()

@@ -2,8 +2,9 @@
 
 vLLM takes 30-70 s to start on this kind of machine, so the servers of this module are
 started once: node ``a`` with two TP1 instances (cores 0 and 1) and node ``b`` with one
-(core 1). Under greedy decoding vLLM's CPU kernels give the same tokens however a
-sequence is batched or split, so every output here must equal the engine's own
+(core 1); the weight-update tests start one more (``fresh``, on the next checkpoint).
+Under greedy decoding vLLM's CPU kernels give the same tokens however a sequence is
+batched or split, so every output here must equal the engine's own
 uninterrupted output token for token.
 """
 
@@ -20,16 +21,23 @@ import pytest
 import pytest_asyncio
 
 from node_agent.engine import Destination
+from node_agent.engines.base import EngineFailed, Submission
+from node_agent.engines.checkpoint import CheckpointError
 from node_agent.engines.http_engine import HttpEngine
+from node_agent.engines.vllm import VllmServer
 from node_agent.gateway.requests import Where
 from tests.engines.conftest import (
     GREEDY,
     Nodes,
+    check_logprobs,
+    cpu_placement,
     freeze_mid_response,
+    generate,
     read_all,
     settings_for,
     stream_http,
 )
+from tests.engines.reference import Reference, max_abs_diff
 from tests.helpers import eventually
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
@@ -196,3 +204,121 @@ async def test_reshard_with_requests_in_flight_loses_nothing(
     assert stages["start_instances"] > 0
     outs = await asyncio.wait_for(asyncio.gather(*readers), 600)
     assert outs == [reference[i] for i in range(len(PROMPTS))]
+
+
+# -- logprobs and weight updates, on the adapter itself ------------------------------------
+
+
+def vllm_of(nodes: Nodes, name: str) -> VllmServer:
+    server = node(nodes, name).live()[0]
+    assert isinstance(server, VllmServer)
+    return server
+
+
+async def test_logprobs_equal_the_trainers_recomputation(nodes: Nodes, hf_model: Path) -> None:
+    await check_logprobs(vllm_of(nodes, "b"), Reference(hf_model), PROMPTS[:3], N, "lp")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fresh(
+    vllm_binary: Path, hf_model_next: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[VllmServer]:
+    """A vLLM started on the next checkpoint: what an instance updated to it must equal."""
+    log_dir = tmp_path_factory.mktemp("vllm-fresh")
+    settings = settings_for(vllm_binary, hf_model_next, log_dir, context=4096, args=ARGS)
+    server = VllmServer(cpu_placement(0), settings("fresh"))
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+async def weight_version(server: HttpEngine) -> str:
+    async with aiohttp.ClientSession() as http, http.get(server.base + "/weight_info") as r:
+        return str((await r.json())["weight_version"])
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+async def test_a_weight_update_in_place_equals_a_fresh_engine(
+    nodes: Nodes,
+    fresh: VllmServer,
+    hf_model: Path,
+    hf_model_next: Path,
+    long_reference: dict[int, list[int]],
+) -> None:
+    server = vllm_of(nodes, "b")
+    path = await server.prepare_model(str(hf_model_next))
+    try:
+        # A call in flight across the update: held in the engine (paused in place) while
+        # the weights change, then recomputed on the new ones.
+        for i in range(3):
+            tokens: list[int] = []
+
+            async def read(prompt: list[int], tokens: list[int], rid: str) -> None:
+                sub = Submission(rid, tuple(prompt), LONG, GREEDY, logprobs=True)
+                async for chunk in server.generate(sub):
+                    tokens += chunk.token_ids
+
+            reader = asyncio.create_task(read(PROMPTS[i], tokens, f"across-{i}"))
+            await eventually(lambda: len(tokens) >= 50 or reader.done(), within_s=120)  # noqa: B023
+            await server.pause("keep")
+            await server.update_weights(path, version="step-2")  # paused by the caller: stays
+            await server.resume()
+            await asyncio.wait_for(reader, 300)
+            cut = common_prefix(tokens, long_reference[i])
+            if cut < LONG:  # the update landed mid-response
+                break
+        else:
+            pytest.fail("every call finished before the update")
+        assert server.model == path and await weight_version(server) == "step-2"
+        assert len(tokens) == LONG and cut >= 50
+        # before the update: the old weights' tokens; after: the new weights' continuation
+        rest, _ = await generate(fresh, PROMPTS[i] + tokens[:cut], LONG - cut, GREEDY, "rest")
+        assert tokens[cut:] == rest
+        # new calls: token for token and logprob for logprob a fresh engine's
+        for j, prompt in enumerate(PROMPTS[:3]):
+            got, got_lps = await generate(server, prompt, N, GREEDY, f"upd-{j}")
+            want, want_lps = await generate(fresh, prompt, N, GREEDY, f"fresh-{j}")
+            assert got == want and max_abs_diff(got_lps, want_lps) < 1e-5
+        await check_logprobs(server, Reference(hf_model_next), PROMPTS[:2], N, "upd")
+    finally:  # back to the module's model, as the other tests expect
+        await server.update_weights(str(hf_model), version="step-1")
+    assert server.model == str(hf_model)
+    tokens, _ = await generate(server, PROMPTS[0], LONG, GREEDY, "back")
+    assert tokens == long_reference[0]
+
+
+async def test_a_checkpoint_of_another_shape_is_refused_before_loading(
+    nodes: Nodes, hf_model: Path, hf_model_other: Path, reference: dict[int, list[int]]
+) -> None:
+    server = vllm_of(nodes, "b")
+    with pytest.raises(CheckpointError, match="not a checkpoint of the served model"):
+        await server.prepare_model(str(hf_model_other))
+    assert server.model == str(hf_model)
+    tokens, _ = await generate(server, PROMPTS[1], N, GREEDY, "still")
+    assert tokens == reference[1]
+
+
+async def test_pause_abort_ends_the_calls_in_flight_retryably(nodes: Nodes) -> None:
+    server = vllm_of(nodes, "b")
+    tokens: list[int] = []
+
+    async def read() -> None:
+        async for chunk in server.generate(Submission("to-abort", tuple(PROMPTS[0]), LONG, GREEDY)):
+            tokens.extend(chunk.token_ids)
+
+    reader = asyncio.create_task(read())
+    await eventually(lambda: len(tokens) >= 5, within_s=120)
+    await server.pause("abort")
+    try:
+        with pytest.raises(EngineFailed, match="'abort'") as exc:
+            await asyncio.wait_for(reader, 60)
+        assert exc.value.retry and len(tokens) < LONG
+    finally:
+        await server.resume()
