@@ -67,9 +67,11 @@ INSTALLED = {
 
 
 def installed_engine(kind: str) -> str | None:
-    """The engine `make engines` installed in this checkout, if any."""
+    """The engine `make engines` installed in this checkout, if any: an absolute path that
+    keeps its symlinks (vLLM's virtualenv Python resolved is the base interpreter, which
+    has no vLLM)."""
     path = INSTALLED.get(kind)
-    return str(path.resolve()) if path is not None and path.exists() else None
+    return str(path.absolute()) if path is not None and path.exists() else None
 
 
 @dataclass(frozen=True)
