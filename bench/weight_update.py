@@ -73,8 +73,10 @@ def recompute(checkpoint: Path, prompt: list[int], tokens: list[int]) -> list[fl
     try:
         import torch
         from transformers import LlamaForCausalLM
+        from transformers.utils import logging as transformers_logging
     except ImportError:
         return None
+    transformers_logging.disable_progress_bar()
     model = LlamaForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]

@@ -48,7 +48,7 @@ import aiohttp
 
 from node_agent.engines import gguf_convert
 from node_agent.engines.base import Chunk, EngineFailed, FinishReason, Submission
-from node_agent.engines.checkpoint import CheckpointError
+from node_agent.engines.checkpoint import CheckpointError, check_layout
 from node_agent.engines.http_engine import (
     HttpEngine,
     cpu_cores,
@@ -123,6 +123,8 @@ class LlamaCppServer(HttpEngine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._calls: dict[str, aiohttp.ClientResponse] = {}
+        # GGUF path -> the Hugging Face checkpoint prepare_model converted it from
+        self._sources: dict[str, Path] = {}
 
     @property
     def slot_dir(self) -> str:
@@ -168,18 +170,25 @@ class LlamaCppServer(HttpEngine):
         """The GGUF to restart on: a ``.gguf`` file as given, or a Hugging Face checkpoint
         directory converted (``EngineSettings.gguf_dtype``; kept beside the directory as
         ``NAME.f32.gguf`` and reused while newer than the checkpoint's files). Checked
-        against the GGUF this instance serves: the same tensors and shapes."""
+        against the model this instance serves: a checkpoint against the checkpoint the
+        served GGUF was converted from (safetensors headers: the same tensors, shapes and
+        types), otherwise the GGUF's tensors against the served GGUF's (same shapes)."""
         src = Path(checkpoint)
+        source = self._sources.get(self.model)
         if src.suffix == ".gguf":
-            out = src
-        else:
-            dtype = cast(gguf_convert.OutType, self.settings.gguf_dtype)
-            out = gguf_path(src, dtype)
-            lock = _converting.setdefault(str(out), asyncio.Lock())
-            async with lock:
-                if not await asyncio.to_thread(up_to_date, out, src):
-                    await asyncio.to_thread(gguf_convert.convert, src, out, dtype=dtype)
-        await asyncio.to_thread(check_gguf_layout, Path(self.model), out)
+            await asyncio.to_thread(check_gguf_layout, Path(self.model), src)
+            return str(src)
+        if source is not None:
+            await asyncio.to_thread(check_layout, source, src)
+        dtype = cast(gguf_convert.OutType, self.settings.gguf_dtype)
+        out = gguf_path(src, dtype)
+        lock = _converting.setdefault(str(out), asyncio.Lock())
+        async with lock:
+            if not await asyncio.to_thread(up_to_date, out, src):
+                await asyncio.to_thread(gguf_convert.convert, src, out, dtype=dtype)
+        if source is None:
+            await asyncio.to_thread(check_gguf_layout, Path(self.model), out)
+        self._sources[str(out)] = src
         return str(out)
 
     async def generate(self, submission: Submission) -> AsyncGenerator[Chunk, None]:

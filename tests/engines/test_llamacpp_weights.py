@@ -55,7 +55,7 @@ async def test_a_restart_on_the_next_checkpoint_serves_its_weights(
     server: LlamaCppServer, hf_model: Path, hf_model_next: Path, hf_model_other: Path
 ) -> None:
     before = server.model
-    with pytest.raises(CheckpointError, match="not of the served model's shape"):
+    with pytest.raises(CheckpointError, match="not a checkpoint of the served model"):
         await server.prepare_model(str(hf_model_other))
     assert server.model == before and server.alive  # nothing changed
     gguf = await server.prepare_model(str(hf_model_next))

@@ -214,3 +214,19 @@ def test_the_command_line_reports_a_bad_checkpoint(
         gguf_convert.main([str(tmp_path / "nowhere"), str(tmp_path / "x.gguf")])
     assert exc.value.code == 2
     assert "config.json: missing" in capsys.readouterr().err
+
+
+def test_the_served_gguf_layout_check(tmp_path: Path) -> None:
+    from node_agent.engines.llamacpp import check_gguf_layout
+
+    a = convert(write_hf_llama(tmp_path / "a", SHAPE, seed=1), tmp_path / "a.gguf")
+    b = convert(write_hf_llama(tmp_path / "b", SHAPE, seed=2), tmp_path / "b.gguf")
+    wide = dataclasses.replace(SHAPE, intermediate=96)
+    c = convert(write_hf_llama(tmp_path / "c", wide, seed=3), tmp_path / "c.gguf")
+    check_gguf_layout(a, b)
+    check_gguf_layout(tmp_path / "not-started.gguf", c)  # nothing served yet
+    with pytest.raises(CheckpointError, match=r"'blk.0.ffn_up.weight' has shape \[128, 96\]"):
+        check_gguf_layout(a, c)
+    (tmp_path / "d.gguf").write_bytes(b"GGUF broken")
+    with pytest.raises(CheckpointError, match="not a readable GGUF"):
+        check_gguf_layout(a, tmp_path / "d.gguf")
