@@ -10,7 +10,7 @@ trainer's step 1 and step 2, Hugging Face safetensors):
   (``prepare_model``: the checkpoint's layout checked, then ``update_weights``: pause,
   ``reload_weights`` from disk, KV cache dropped, version label, resume); llama.cpp by
   restart (``prepare_model``: the checkpoint converted to a float32 GGUF, its cached GGUF
-  deleted first so that every round converts, then stop, ``set_model``, start).
+  deleted first so that every round converts, then stop, ``use_model``, start).
 * **cold start**: a new instance started on the same checkpoint from disk (vLLM: the
   directory; llama.cpp: the GGUF), until its health check answers, ``--cold-rounds``
   times, in the same run.
@@ -106,7 +106,7 @@ async def update(server: HttpEngine, kind: str, checkpoint: Path) -> dict[str, f
         await server.update_weights(path, version=checkpoint.name)
     else:
         await server.stop()
-        server.set_model(path)
+        server.use_model(path)
         await server.start()
     t2 = time.perf_counter()
     return {"prepare_ms": (t1 - t0) * 1e3, "load_ms": (t2 - t1) * 1e3, "total_ms": (t2 - t0) * 1e3}
@@ -120,7 +120,7 @@ async def bench_engine(
         args=VLLM_ARGS if kind == "vllm" else (), log_dir=logs / kind, start_timeout_s=900,
     )  # fmt: skip
     server = new_server(kind, settings)
-    server.set_model(await server.prepare_model(str(steps[0])))
+    server.use_model(await server.prepare_model(str(steps[0])))
     await server.start()
     updates = []
     try:
@@ -136,7 +136,7 @@ async def bench_engine(
     cold_probe: tuple[list[int], list[float]] = ([], [])
     for _ in range(args.cold_rounds):
         cold = new_server(kind, settings)
-        cold.set_model(model)  # the same checkpoint (llama.cpp: its GGUF), from disk
+        cold.use_model(model)  # the same checkpoint (llama.cpp: its GGUF), from disk
         t0 = time.perf_counter()
         await cold.start()
         colds.append((time.perf_counter() - t0) * 1e3)

@@ -315,7 +315,7 @@ class SglangServer(HttpEngine):
         paused_by_caller = self.paused
         if self.modes and paused_by_caller in (None, "keep"):
             await self.control("/pause_generation", {"mode": "retract"}, what="pause (retract)")
-        body: dict[str, Any] = {"path": path, "flush_cache": True}
+        body: dict[str, Any] = {"model_path": path, "flush_cache": True}
         if version is not None:
             body["weight_version"] = version
         try:

@@ -37,7 +37,7 @@ async def server(
     # hf_model and checks it against the served one (same shapes)
     settings = settings_for(llama_binary, Path("unset.gguf"), log_dir, seqs=2)("n")
     srv = LlamaCppServer(cpu_placement(), settings)
-    srv.set_model(await srv.prepare_model(str(hf_model)))
+    srv.use_model(await srv.prepare_model(str(hf_model)))
     await srv.start()
     try:
         yield srv
@@ -64,7 +64,7 @@ async def test_a_restart_on_the_next_checkpoint_serves_its_weights(
     assert await server.prepare_model(str(hf_model_next)) == gguf
     assert (await asyncio.to_thread(Path(gguf).stat)).st_mtime_ns == made  # converted once
     await server.stop()
-    server.set_model(gguf)
+    server.use_model(gguf)
     await server.start()
     _, outs = await check_logprobs(server, Reference(hf_model_next), PROMPTS, N, "v2")
     old = Reference(hf_model)
@@ -78,7 +78,7 @@ async def test_an_f16_gguf_serves_within_half_precision(
     srv = LlamaCppServer(cpu_placement(), dataclasses.replace(settings, gguf_dtype="f16"))
     gguf = await srv.prepare_model(str(hf_model))
     assert gguf.endswith(".f16.gguf")
-    srv.set_model(gguf)
+    srv.use_model(gguf)
     await srv.start()
     try:
         tokens, lps = await generate(srv, PROMPTS[0], N, GREEDY, "h")
