@@ -83,6 +83,7 @@ bench: $(STAMP) engines
 	$(PY) bench/planner.py --json bench/results/planner.json
 	$(PY) bench/sim_network.py --json bench/results/sim_network.json
 	$(PY) bench/gateway.py --json bench/results/gateway.json
+	$(PY) bench/weight_update.py --json bench/results/weight_update.json
 	$(PY) bench/grpo_toy.py --json bench/results/grpo_toy.json
 	@if [ -n "$$ORL_ETCD" ] || command -v etcd >/dev/null; then \
 		kinds=crash,idle,freeze; [ "$$(id -u)" -eq 0 ] && kinds=$$kinds,partition; \

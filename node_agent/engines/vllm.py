@@ -170,7 +170,10 @@ class VllmServer(HttpEngine):
                     await self.abort_in_background([rid])
 
     def logprobs_of(self, choice: dict[str, Any], tokens: tuple[int, ...]) -> tuple[float, ...]:
-        """The logprobs of an event's new ids (``logprobs.token_logprobs``)."""
+        """The logprobs of an event's new ids (``logprobs.token_logprobs``; an event
+        without new ids, such as a last one carrying only the finish reason, has none)."""
+        if not tokens:
+            return ()
         doc = choice.get("logprobs") or {}
         values = doc.get("token_logprobs") if isinstance(doc, dict) else None
         if not isinstance(values, list) or len(values) != len(tokens):
