@@ -13,7 +13,7 @@ trainer's step 1 and step 2, Hugging Face safetensors):
   deleted first so that every round converts, then stop, ``use_model``, start).
 * **cold start**: a new instance started on the same checkpoint from disk (vLLM: the
   directory; llama.cpp: the GGUF), until its health check answers, ``--cold-rounds``
-  times, in the same run.
+  times (default: vLLM 1, about a minute each here; llama.cpp 5), in the same run.
 
 Reported: the median of each and their ratio (cold / update), and checks that the
 update really took: the updated instance's greedy tokens and logprobs on a probe prompt
@@ -24,7 +24,7 @@ what an RL trainer computes; skipped when transformers is not installed). A mism
 (other tokens, or a logprob off by 1e-3 or more) fails the run (exit code 1).
 
     python bench/weight_update.py [--engine all|vllm|llamacpp] [--rounds 5]
-        [--cold-rounds 1] [--layers 4] [--hidden 512] [--json out.json]
+        [--cold-rounds N] [--layers 4] [--hidden 512] [--json out.json]
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ VLLM_ARGS = ("--dtype=float32", "--enforce-eager", "--skip-tokenizer-init")
 PROBE = [5, 17, 3, 99, 42, 7]
 PROBE_TOKENS = 32
 ENGINES = ("vllm", "llamacpp")
+COLD_ROUNDS = {"vllm": 1, "llamacpp": 5}  # cold starts by default (vLLM's take a minute)
 
 
 def free_port() -> int:
@@ -76,7 +77,7 @@ def recompute(checkpoint: Path, prompt: list[int], tokens: list[int]) -> list[fl
         from transformers.utils import logging as transformers_logging
     except ImportError:
         return None
-    transformers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     model = LlamaForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
@@ -134,7 +135,8 @@ async def bench_engine(
         await server.stop()
     colds = []
     cold_probe: tuple[list[int], list[float]] = ([], [])
-    for _ in range(args.cold_rounds):
+    cold_rounds = args.cold_rounds or COLD_ROUNDS[kind]
+    for _ in range(cold_rounds):
         cold = new_server(kind, settings)
         cold.use_model(model)  # the same checkpoint (llama.cpp: its GGUF), from disk
         t0 = time.perf_counter()
@@ -155,7 +157,7 @@ async def bench_engine(
     return {
         "checkpoint": last.name,
         "rounds": args.rounds,
-        "cold_rounds": args.cold_rounds,
+        "cold_rounds": cold_rounds,
         "update_ms": [u["total_ms"] for u in updates],
         "update_ms_p50": update_ms,
         "prepare_ms_p50": statistics.median(u["prepare_ms"] for u in updates),
@@ -238,14 +240,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", choices=("all", *ENGINES), default="all")
     p.add_argument("--rounds", type=int, default=5, help="weight updates (default 5)")
-    p.add_argument("--cold-rounds", type=int, default=1, help="cold starts (default 1)")
+    p.add_argument(
+        "--cold-rounds", type=int, default=0, help="cold starts (default: vLLM 1, llama.cpp 5)"
+    )
     p.add_argument("--layers", type=int, default=4, choices=range(1, 33), metavar="N")
     p.add_argument("--hidden", type=int, default=512, choices=[64 * k for k in range(1, 33)])
     p.add_argument("--json", type=Path, help="also write the figures as JSON here")
     args = p.parse_args(argv)
-    for name in ("rounds", "cold_rounds"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be at least 1")
+    if args.rounds < 1:
+        p.error(f"--rounds={args.rounds}: must be at least 1")
+    if args.cold_rounds < 0:
+        p.error(f"--cold-rounds={args.cold_rounds}: must be at least 1 (0: the default)")
     setup_logging("warning")
     result = asyncio.run(run(args))
     print(table(result))
