@@ -408,13 +408,7 @@ class GatewayCore:
         on the new weights (their own policy, else ``in_flight``) are taken off and wait at
         the queue's front; the others finish on the old weights. The shell waits until no
         call holds a seat, loads the weights, then calls :meth:`end_update`."""
-        self._refuse_closed()
-        if not version or len(version) > 128:
-            raise errors.field_error("version", version, "a label of 1-128 characters")
-        if in_flight not in UPDATE_POLICIES:
-            raise errors.field_error("in_flight", in_flight, " or ".join(UPDATE_POLICIES))
-        self._refuse_while_resharding("update weights")
-        self._refuse_while_updating("update weights")
+        self.check_update(version, in_flight)
         self.updating = version
         actions: list[Action] = []
         for rid in sorted(self._live, key=lambda r: self.requests[r].seq):
@@ -423,6 +417,16 @@ class GatewayCore:
                 actions += self._detach(req)
                 self._enqueue(req)
         return actions
+
+    def check_update(self, version: str, in_flight: str) -> None:
+        """InvalidArgument / Aborted / Unavailable when an update cannot begin now."""
+        self._refuse_closed()
+        if not version or len(version) > 128:
+            raise errors.field_error("version", version, "a label of 1-128 characters")
+        if in_flight not in UPDATE_POLICIES:
+            raise errors.field_error("in_flight", in_flight, " or ".join(UPDATE_POLICIES))
+        self._refuse_while_resharding("update weights")
+        self._refuse_while_updating("update weights")
 
     def seats_taken(self) -> int:
         """Calls holding a seat on any instance (live or ending)."""

@@ -178,6 +178,8 @@ class GatewayEngine:
         self._ready = asyncio.Event()
         self._failed = asyncio.Event()
         self._seats_changed = asyncio.Event()  # a call ended
+        self._model: str | None = None  # what the instances load (None: as configured)
+        self._preparing = ""  # the version an update is preparing
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -560,31 +562,47 @@ class GatewayEngine:
         *,
         drain_timeout_s: float | None = None,
     ) -> WeightUpdate:
-        """Load the weights at ``path`` (checked and in the engine's format) as ``version``
-        into every instance: no new call starts; the requests whose policy is "resume"
-        (their own, else ``in_flight``) stop and wait, those that "finish" complete on the
-        old weights; then each instance loads the weights (in place where the engine can,
-        else restarted on them) and dispatching goes on, every later token tagged
-        ``version``. All or nothing: when an instance cannot load them, those that did are
-        brought back to the old weights and FailedPrecondition says which and why; the
-        node serves the old version. One update at a time (a second is refused: Aborted).
-        ``drain_timeout_s``: how long to wait for the finishing requests (DeadlineExceeded
-        after it, nothing changed)."""
+        """Load the trainer's checkpoint at ``path`` (a Hugging Face directory) as
+        ``version`` into every instance. First, while the old weights keep serving, the
+        engine's adapter checks it against the model served and turns it into what the
+        engine loads (``prepare_model``: for llama.cpp a GGUF); a checkpoint it cannot
+        serve is refused then, nothing changed. Then no new call starts; the requests
+        whose policy is "resume" (their own, else ``in_flight``) stop and wait, those that
+        "finish" complete on the old weights; each instance loads the weights (in place
+        where the engine can, else restarted on them) and dispatching goes on, every later
+        token tagged ``version``. All or nothing: when an instance cannot load them, those
+        that did are brought back to the old weights and FailedPrecondition says which and
+        why; the node serves the old version. One update at a time (a second is refused:
+        Aborted). ``drain_timeout_s``: how long to wait for the finishing requests
+        (DeadlineExceeded after it, nothing changed)."""
         t0 = time.perf_counter()
         previous = self.core.weight_version
+        self.core.check_update(version, in_flight)
+        if self._preparing:
+            raise errors.Aborted(
+                f"cannot update weights: weights {self._preparing!r} are being prepared; "
+                "retry when the update finishes"
+            )
+        self._preparing = version
+        try:
+            engine_path = await self._prepare(path)
+        finally:
+            self._preparing = ""
+        stages = [StageTiming("prepare", time.perf_counter() - t0)]
+        t1 = time.perf_counter()
         actions = self.core.begin_update(version, in_flight)
         resumed = sum(1 for a in actions if isinstance(a, CancelCall))
-        stages: list[StageTiming] = []
         loaded: list[Instance] = []
         try:
             await self._act_and_wait(actions)
             finishing = self.core.seats_taken()
             await self._seats_free(drain_timeout_s, version)
-            stages.append(StageTiming("drain", time.perf_counter() - t0))
+            stages.append(StageTiming("drain", time.perf_counter() - t1))
+            t2 = time.perf_counter()
             old = {i.key: self._servers[i.key].model for i in self.core.instances}
             try:
                 for inst in list(self.core.instances):
-                    await self._load(inst, path)
+                    await self._load(inst, engine_path, version)
                     loaded.append(inst)
             except (errors.OrlError, EngineFailed, NotImplementedError) as exc:
                 failed = self.core.instances[len(loaded)]
@@ -594,7 +612,8 @@ class GatewayEngine:
                     f"{failed.index} (TP{failed.placement.tp}) could not load it: {exc}; "
                     f"{back}"
                 ) from exc
-            stages.append(StageTiming("load", time.perf_counter() - t0 - stages[0].seconds))
+            stages.append(StageTiming("load", time.perf_counter() - t2))
+            self._model = engine_path  # instances started later load it too
             self._act(self.core.end_update(ok=True))
         finally:
             if self.core.updating:
@@ -624,12 +643,21 @@ class GatewayEngine:
         server = self._servers[inst.key]
         return "in place" if CAP_UPDATE_WEIGHTS in server.capabilities else "restart"
 
-    async def _load(self, inst: Instance, path: str) -> None:
+    async def _prepare(self, path: str) -> str:
+        """What the engines load for the checkpoint at ``path`` (the adapter's check and
+        conversion, done once: every instance runs the same engine and model)."""
+        servers = [self._servers[i.key] for i in self.core.instances]
+        if not servers:
+            raise errors.Unavailable(f"node {self.node or '?'} has no engine instance")
+        up = [self._servers[i.key] for i in self.core.instances if i.up]
+        return await (up or servers)[0].prepare_model(path)
+
+    async def _load(self, inst: Instance, path: str, version: str | None = None) -> None:
         """``inst`` serves the weights at ``path``: loaded in place, or restarted on them
         (an instance that crashed loads them when its own restart comes)."""
         server = self._servers[inst.key]
         if CAP_UPDATE_WEIGHTS in server.capabilities and inst.up:
-            await server.update_weights(path)
+            await server.update_weights(path, version=version)
             server.use_model(path)  # a later restart loads them too
             return
         server.use_model(path)
@@ -850,6 +878,8 @@ class GatewayEngine:
 
     def _instance_for(self, placement: Placement) -> Instance:
         server = self._make(placement)
+        if self._model is not None:  # weights loaded by an update since the start
+            server.use_model(self._model)
         inst = self.core.new_instance(
             placement, server.max_num_seqs, CAP_PAUSE in server.capabilities
         )

@@ -8,12 +8,13 @@ Aborted, naming it):
 2. fetch (:func:`node_agent.weights.fetch.fetch_checkpoint`) into the agent's
    checkpoint_dir, within the command's timeout, checked against the model the node
    serves (a checkpoint of another shape is refused before its bytes move);
-3. prepare: the path the engine kind loads (:mod:`node_agent.weights.prepare`);
-4. load: the engines take the new weights all or nothing
-   (``GatewayEngine.update_weights``, or the simulated engine's); the load is never cut
+3. load: the engines take the new weights all or nothing
+   (``GatewayEngine.update_weights``, or the simulated engine's): first the engine's
+   adapter prepares what its engine loads (checked against the model served; for
+   llama.cpp converted to a GGUF) while the old weights serve; the load is never cut
    by the timeout (it is given what is left of it to drain the requests that finish on
    the old weights): a load cut in the middle could leave instances on different versions;
-5. older checkpoints beyond ``keep`` are removed.
+4. older checkpoints beyond ``keep`` are removed.
 
 Any failure before the load leaves the engines untouched, and a failed load is rolled back
 by the engines: the node keeps serving the version it had, and the error says so.
@@ -37,7 +38,6 @@ from node_agent.weights.fetch import (
     FetchStatus,
     fetch_checkpoint,
 )
-from node_agent.weights.prepare import Prepare, for_engine
 from node_agent.weights.store import CheckpointDir, check_checksum
 from orchestrrl import checkpoint, errors
 from orchestrrl.grpcutil import parse_address
@@ -195,7 +195,6 @@ class WeightUpdater:
         kind: str,
         sources: SourceFactory,
         *,
-        prepare: Prepare | None = None,
         keep: int = DEFAULT_KEEP,
         part_bytes: int = plan.DEFAULT_PART_BYTES,
         clock: Callable[[], float] = time.monotonic,
@@ -205,7 +204,6 @@ class WeightUpdater:
         self.loader = loader
         self.kind = kind
         self._sources = sources
-        self._prepare = prepare or for_engine(kind)
         self.keep = keep
         self.part_bytes = plan.check_part_bytes(part_bytes)
         self._clock = clock
@@ -263,10 +261,6 @@ class WeightUpdater:
                     expected_config=expected,
                     status=status,
                 )
-                status.stage = "preparing it for the engine"
-                p0 = self._clock()
-                path = await self._prepare(fetched.checkpoint)
-                prepare_s = self._clock() - p0
         except TimeoutError:
             raise errors.DeadlineExceeded(
                 f"fetching checkpoint {order.version} from {order.source_node!r} at "
@@ -278,9 +272,10 @@ class WeightUpdater:
         l0 = self._clock()
         drain = max(1.0, deadline - l0)
         done = await self.loader.update_weights(
-            path, order.version, order.in_flight, drain_timeout_s=drain
+            str(fetched.checkpoint.path), order.version, order.in_flight, drain_timeout_s=drain
         )
-        load_s = self._clock() - l0
+        prepare_s = sum(s.seconds for s in done.stages if s.stage == "prepare")
+        load_s = self._clock() - l0 - prepare_s
         self.served = fetched.checkpoint
         await asyncio.to_thread(self._prune, fetched.checkpoint.path.name)
         return self._report(order, previous, fetched, done, prepare_s, load_s, t0)

@@ -202,3 +202,13 @@ async def test_bad_updates_are_refused_naming_the_field(
     assert status == 400
     assert answer["error"]["param"] == param and says in answer["error"]["message"]
     assert gw.engine.weight_version == "0"
+
+
+async def test_instances_started_after_an_update_serve_the_new_weights(gw: Gateway) -> None:
+    status, _ = await update(gw, path="/ckpt/scripted-6", version="v6")
+    assert status == 200
+    await gw.engine.reshard((2,))  # a new TP2 instance, started from the factory's model
+    assert [s.model for s in gw.servers if s.alive] == ["/ckpt/scripted-6"]
+    _, answer = await gw.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 7})
+    assert answer["choices"][0]["token_ids"] == greedy(PROMPT, 7, weights=6)
+    assert answer["orl"]["weight_versions"] == [[0, "v6"]]

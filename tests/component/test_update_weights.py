@@ -236,16 +236,11 @@ async def test_bad_requests_name_the_field(bed: Bed) -> None:
     assert bed.engine.weight_version == "1"
 
 
-async def test_an_agent_without_a_checkpoint_dir_or_a_converter_refuses(tmp_path: Path) -> None:
+async def test_an_agent_without_a_checkpoint_dir_refuses(tmp_path: Path) -> None:
     async for bed in bed_for(tmp_path / "a", store=False):
         ck = write_checkpoint(bed.source_root, "1", SHAPE, seed=1)
         code, details = await bed.refused(bed.order("c1", ck))
         assert code is grpc.StatusCode.FAILED_PRECONDITION and "no checkpoint_dir" in details
-    async for bed in bed_for(tmp_path / "b", kind="llamacpp"):
-        ck = write_checkpoint(bed.source_root, "1", SHAPE, seed=1)
-        code, details = await bed.refused(bed.order("c1", ck))
-        assert code is grpc.StatusCode.FAILED_PRECONDITION and "GGUF" in details
-        assert bed.engine.weight_version == "0"
 
 
 async def test_a_gateways_engines_take_a_fetched_checkpoint_all_or_nothing(
@@ -256,7 +251,6 @@ async def test_a_gateways_engines_take_a_fetched_checkpoint_all_or_nothing(
     version; the retry loads the checkpoint already fetched, without fetching again."""
     from node_agent.engines.base import Placement
     from node_agent.gateway.engine import GatewayEngine
-    from node_agent.weights.prepare import hf_directory
     from sim_backends.token_engine import ScriptedEngine
 
     servers: list[ScriptedEngine] = []
@@ -280,7 +274,6 @@ async def test_a_gateways_engines_take_a_fetched_checkpoint_all_or_nothing(
         gateway,
         "scripted",
         lambda node, address: GrpcCheckpointSource(node, address, None),
-        prepare=hf_directory,
     )
     try:
         ck = write_checkpoint(source_root, "1", SHAPE, seed=1)
