@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 # system's ssh service, as on any Debian host).
 DEB_PACKAGES := iproute2 iperf3 cmake libgomp1 etcd-server netconfd openssh-server
 
-.PHONY: all demo demo-engines demo-testbed test lint bench bench-testbed proto deps engines package clean reproduce
+.PHONY: all demo demo-engines demo-rl demo-testbed test lint bench bench-testbed proto deps engines package clean reproduce
 
 all: test
 
@@ -49,6 +49,11 @@ demo: $(STAMP)
 # per-stage timings and a check that the outputs match an uninterrupted run.
 demo-engines: $(STAMP) engines
 	$(VENV)/bin/orlctl demo-engines
+
+# A real GRPO loop on CPU engines through the gateways: generation (the compute loop
+# resharding and migrating), training, weight sync every step; a row per step and a PNG.
+demo-rl: $(STAMP) engines
+	$(VENV)/bin/orlctl demo-rl
 
 # The same phases on a real data plane: network namespaces, veth, tc (needs root).
 demo-testbed: $(STAMP)

@@ -262,6 +262,27 @@ def build_parser() -> argparse.ArgumentParser:
     de.add_argument(
         "--run-dir", type=Path, default=None, help="run directory (default: a temporary one)"
     )
+    rl = add(
+        sub,
+        "demo-rl",
+        "a real GRPO loop on CPU engines through the gateways: generation, training and "
+        "weight sync every step; prints a row per step and plots the reward",
+    )
+    rl.add_argument("--engine", default="llamacpp", help="llamacpp or vllm")
+    rl.add_argument("--engine-command", default="", metavar="PATH", help="default: from .engines/")
+    rl.add_argument("--steps", type=int, help="RL steps (1-1000; default 12)")
+    rl.add_argument("--prompts", type=int, help="groups per step (default 8)")
+    rl.add_argument("--samples", type=int, help="samples per prompt (default 8)")
+    rl.add_argument("--max-tokens", type=int, help="tokens per response at most")
+    rl.add_argument("--rollout", help="full (default) or partial")
+    rl.add_argument("--seed", type=int)
+    rl.add_argument("--lr", type=float, help="the trainer's learning rate")
+    rl.add_argument(
+        "--plot", type=Path, default=Path("demo-rl-reward.png"), help="the reward curve (PNG)"
+    )
+    rl.add_argument(
+        "--run-dir", type=Path, default=None, help="run directory (default: a temporary one)"
+    )
     return p
 
 
@@ -714,6 +735,26 @@ def cmd_demo_engines(args: argparse.Namespace) -> int:
     return run_demo_engines(cfg, as_json=getattr(args, "json", False))
 
 
+def cmd_demo_rl(args: argparse.Namespace) -> int:
+    from fabric_controller.demo_rl import RLConfig, run_demo_rl
+
+    given = {
+        "engine": args.engine,
+        "command": args.engine_command,
+        "steps": args.steps,
+        "prompts": args.prompts,
+        "samples": args.samples,
+        "max_tokens": args.max_tokens,
+        "learning_rate": args.lr,
+        "seed": args.seed,
+        "rollout": args.rollout,
+        "run_dir": args.run_dir,
+        "plot": args.plot,
+    }
+    cfg = RLConfig(**{k: v for k, v in given.items() if v is not None})
+    return run_demo_rl(cfg, as_json=getattr(args, "json", False))
+
+
 def cmd_certs(args: argparse.Namespace) -> int:
     from orchestrrl.devcerts import make_dev_pki
 
@@ -753,6 +794,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "config": cmd_config,
     "local": cmd_local,
     "demo-engines": cmd_demo_engines,
+    "demo-rl": cmd_demo_rl,
     "demo": cmd_demo,
     "certs": cmd_certs,
 }

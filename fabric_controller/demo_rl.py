@@ -1,0 +1,432 @@
+"""`make demo-rl` / `orlctl demo-rl`: a real GRPO loop learning through OrchestrRL, on a CPU.
+
+A local cluster (``examples/local-engines.toml``: a training node and two generation
+nodes of two "GPUs" each, one CPU core per GPU here; a simulated OCS) whose generation
+agents run a real engine (llama.cpp by default, or vLLM) on a tiny Llama policy built here
+from random weights. Each step is the RL loop the paper describes:
+
+1. ``generation``: the phase is set; ``G`` prompts x ``n`` samples of a verifiable toy
+   task (:class:`orchestrrl.rl.tasks.TargetStop`) go through the gateways as groups
+   (:mod:`orchestrrl.rollout`), every token with its logprob and weight version, while
+   the controller's compute-scheduling loop reshards and migrates;
+2. ``training``: the phase is set; the trainer recomputes the logprobs of every sampled
+   token under the weights it pushed (they must equal the engines', fp32: the step fails
+   otherwise) and takes one GRPO step (:class:`orchestrrl.rl.trainer.PolicyTrainer`);
+3. ``weight-sync``: the new weights are written as a checkpoint that the training node's
+   agent serves, and the phase is set with it: the circuits move, every generation node
+   fetches it over them, loads it into its engines (llama.cpp: converted to GGUF and
+   restarted; vLLM: in place) and the controller answers when all run it.
+
+It prints a row per step (reward, response lengths, weight version, the time of each
+phase, reshards and migrations, the logprob check), writes the reward curve as a PNG
+and, with ``--json``, the same figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fabric_controller import local
+from orchestrrl import errors
+from orchestrrl.client import AsyncClient
+from orchestrrl.logs import setup_logging
+from orchestrrl.rollout import AsyncRollout, Group
+
+WIRING = Path(__file__).resolve().parents[1] / "examples" / "local-engines.toml"
+TRAIN_NODE = "train0-n0"
+ENGINES = ("llamacpp", "vllm")
+ROLLOUTS = ("full",)
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    engine: str = "llamacpp"
+    command: str = ""  # default: what `make engines` installed
+    steps: int = 12
+    prompts: int = 8  # groups per step (G)
+    samples: int = 8  # samples per prompt (n)
+    max_tokens: int = 256
+    vocab: int = 64
+    hidden: int = 64
+    layers: int = 2
+    target_length: int = 6
+    learning_rate: float = 5e-3
+    seed: int = 0
+    seats: int = 4  # sequences per engine instance
+    rollout: str = "full"
+    run_dir: Path | None = None
+    plot: Path | None = None
+
+    def check(self) -> None:
+        p = errors.Problems()
+        if self.engine not in ENGINES:
+            p.add(str(errors.field_error("--engine", self.engine, " or ".join(ENGINES))))
+        if self.rollout not in ROLLOUTS:
+            p.add(str(errors.field_error("--rollout", self.rollout, " or ".join(ROLLOUTS))))
+        for name, value, lo, hi in (
+            ("--steps", self.steps, 1, 1000),
+            ("--prompts", self.prompts, 1, 1024),
+            ("--samples", self.samples, 2, 64),
+            ("--max-tokens", self.max_tokens, 8, 4096),
+            ("--seats", self.seats, 1, 64),
+        ):
+            if isinstance(value, bool) or not lo <= value <= hi:
+                p.add(str(errors.field_error(name, value, f"an integer in {lo}..{hi}")))
+        if not math.isfinite(self.learning_rate) or not 0 < self.learning_rate <= 1:
+            p.add(str(errors.field_error("--lr", self.learning_rate, "a number in (0, 1]")))
+        if p:
+            raise p.error()
+
+
+@dataclass
+class StepRow:
+    step: int
+    weight_version: str  # the weights the rollout ran on
+    reward_mean: float
+    length_p50: float
+    length_p99: float
+    length_mean: float
+    stop_fraction: float
+    logprob_mean_abs_diff: float
+    logprob_max_abs_diff: float
+    phase_s: dict[str, float]
+    reshards: int
+    migrations: int  # of running requests (their tokens recomputed or moved)
+    samples: int
+    sync_bytes: int
+    versions_seen: list[str]
+
+
+@dataclass
+class RLResult:
+    engine: str
+    steps: list[StepRow] = field(default_factory=list)
+    actions: list[dict[str, Any]] = field(default_factory=list)
+    cluster_up_s: float = 0.0
+    run_s: float = 0.0
+    lost_or_duplicated: int = 0
+
+    @property
+    def reshards(self) -> int:
+        return sum(s.reshards for s in self.steps)
+
+    @property
+    def migrations(self) -> int:
+        return sum(s.migrations for s in self.steps)
+
+    def doc(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "steps": [
+                {
+                    "step": s.step,
+                    "reward_mean": s.reward_mean,
+                    "weight_version": s.weight_version,
+                    "logprob_max_abs_diff": s.logprob_max_abs_diff,
+                    "logprob_mean_abs_diff": s.logprob_mean_abs_diff,
+                    "length_p50": s.length_p50,
+                    "length_p99": s.length_p99,
+                    "stop_fraction": s.stop_fraction,
+                    "phase_s": s.phase_s,
+                    "reshards": s.reshards,
+                    "migrations": s.migrations,
+                    "sync_bytes": s.sync_bytes,
+                }
+                for s in self.steps
+            ],
+            "reshards": self.reshards,
+            "migrations": self.migrations,
+            "lost_or_duplicated": self.lost_or_duplicated,
+            "cluster_up_s": self.cluster_up_s,
+            "run_s": self.run_s,
+        }
+
+
+def check_rollout(groups: Sequence[Group], prompts: int, n: int, version: str) -> int:
+    """Requests lost or duplicated in a step's rollout (0: every group has its ``n``
+    samples, each request id once), and every token made by ``version``."""
+    ids = [s.request_id for g in groups for s in g.samples]
+    bad = abs(len(groups) - prompts) + sum(abs(len(g.samples) - n) for g in groups)
+    bad += len(ids) - len(set(ids))
+    stale = [s.request_id for g in groups for s in g.samples if set(s.versions) - {version}]
+    if stale:
+        raise errors.FailedPrecondition(
+            f"samples {errors.listed(stale)} carry tokens of another weight version than "
+            f"{version!r}: the weight sync did not reach their engine"
+        )
+    return bad
+
+
+class ActionWatch:
+    """The compute-scheduling loop's actions, as the controller reports them."""
+
+    def __init__(self, controller: str) -> None:
+        self.controller = controller
+        self.seen: list[dict[str, Any]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _poll(self) -> None:
+        async with AsyncClient(self.controller, timeout_s=10.0) as client:
+            while True:
+                for a in (await client.schedule()).actions:
+                    key = (a["command_id"], a["kind"], a["node"])
+                    if all((x["command_id"], x["kind"], x["node"]) != key for x in self.seen):
+                        self.seen.append(a)
+                await asyncio.sleep(0.25)
+
+    def __enter__(self) -> ActionWatch:
+        self._task = asyncio.get_running_loop().create_task(self._poll())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def since(self, mark: int) -> list[dict[str, Any]]:
+        return [a for a in self.seen[mark:] if a["ok"]]
+
+
+def _to_samples(groups: Sequence[Group]) -> list[list[Any]]:
+    from orchestrrl.rl.grpo import Sample
+
+    return [
+        [
+            Sample(
+                g.prompt_ids,
+                s.completion_ids,
+                tuple(s.logprobs or ()),
+                s.finish_reason if s.finish_reason in ("stop", "length") else "length",
+                s.versions[0] if s.versions else "",
+            )
+            for s in g.samples
+        ]
+        for g in groups
+    ]
+
+
+def build_policy(cfg: RLConfig, root: Path) -> tuple[Any, Path]:
+    """The trainer (torch) and the engines' first model: checkpoint version 0 in the
+    training node's checkpoint directory (llama.cpp: also converted to GGUF)."""
+    import torch
+
+    from node_agent.engines import gguf_convert
+    from orchestrrl.rl import policy
+    from orchestrrl.rl.trainer import PolicyTrainer, TrainConfig
+
+    torch.set_num_threads(1)  # a tiny model: one thread is fastest (and leaves a core)
+    torch.manual_seed(cfg.seed)
+    config = policy.llama_config(
+        vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers
+    )
+    trainer = PolicyTrainer(
+        policy.new_policy(config, cfg.seed),
+        config,
+        TrainConfig(learning_rate=cfg.learning_rate, logprob_tolerance=1e-3),
+    )
+    ckpt = trainer.save(root)
+    if cfg.engine == "llamacpp":
+        return trainer, gguf_convert.convert(ckpt.path, root.parent / "policy-0.f32.gguf")
+    return trainer, ckpt.path
+
+
+async def _run(cfg: RLConfig, run_dir: Path, say: Any) -> RLResult:
+    from orchestrrl.rl.tasks import TargetStop
+
+    result = RLResult(cfg.engine)
+    command = cfg.command or local.installed_engine(cfg.engine)
+    if command is None:
+        raise errors.FailedPrecondition(
+            f"{cfg.engine} is not installed in .engines/: run `make engines` "
+            "(or pass --engine-command)"
+        )
+    task = TargetStop(cfg.vocab, target_length=cfg.target_length)
+    store = local.checkpoint_dir(run_dir, TRAIN_NODE)
+    store.mkdir(parents=True, exist_ok=True)
+    trainer, model = await asyncio.to_thread(build_policy, cfg, store)
+    say(f"demo-rl: GRPO on a {cfg.layers}-layer Llama (vocab {cfg.vocab}, hidden {cfg.hidden}) "
+        f"on {cfg.engine}, {cfg.prompts} prompts x {cfg.samples} samples per step")  # fmt: skip
+    args = (
+        ("--dtype=float32", "--enforce-eager", "--skip-tokenizer-init")
+        if cfg.engine == "vllm"
+        else ()
+    )
+    context = 64 + cfg.max_tokens
+    engine = local.LocalEngine(cfg.engine, str(model), command, args, "1,1", cfg.seats, context)
+    t = time.perf_counter()
+    cluster = await asyncio.to_thread(
+        local.up, WIRING, run_dir, ephemeral_ports=True, engine=engine,
+        progress=lambda m: say(f"  {m}"),
+    )  # fmt: skip
+    result.cluster_up_s = time.perf_counter() - t
+    try:
+        async with AsyncClient(cluster.controller, timeout_s=60.0) as client:
+            nodes = await client.nodes()
+            gateways = sorted(f"http://{n.gateway}" for n in nodes if n.gateway)
+            say(f"  gateways: {', '.join(gateways)}")
+            t0 = time.perf_counter()
+            with ActionWatch(cluster.controller) as watch:
+                async with AsyncRollout(gateways) as rollout:
+                    say(header())
+                    for step in range(cfg.steps):
+                        row = await _step(cfg, step, task, trainer, client, rollout, watch, store)
+                        result.steps.append(row)
+                        result.lost_or_duplicated += row.samples - cfg.prompts * cfg.samples
+                        say(format_row(row))
+            result.actions = watch.seen
+            result.run_s = time.perf_counter() - t0
+    finally:
+        await asyncio.to_thread(local.down, Path(cluster.run_dir))
+    return result
+
+
+async def _step(
+    cfg: RLConfig,
+    step: int,
+    task: Any,
+    trainer: Any,
+    client: AsyncClient,
+    rollout: AsyncRollout,
+    watch: ActionWatch,
+    store: Path,
+) -> StepRow:
+    phase_s: dict[str, float] = {}
+    version = str(trainer.version)
+    t = time.perf_counter()
+    await client.set_phase("generation")
+    mark = len(watch.seen)
+    prompts = task.prompts(cfg.prompts, seed=cfg.seed * 100_003 + step)
+    groups = await rollout.generate(
+        prompts,
+        n=cfg.samples,
+        max_tokens=cfg.max_tokens,
+        temperature=1.0,
+        seed=cfg.seed * 1_000_003 + step * 7919,
+        logprobs=True,
+        group_ids=[f"s{step}-p{k}" for k in range(len(prompts))],
+    )
+    phase_s["generation"] = time.perf_counter() - t
+    await asyncio.sleep(0.3)  # the loop's last records of the step
+    acted = watch.since(mark)
+    bad = check_rollout(groups, cfg.prompts, cfg.samples, version)
+    t = time.perf_counter()
+    await client.set_phase("training")
+    samples = _to_samples(groups)
+    rewards = [[task.reward(s.prompt_ids, s.completion_ids) for s in g] for g in samples]
+    report = await asyncio.to_thread(trainer.step, samples, rewards)
+    ckpt = await asyncio.to_thread(trainer.save, store)
+    phase_s["training"] = time.perf_counter() - t
+    t = time.perf_counter()
+    change = await client.set_phase(
+        "weight-sync", checkpoint=ckpt.version, source=TRAIN_NODE, checksum=ckpt.checksum
+    )
+    phase_s["weight-sync"] = time.perf_counter() - t
+    sync = change.weight_sync
+    return StepRow(
+        step=step,
+        weight_version=version,
+        reward_mean=report.reward_mean,
+        length_p50=report.length_p50,
+        length_p99=report.length_p99,
+        length_mean=report.length_mean,
+        stop_fraction=report.stop_fraction,
+        logprob_mean_abs_diff=report.logprob_diff_mean,
+        logprob_max_abs_diff=report.logprob_diff_max,
+        phase_s=phase_s,
+        reshards=sum(1 for a in acted if a["kind"] == "reshard"),
+        migrations=sum(1 for a in acted if a["kind"] == "migrate"),
+        samples=sum(len(g.samples) for g in groups) - bad,
+        sync_bytes=sum(n.bytes_fetched for n in sync.nodes) if sync is not None else 0,
+        versions_seen=sorted({v for g in groups for s in g.samples for v in s.versions}),
+    )
+
+
+def header() -> str:
+    return (
+        f"  {'step':>4} {'ver':>4} {'reward':>7} {'len p50':>7} {'p99':>5} {'stop':>5} "
+        f"{'gen s':>6} {'train s':>7} {'sync s':>6} {'reshard':>7} {'migrate':>7} "
+        f"{'|dlogp| max':>11}"
+    )
+
+
+def format_row(r: StepRow) -> str:
+    p = r.phase_s
+    return (
+        f"  {r.step:>4} {r.weight_version:>4} {r.reward_mean:>7.3f} {r.length_p50:>7.0f} "
+        f"{r.length_p99:>5.0f} {r.stop_fraction:>5.2f} {p['generation']:>6.2f} "
+        f"{p['training']:>7.2f} {p['weight-sync']:>6.2f} {r.reshards:>7} {r.migrations:>7} "
+        f"{r.logprob_max_abs_diff:>11.1e}"
+    )
+
+
+def summary(r: RLResult, window: int = 3) -> str:
+    w = max(1, min(window, len(r.steps) // 2))
+    first = sum(s.reward_mean for s in r.steps[:w]) / w
+    last = sum(s.reward_mean for s in r.steps[-w:]) / w
+    worst = max((s.logprob_max_abs_diff for s in r.steps), default=0.0)
+    return (
+        f"  reward {first:.3f} (first {w} steps) -> {last:.3f} (last {w}); weight version "
+        f"{r.steps[0].weight_version} -> {r.steps[-1].weight_version}; {r.reshards} reshard(s) "
+        f"and {r.migrations} migration(s) during rollouts; engines' logprobs within "
+        f"{worst:.1e} of the trainer's; {r.lost_or_duplicated} request(s) lost or duplicated; "
+        f"{r.run_s:.0f} s"
+    )
+
+
+def plot(r: RLResult, path: Path) -> Path | None:
+    """The reward curve (and mean response length) as a PNG; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    steps = [s.step for s in r.steps]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [s.reward_mean for s in r.steps], marker="o", color="tab:blue")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward (mean)", color="tab:blue")
+    twin = ax.twinx()
+    twin.plot(steps, [s.length_p50 for s in r.steps], marker=".", color="tab:orange")
+    twin.set_ylabel("response length p50 (tokens)", color="tab:orange")
+    ax.set_title(f"GRPO through OrchestrRL ({r.engine})")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run_demo_rl(cfg: RLConfig, *, as_json: bool = False) -> int:
+    """Run the demo; 0 when it learned (reward up), the logprobs matched and no request was
+    lost or duplicated, 1 otherwise. ``as_json``: the rows go to stderr and the figures,
+    as JSON, to stdout."""
+    cfg.check()
+    setup_logging("warning", "console", sys.stderr)
+    out = sys.stderr if as_json else sys.stdout
+
+    def say(message: str) -> None:
+        print(message, file=out, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="orl-demo-rl-") as tmp:
+        run_dir = cfg.run_dir or Path(tmp)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        r = asyncio.run(_run(cfg, run_dir, say))
+        say(summary(r))
+        png = plot(r, cfg.plot or Path("demo-rl-reward.png"))
+        if png is not None:
+            say(f"  reward curve: {png}")
+    if as_json:
+        print(json.dumps(r.doc(), indent=2), flush=True)
+    w = max(1, min(3, len(r.steps) // 2))
+    learned = sum(s.reward_mean for s in r.steps[-w:]) > sum(s.reward_mean for s in r.steps[:w])
+    return 0 if learned and r.lost_or_duplicated == 0 else 1
