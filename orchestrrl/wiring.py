@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, AnyStr
 
 from orchestrrl import errors
 from orchestrrl.grpcutil import parse_address
@@ -71,16 +71,31 @@ NETCONF_EXAMPLE = (
     'netconf = { username = "orl", key_file = "/etc/orchestrrl/ocs0.key", '
     'known_hosts = "/etc/orchestrrl/known_hosts" }'
 )
+# The largest wiring file read: a 2048-node wiring (8 NICs each) is 1.5 MB, so 16 MiB holds
+# about ten times the largest cluster studied; a larger file (or a device such as
+# /dev/zero) is refused after reading at most this many bytes and one more.
+MAX_WIRING_BYTES = 16 * 1024 * 1024
+# The deepest nesting of arrays and inline tables (a wiring needs 2: uplinks = [{ ... }]);
+# deeper text is refused with its position before the TOML parser recurses into it.
+MAX_NESTING = 64
 
 
 class WiringError(errors.InvalidArgument):
-    """Every problem found in one wiring file."""
+    """Every problem found in one wiring file. ``problems`` holds them all; the message
+    names the first ``errors.MAX_LISTED``, counts the rest and is at most
+    ``errors.MAX_MESSAGE_BYTES`` long, as an RPC's error is: a file of twenty thousand
+    mistakes prints a screenful, not megabytes (fix those, check again)."""
 
     def __init__(self, source: str, problems: list[str]) -> None:
         self.source = source
         self.problems = problems
-        lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"{source}: {len(problems)} problem(s) in the wiring:\n{lines}")
+        lines = [f"  - {p}" for p in problems[: errors.MAX_LISTED]]
+        if len(problems) > errors.MAX_LISTED:
+            lines.append(f"  - and {len(problems) - errors.MAX_LISTED} more")
+        text = "\n".join(lines)
+        super().__init__(
+            errors.bounded(f"{source}: {len(problems)} problem(s) in the wiring:\n{text}")
+        )
 
 
 @dataclass
@@ -292,24 +307,98 @@ def _quoted(value: object) -> str:
     return ", not a string: write it without quotes" if isinstance(value, str) else ""
 
 
-def load(path: str | Path) -> Wiring:
-    """Read and validate a wiring file; raise :class:`WiringError` listing every problem."""
+def load(path: str | Path, max_bytes: int = MAX_WIRING_BYTES) -> Wiring:
+    """Read and validate a wiring file; raise :class:`WiringError` listing every problem.
+
+    At most ``max_bytes`` + 1 bytes are read, whatever the file is (a device, a pipe, a
+    file still growing): a longer one is refused by its size. Text that is not UTF-8 is
+    refused naming its line, column and byte."""
     p = Path(path)
+    source = str(p)
     try:
-        text = p.read_text()
+        with p.open("rb") as f:
+            data = f.read(max_bytes + 1)
     except OSError as exc:
         raise errors.InvalidArgument(
-            f"wiring file {str(p)!r}: cannot read: {exc.strerror}"
+            f"wiring file {errors.shown(source)}: cannot read: {exc.strerror}"
         ) from None
-    return parse(text, source=str(p))
+    if len(data) > max_bytes:
+        raise WiringError(
+            source,
+            [
+                f"larger than {max_bytes:,} bytes, the most a wiring file may hold (a "
+                "2048-node wiring is about 1.5 MB): is it the right file?"
+            ],
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line, column = _position(data, exc.start, b"\n")
+        raise WiringError(
+            source,
+            [
+                f"not UTF-8 text at line {line}, column {column} (byte {exc.start}: "
+                f"0x{data[exc.start]:02x}): a wiring file is TOML, written in UTF-8"
+            ],
+        ) from None
+    return parse(text, source=source)
 
 
 def parse(text: str, source: str = "<wiring>") -> Wiring:
+    """Parse and validate wiring text; ``source`` names it in every problem."""
+    deep = _too_deep(text, MAX_NESTING)
+    if deep is not None:
+        line, column = _position(text, deep, "\n")
+        raise WiringError(
+            source,
+            [
+                f"not valid TOML: arrays or inline tables nested more than {MAX_NESTING} "
+                f"deep (at line {line}, column {column}); a wiring needs 2"
+            ],
+        )
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise WiringError(source, [f"not valid TOML: {exc}"]) from None
+        raise WiringError(source, [f"not valid TOML: {errors.bounded(str(exc), 400)}"]) from None
+    except RecursionError:  # not expected: the scan above refuses deeper nesting first
+        raise WiringError(source, ["not valid TOML: nested too deeply to parse"]) from None
     return validate(doc, source)
+
+
+# What may hold a bracket that opens nothing: strings (multi-line ones first; their closing
+# delimiter may carry one or two quotes of the content) and comments. Then the brackets.
+_NESTING_TOKENS = re.compile(
+    r'"""(?:[^"\\]|\\.|""?(?!"))*"{3,5}'
+    r"|'''(?:[^']|''?(?!'))*'{3,5}"
+    r'|"(?:[^"\\\n]|\\.)*"'
+    r"|'[^'\n]*'"
+    r"|#[^\n]*"
+    r"|[\[\]{}]",
+    re.DOTALL,
+)
+
+
+def _too_deep(text: str, limit: int) -> int | None:
+    """The offset of the first bracket that opens a value nested deeper than ``limit``
+    (table headers count too, harmlessly: they close on their own line), or None."""
+    if text.count("[") + text.count("{") <= limit:
+        return None
+    depth = 0
+    for m in _NESTING_TOKENS.finditer(text):
+        token = m.group()
+        if token in ("[", "{"):
+            depth += 1
+            if depth > limit:
+                return m.start()
+        elif token in ("]", "}"):
+            depth = max(0, depth - 1)
+    return None
+
+
+def _position(text: AnyStr, offset: int, newline: AnyStr) -> tuple[int, int]:
+    """The line and the column (both from 1) of ``offset`` in ``text``."""
+    start = text.rfind(newline, 0, offset) + 1
+    return text.count(newline, 0, offset) + 1, offset - start + 1
 
 
 def validate(doc: Mapping[str, Any], source: str = "<wiring>") -> Wiring:

@@ -301,3 +301,71 @@ def test_diff_names_what_a_reload_changes() -> None:
     assert wiring.diff(old, moved) == ["controller '127.0.0.1:50051' -> '127.0.0.1:50052'"]
     slower = wiring.parse(EXAMPLE.replace("switching_time_ms = 10.0", "switching_time_ms = 20.0"))
     assert wiring.diff(old, slower) == ["ocs 'ocs0' changed"]
+
+
+# -- files that are not wirings at all: each refused by one bounded message --
+
+
+def test_size_is_capped_whatever_the_file(tmp_path: Path) -> None:
+    big = tmp_path / "big.toml"
+    big.write_text(SMALL + "#" * 100)
+    with pytest.raises(wiring.WiringError, match=r"larger than 64 bytes") as info:
+        wiring.load(big, max_bytes=64)
+    assert info.value.source == str(big)
+    assert wiring.load(big, max_bytes=len(SMALL) + 100).cluster == "small"  # at the cap: read
+    endless = r"(?s)/dev/zero: 1 problem.*larger than 4,096 bytes"
+    with pytest.raises(wiring.WiringError, match=endless):
+        wiring.load("/dev/zero", max_bytes=4096)  # an endless stream: 4097 bytes read
+
+
+def test_not_utf8_names_line_column_and_byte(tmp_path: Path) -> None:
+    f = tmp_path / "bin.toml"
+    f.write_bytes(b'[cluster]\nname = "\xffx"\n')
+    with pytest.raises(wiring.WiringError) as info:
+        wiring.load(f)
+    assert info.value.problems == [
+        "not UTF-8 text at line 2, column 9 (byte 18: 0xff): a wiring file is TOML, "
+        "written in UTF-8"
+    ]
+    assert str(info.value).startswith(f"{f}: 1 problem(s)")
+
+
+@pytest.mark.parametrize("opening", ["a = " + "[" * 5000, "a = " + "{b = " * 5000])
+def test_deep_nesting_is_refused_before_the_parser_recurses(opening: str) -> None:
+    text = "\n\n" + opening
+    problem = one_problem(text)
+    column = 4 + wiring.MAX_NESTING * (1 if "[" in opening else 5) + 1
+    assert problem == (
+        f"not valid TOML: arrays or inline tables nested more than {wiring.MAX_NESTING} "
+        f"deep (at line 3, column {column}); a wiring needs 2"
+    )
+
+
+def test_brackets_in_strings_and_comments_do_not_nest() -> None:
+    noise = "[" * 200 + "{" * 200
+    text = SMALL.replace(
+        '[cluster]\nname = "small"',
+        f'# {noise}\n[cluster]\nname = "small" # {noise}\n'
+        f"[notes]\nnote = '''{noise}'''\nb = \"{noise}\\\"\"\nc = '{noise}'\n"
+        f'd = """{noise}"""\n',
+    )
+    assert any("unknown" in p for p in problems_of(text))  # reached the validation
+    assert wiring._too_deep(text, wiring.MAX_NESTING) is None
+
+
+def test_twenty_thousand_problems_give_a_bounded_message() -> None:
+    text = "".join(f"x{i} = {i}\n" for i in range(20_000)) + SMALL  # 20,000 unknown sections
+    with pytest.raises(wiring.WiringError) as info:
+        wiring.parse(text, "many.toml")
+    message = str(info.value)
+    assert len(info.value.problems) == 20_000  # every problem kept for a program
+    assert len(message.encode()) <= errors.MAX_MESSAGE_BYTES
+    assert message.startswith("many.toml: 20000 problem(s) in the wiring:\n")
+    assert message.count("\n  - ") == errors.MAX_LISTED + 1
+    assert message.endswith(f"\n  - and {20_000 - errors.MAX_LISTED} more")
+
+
+def test_a_long_problem_is_cut_to_the_rpc_bound() -> None:
+    err = wiring.WiringError("x.toml", ["a" * 10_000])
+    assert len(str(err).encode()) <= errors.MAX_MESSAGE_BYTES
+    assert str(err).startswith("x.toml: 1 problem(s)") and "bytes cut" in str(err)
