@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from orchestrrl import errors, limits
 from orchestrrl.logs import get_logger
@@ -123,6 +123,25 @@ async def call(what: str, coro: Awaitable[T]) -> T:
         raise klass(f"{what}: {exc.details()}") from None
 
 
+class HealthServicer(health.aio.HealthServicer):  # type: ignore[misc]
+    """grpc's asyncio health servicer, with ``List`` (grpc.health.v1): the library's
+    servicer has ``Check`` and ``Watch`` but inherits ``List`` from the generated base, a
+    plain function that raises NotImplementedError. Being synchronous it also escaped
+    ``guard_handler``, so a request that did not decode got UNKNOWN and a traceback; this
+    ``List`` is a coroutine like the others, guarded like them."""
+
+    async def List(
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> health_pb2.HealthListResponse:
+        statuses = dict(self._server_status)  # every service set so far, "" included
+        return health_pb2.HealthListResponse(
+            statuses={
+                name: health_pb2.HealthCheckResponse(status=status)
+                for name, status in sorted(statuses.items())
+            }
+        )
+
+
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
@@ -191,15 +210,16 @@ async def start_server(
     guarded = _GuardedServer(server)
     register(guarded)
     names = tuple(service_names)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, guarded)
-    reflection.enable_server_reflection(
-        (
-            *names,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
+    reflected = (
+        *names,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    # as enable_server_reflection does for an asyncio server, but through the guard
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+        reflection.aio.ReflectionServicer(reflected), guarded
     )
     try:
         if tls is None:
@@ -237,7 +257,10 @@ def guard_handler(method: str, handler: Any) -> Any:
     grpc.aio lets the DecodeError escape: a traceback in the log and UNKNOWN to the caller.)
     Every decoded request (each message of a request stream) is then held to its caps
     (``limits.check_request``): INVALID_ARGUMENT before the servicer sees it.
-    Sync behaviours and handlers without a deserializer are returned unchanged."""
+    Coroutines that answer a stream with ``context.write`` (grpc's health ``Watch``) are
+    guarded too. Sync behaviours and handlers without a deserializer are returned
+    unchanged: every servicer here is asynchronous (the health servicer's ``List`` is
+    made one, ``HealthServicer``)."""
     deserialize = handler.request_deserializer
     if deserialize is None:
         return handler
@@ -285,6 +308,13 @@ def guard_handler(method: str, handler: Any) -> Any:
                 yield item
 
         behaviors["unary_stream"] = unary_stream
+    elif f is not None and inspect.iscoroutinefunction(f):  # writes with context.write
+
+        async def unary_stream_writer(request: Any, context: Any, f: Any = f) -> Any:
+            await refuse(context, request)
+            return await f(request, context)
+
+        behaviors["unary_stream"] = unary_stream_writer
     if (f := handler.stream_unary) is not None and inspect.iscoroutinefunction(f):
 
         async def stream_unary(requests: Any, context: Any, f: Any = f) -> Any:
@@ -298,6 +328,12 @@ def guard_handler(method: str, handler: Any) -> Any:
                 yield item
 
         behaviors["stream_stream"] = stream_stream
+    elif f is not None and inspect.iscoroutinefunction(f):  # writes with context.write
+
+        async def stream_stream_writer(requests: Any, context: Any, f: Any = f) -> Any:
+            return await f(checked(requests, context), context)
+
+        behaviors["stream_stream"] = stream_stream_writer
     if not behaviors:
         return handler
     return handler._replace(request_deserializer=safe_deserialize, **behaviors)

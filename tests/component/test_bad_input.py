@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from node_agent.commands import CommandLog
 from node_agent.nics import SysfsNics
@@ -219,3 +220,58 @@ async def test_oversized_agent_requests_are_refused_before_the_servicer(
     finally:
         await running.stop(grace=0)
         await commands.close()
+
+
+@pytest.mark.parametrize(
+    ("method", "message"),
+    [
+        ("/grpc.health.v1.Health/Check", "grpc.health.v1.HealthCheckRequest"),
+        ("/grpc.health.v1.Health/List", "grpc.health.v1.HealthListRequest"),
+        ("/grpc.health.v1.Health/Watch", "grpc.health.v1.HealthCheckRequest"),
+        (
+            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+            "grpc.reflection.v1alpha.ServerReflectionRequest",
+        ),
+    ],
+)
+async def test_grpcs_own_services_are_guarded_too(
+    switch: tuple[SimulatedOcs, grpc.aio.Channel], json_log: io.StringIO, method: str, message: str
+) -> None:
+    """The health and reflection services come from grpc: Check was guarded, but List (a
+    sync function the library leaves unimplemented), Watch (a coroutine that writes) and
+    reflection (registered past the guard) answered UNKNOWN with a traceback."""
+    _, channel = switch
+    garbage = b"\xff\xff\xff\xff"
+    if "Reflection" in method:
+        call = channel.stream_stream(method)(iter([garbage]), timeout=TIMEOUT)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in call:
+                pass
+        err = info.value
+    elif method.endswith("Watch"):
+        stream = channel.unary_stream(method)(garbage, timeout=TIMEOUT)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in stream:
+                pass
+        err = info.value
+    else:
+        err = await rpc_error(raw(channel, method)(garbage, timeout=TIMEOUT))
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT, err
+    assert err.details() == f"request could not be decoded as {message}"
+    entries = [json.loads(line) for line in json_log.getvalue().splitlines()]
+    assert [e["method"] for e in entries if e["event"] == "request_undecodable"] == [method]
+    assert not [e for e in entries if "exception" in e]
+
+
+async def test_health_list_names_every_service(
+    switch: tuple[SimulatedOcs, grpc.aio.Channel],
+) -> None:
+    _, channel = switch
+    reply = await health_pb2_grpc.HealthStub(channel).List(
+        health_pb2.HealthListRequest(), timeout=TIMEOUT
+    )
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert {name: s.status for name, s in reply.statuses.items()} == {
+        "": serving,
+        "orchestrrl.v1.OpticalSwitch": serving,
+    }
