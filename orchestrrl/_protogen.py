@@ -1,7 +1,10 @@
 """Generate the Python stubs of proto/orchestrrl/v1/*.proto into orchestrrl/v1/.
 
 Run at build/install time (setup.py) and by ``make proto``; the output is not committed.
-Uses grpcio-tools' bundled protoc and mypy-protobuf for typed stubs.
+``orchestrrl/v1/__init__.py`` is: setuptools finds the packages to build before
+``build_py`` runs this, so on a clean tree (or from the sdist) ``orchestrrl.v1`` is a
+package only because that file is already there. Uses grpcio-tools' bundled protoc and
+mypy-protobuf for typed stubs.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def generate(root: Path) -> list[Path]:
     if rc != 0:
         raise SystemExit(f"protoc failed with exit code {rc}: {' '.join(args)}")
     pkg = root / "orchestrrl" / "v1"
-    (pkg / "__init__.py").write_text('"""Generated protobuf/gRPC stubs (not committed)."""\n')
+    if not (pkg / "__init__.py").is_file():  # committed: missing only from a partial copy
+        raise SystemExit(f"{pkg / '__init__.py'} is missing: the package's own file")
     return sorted(pkg.glob("*_pb2*.py"))
 
 
