@@ -29,8 +29,8 @@ $(STAMP): pyproject.toml setup.py $(wildcard proto/orchestrrl/v1/*.proto)
 
 deps: $(STAMP)
 
-# The release artefacts: sdist and wheel built as a packager does, the wheel installed in
-# a clean virtualenv and its console scripts run from there (scripts/check-package.sh).
+# The release artefacts: sdist and wheel built from a clean export of HEAD, each installed
+# in a clean virtualenv and every console script run from there (scripts/check-package.sh).
 package: $(STAMP)
 	@PY=$(PY) bash scripts/check-package.sh
 
