@@ -293,8 +293,12 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         self, request: node_agent_pb2.ApplyRoutesRequest, context: Context
     ) -> node_agent_pb2.ApplyRoutesResponse:
         self._admit(context, self._controllers)
-        self._route_fencing.admit(request.fencing_token)  # a deposed leader changes nothing
+        token = request.fencing_token
+        self._route_fencing.check(token)  # a deposed leader changes nothing
         host_routes = self._routes
+        # a command that changes nothing (no routes, no rules, no prune) never makes its
+        # token the newest, nor does one refused: one command cannot jam the fence
+        changes = bool(request.routes or request.rules or request.prune)
 
         async def apply() -> node_agent_pb2.ApplyRoutesResponse:
             if host_routes is None:
@@ -302,6 +306,8 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
                     "ApplyRoutes: route programming is not enabled on this agent"
                 )
             result = await host_routes.apply(routes.request_from_pb(request))
+            if changes:
+                self._route_fencing.record(token)
             log.info(
                 "routes_applied",
                 command_id=request.command_id,

@@ -135,9 +135,10 @@ class SimulatedOcs:
         item, or ``FailedPrecondition`` for an injected fault; the table is then unchanged.
         A repeated ``request_id`` returns the first answer with ``replayed=True``. A
         ``fencing_token`` older than the newest seen is refused (``FailedPrecondition``)
-        before anything else; 0 means no HA.
+        before anything else; 0 means no HA. Only a batch carried out that lists a change
+        makes its token the newest (``FencingGate``): an empty or refused one does not.
         """
-        self.fencing.admit(fencing_token)
+        self.fencing.check(fencing_token)
         batch: _Batch = (tuple(disconnect), tuple(connect))
         self.check_batch_size(len(batch[0]), len(batch[1]))
         if request_id and (seen := self._answers.get(request_id)) is not None:
@@ -147,6 +148,8 @@ class SimulatedOcs:
                     "request_id", request_id, "was already used for a different batch; use a new id"
                 )
             self._answers.move_to_end(request_id)
+            if batch[0] or batch[1]:
+                self.fencing.record(fencing_token)
             return replace(first, replayed=True)
         if self._fault is not None:
             message, self._fault = self._fault, None
@@ -164,6 +167,8 @@ class SimulatedOcs:
             self._answers[request_id] = (batch, result)
             if len(self._answers) > REPLAY_CACHE_SIZE:
                 self._answers.popitem(last=False)
+        if batch[0] or batch[1]:
+            self.fencing.record(fencing_token)
         return result
 
     def check_batch_size(self, disconnect: int, connect: int) -> None:

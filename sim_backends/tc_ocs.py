@@ -250,16 +250,19 @@ class NetnsOcs:
     ) -> ApplyResult:
         """Validate against the table (and the links' health), program the redirects,
         and only then answer; a refused batch changes neither the table nor the kernel.
-        A ``fencing_token`` older than the newest seen is refused first (0: no HA)."""
+        A ``fencing_token`` older than the newest seen is refused first (0: no HA); only
+        a batch carried out that lists a change makes it the newest."""
         d, c = tuple(disconnect), tuple(connect)
         async with self._lock:
-            self.ocs.fencing.admit(fencing_token)
+            self.ocs.fencing.check(fencing_token)
             if request_id and (seen := self._answers.get(request_id)) is not None:
                 if seen[:2] != (d, c):
                     raise errors.field_error(
                         "request_id", request_id, "was already used for a different batch"
                     )
                 self._answers.move_to_end(request_id)
+                if d or c:
+                    self.ocs.fencing.record(fencing_token)
                 return replace(seen[2], replayed=True)
             await self._refresh()
             before = self.ocs.cross_connects()
@@ -278,6 +281,8 @@ class NetnsOcs:
                 self._answers[request_id] = (d, c, result)
                 if len(self._answers) > REPLAY_CACHE_SIZE:
                     self._answers.popitem(last=False)
+            if d or c:
+                self.ocs.fencing.record(fencing_token)
             return result
 
     async def set_port_health(self, port: int, up: bool) -> None:

@@ -14,10 +14,12 @@ import pytest
 
 from node_agent.commands import CommandLog
 from node_agent.nics import SysfsNics
+from node_agent.routes import HostRoutes, RoutesRequest, RoutesResult
 from node_agent.servicer import SERVICE_NAME, NodeAgentService
 from node_agent.telemetry import Collector
 from orchestrrl import errors, grpcutil
 from orchestrrl.fencing import FencingGate
+from orchestrrl.routing import RouteChange, RuleChange
 from orchestrrl.v1 import node_agent_pb2 as na
 from orchestrrl.v1 import node_agent_pb2_grpc as na_grpc
 from orchestrrl.v1 import optical_switch_pb2 as pb
@@ -39,28 +41,30 @@ TIMEOUT = 5.0
 def test_the_gate_keeps_the_newest_token() -> None:
     gate = FencingGate("OCS x")
     for token in (0, 0, 4, 4, 9):  # no HA until a token comes; equal and newer admitted
-        gate.admit(token)
+        gate.check(token)
+        gate.record(token)
     assert gate.newest == 9
     with pytest.raises(errors.FailedPrecondition, match="OCS x: fencing token 4 is older than"):
-        gate.admit(4)
+        gate.check(4)
     with pytest.raises(errors.InvalidArgument, match="fencing_token=-1"):
-        gate.admit(-1)
+        gate.check(-1)
     assert gate.newest == 9
 
 
 def test_token_0_is_refused_once_an_ha_leader_has_been_seen() -> None:
     gate = FencingGate("OCS x")
-    gate.admit(0)  # a single controller: as before fencing
-    gate.admit(12)
+    gate.check(0)  # a single controller: as before fencing
+    gate.check(12)
+    gate.record(12)
     with pytest.raises(errors.FailedPrecondition) as info:
-        gate.admit(0)
+        gate.check(0)
     assert str(info.value) == (
         "OCS x: a command without a fencing token (0: no HA), but an HA leader has "
         "commanded this with token 12: only the current leader may change it (restart it "
         "to leave HA); this command changed nothing"
     )
     assert gate.newest == 12
-    gate.admit(12)  # the leader itself goes on
+    gate.check(12)  # the leader itself goes on
 
 
 async def refused(call: object) -> str:
@@ -115,6 +119,53 @@ async def test_a_switch_that_never_saw_a_token_takes_commands_without_one(
     assert ocs.cross_connects() == {(1, 2)} and ocs.fencing.newest == 0
 
 
+class CountingRoutes(HostRoutes):
+    """Applies nothing: answers that every route and rule asked for was added."""
+
+    async def apply(self, request: RoutesRequest) -> RoutesResult:
+        return RoutesResult(
+            RouteChange(len(request.routes), 0, 0, 0), RuleChange(len(request.rules), 0, 0)
+        )
+
+
+async def test_one_batch_cannot_jam_the_switchs_fence(
+    switch: tuple[SimulatedOcs, OpticalSwitchAsyncStub],
+) -> None:
+    """The attack of issue 28: one empty batch stamped 2**63 made the switch refuse
+    every later batch of the real leader until it restarted."""
+    ocs, stub = switch
+
+    def batch(token: int, *pairs: tuple[int, int], rid: str = "") -> Any:
+        request = pb.ApplyCrossConnectsRequest(
+            connect=[pb.CrossConnect(a=a, b=b) for a, b in pairs],
+            fencing_token=token,
+            request_id=rid,
+        )
+        return stub.ApplyCrossConnects(request, timeout=TIMEOUT)
+
+    await batch(8, (1, 2))  # the leader, token 8
+    for pairs in ((), ((3, 4),)):  # empty or not, a token that far ahead is no leader's
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await batch(2**63, *pairs)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (info.value.details() or "").startswith(
+            "fencing_token=9223372036854775808 is not valid: at most 1099511627776 (2**40) "
+            "ahead of the newest seen by OCS ocs-f, 8"
+        )
+    # within the bound, an empty batch is carried out (it asks for nothing) but does not
+    # make its token the newest; nor does a batch refused as invalid
+    await batch(8 + 2**40)
+    with pytest.raises(grpc.aio.AioRpcError):
+        await batch(9 + 2**40, (1, 99))  # port 99 of 8: refused
+    assert ocs.fencing.newest == 8
+    await batch(8, (3, 4))  # the real leader goes on
+    await batch(9, (5, 6), rid="next")  # and so does the next leader
+    await batch(9, (5, 6), rid="next")  # (a replay)
+    assert ocs.cross_connects() == {(1, 2), (3, 4), (5, 6)}
+    assert ocs.fencing.newest == 9
+    assert "older than the newest seen, 9" in await refused(batch(8, (7, 8)))
+
+
 @pytest.fixture
 async def agent(tmp_path: Path) -> AsyncIterator[NodeAgentAsyncStub]:
     (tmp_path / "eth0" / "statistics").mkdir(parents=True)
@@ -126,9 +177,10 @@ async def agent(tmp_path: Path) -> AsyncIterator[NodeAgentAsyncStub]:
     collector = Collector("gen0-n0", SimulatedGpus(8, seed=1), nics, engine)
     await collector.open()
     commands = CommandLog()
-    # no host route backend: an admitted command is refused as "not enabled", after the
-    # fencing gate, so the gate's verdict shows without touching the kernel
-    servicer = NodeAgentService(collector, engine, commands, default_interval_s=0.05)
+    # a route backend that counts what it is asked instead of touching the kernel
+    servicer = NodeAgentService(
+        collector, engine, commands, default_interval_s=0.05, routes=CountingRoutes()
+    )
     running = await grpcutil.start_server(
         "127.0.0.1:0",
         lambda server: na_grpc.add_NodeAgentServicer_to_server(servicer, server),
@@ -150,13 +202,35 @@ async def test_the_agent_refuses_a_route_command_of_a_deposed_leader(
         request = na.ApplyRoutesRequest(command_id=cid, routes=[route], fencing_token=token)
         return agent.ApplyRoutes(request, timeout=TIMEOUT)
 
-    not_enabled = "route programming is not enabled"
-    assert not_enabled in await refused(command("c1", 7))  # admitted (token 7 is newest)
+    assert (await command("c1", 7)).added == 1  # admitted (token 7 is newest)
     details = await refused(command("c2", 3))
     assert details == (
         "agent gen0-n0: ApplyRoutes: fencing token 3 is older than the newest seen, 7: "
         "a newer controller leads, this command changed nothing"
     )
     assert "without a fencing token" in await refused(command("c3", 0))  # HA seen: refused
-    assert not_enabled in await refused(command("c4", 7))  # the same leader again
+    assert (await command("c4", 7)).added == 1  # the same leader again
     assert "older than the newest seen, 7" in await refused(command("c1", 6))
+
+
+async def test_one_route_command_cannot_jam_the_agents_fence(agent: NodeAgentAsyncStub) -> None:
+    async def command(cid: str, token: int, routes: int = 1) -> na.ApplyRoutesResponse:
+        route = na.Route(destination="10.0.0.0/24", gateways=["10.1.0.1"])
+        request = na.ApplyRoutesRequest(
+            command_id=cid, routes=[route] * routes, fencing_token=token
+        )
+        reply: na.ApplyRoutesResponse = await agent.ApplyRoutes(request, timeout=TIMEOUT)
+        return reply
+
+    assert (await command("leader-1", 7)).added == 1
+    # an empty command with a token far ahead: refused, and it raises nothing
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await command("jam-1", 2**63, routes=0)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "fencing_token=9223372036854775808 is not valid: at most 1099511627776" in str(
+        info.value.details()
+    )
+    # an empty command with a token within the bound: carried out (nothing to do), and
+    # still the newest token is the leader's
+    assert (await command("jam-2", 7 + 2**40, routes=0)).added == 0
+    assert (await command("leader-2", 7)).added == 1  # the real leader goes on

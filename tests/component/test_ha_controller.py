@@ -120,7 +120,10 @@ async def test_the_switch_refuses_an_older_token(rig: Rig) -> None:
     store = MemoryStore()
     m, _ = rig.manager(leading(4), store)
     await m.start()
-    rig.sim.apply((), (), fencing_token=9)  # a newer leader's batch reached the switch
+    # a newer leader's batches reached the switch (a change, and its undoing: an empty
+    # batch would not make its token the newest)
+    rig.sim.apply((), ((1, 2),), fencing_token=9)
+    rig.sim.apply(((1, 2),), (), fencing_token=9)
     with pytest.raises(errors.FailedPrecondition, match=r"fencing token 4 is older .* 9"):
         await m.set_phase(Phase.TRAINING, "t-1")
     assert rig.held() == frozenset() and (await store.current()).epoch == 0

@@ -283,3 +283,21 @@ async def test_the_in_process_driver_follows_the_ocs_protocol(
     pairs, down = await driver.snapshot()
     assert pairs == {(2, 3)} and down == {1}
     assert await reachable(bench, 2, 3)
+
+
+async def test_the_fence_is_not_jammed_by_an_empty_or_refused_batch(
+    bench: Bench, switch: NetnsOcs
+) -> None:
+    await switch.apply([], [(1, 2)], fencing_token=8)
+    with pytest.raises(errors.InvalidArgument, match=r"at most 1099511627776 .* ahead"):
+        await switch.apply([], [], fencing_token=2**63)
+    await switch.apply([], [], fencing_token=8 + 2**40)  # empty: carried out, not recorded
+    with pytest.raises(errors.InvalidArgument):
+        await switch.apply([], [(2, 3)], fencing_token=9)  # refused: not recorded either
+    assert switch.ocs.fencing.newest == 8
+    await switch.apply([(1, 2)], [(1, 3)], fencing_token=8)  # the real leader goes on
+    assert await kernel_redirects(bench.ocs) == {"p1": "p3", "p3": "p1"}
+    await switch.apply([(1, 3)], [], fencing_token=9)  # the next leader
+    with pytest.raises(errors.FailedPrecondition, match="older than the newest seen, 9"):
+        await switch.apply([], [(1, 2)], fencing_token=8)  # the deposed one changes nothing
+    assert await kernel_redirects(bench.ocs) == {}
