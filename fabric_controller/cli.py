@@ -174,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     sched = add(sub, "schedule", "the compute-scheduling loop: its plan, why, and its actions")
     ssub = sched.add_subparsers(dest="action", required=True, metavar="ACTION")
     add(ssub, "show", "the current compute plan with its explanation and the last actions")
+    add(ssub, "pause", "pause the loop: it observes and plans nothing until resumed")
+    add(ssub, "resume", "resume the loop: its next round re-plans at once")
 
     config = add(sub, "config", "validate wiring files")
     csub = config.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -613,7 +615,10 @@ def describe_schedule(s: ScheduleView) -> str:
 
 def cmd_schedule(args: argparse.Namespace) -> int:
     with _client(args) as c:
-        s = c.schedule()
+        if args.action in ("pause", "resume"):
+            s = c.pause_schedule(args.action == "pause")
+        else:
+            s = c.schedule()
     _print(args, s, lambda: describe_schedule(s))
     return 0
 

@@ -49,6 +49,7 @@ class ActionRecord:
     message: str
     seconds: float
     requests: tuple[str, ...] = ()
+    method: str = ""  # migrate: recompute, kv (running requests) or dispatch (queued)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class ScheduleView:
     groups: int = 0  # the length signal: sample groups of the step (Decision.groups)
     groups_with_prior: int = 0
     replan_interval_s: float = 0.0  # proactive re-plans (reshards allowed); 0: not said
+    paused: bool = False  # by an operator (PauseSchedule): observes, plans nothing
 
     def explanation(self) -> str:
         if not self.enabled:
@@ -76,6 +78,8 @@ class ScheduleView:
         head = f"compute scheduling every {self.interval_s:g} s"
         if self.replan_interval_s:
             head += f" (re-plans every {self.replan_interval_s:g} s)"
+        if self.paused:
+            return f"{head}: paused by an operator (orlctl schedule resume re-plans at once)"
         if self.plan is None:
             return f"{head}: {self.reason or 'no plan yet'}"
         lines = [f"{head}; {self.mode} for step {self.step}:", self.plan.explain()]
@@ -117,9 +121,23 @@ class ComputeScheduler:
         self._view = ScheduleView(
             enabled, self.config.interval_s, replan_interval_s=self.config.replan.interval_s
         )
+        self.paused = False
 
     def view(self) -> ScheduleView:
-        return replace(self._view, actions=tuple(self._actions))
+        return replace(self._view, actions=tuple(self._actions), paused=self.paused)
+
+    def pause(self, paused: bool) -> None:
+        """Pause the loop (its rounds observe the step and decide nothing) or resume it:
+        the next round re-plans (layouts and placement) whenever the last plan was."""
+        if not self.enabled:
+            raise errors.FailedPrecondition(
+                "compute scheduling is off (--compute-scheduling off): nothing to pause or resume"
+            )
+        if self.paused and not paused:
+            self._tracker = scheduling.replan_now(self._tracker)
+        if paused != self.paused:
+            log.info("compute_scheduling_" + ("paused" if paused else "resumed"))
+        self.paused = paused
 
     async def run(self) -> None:
         """Plan and act every interval (runs until cancelled), from the memory the store
@@ -222,6 +240,10 @@ class ComputeScheduler:
         )
         if self._tracker.history is not before.history:  # a step ended: what it taught
             self._save_soon()
+        if self.paused:
+            paused = scheduling.Decision("paused", None, "paused by an operator")
+            self._note(now, paused, skipped)
+            return paused
         if not views:
             nothing = scheduling.Decision("idle", None, "no generation node reports")
             self._note(now, nothing, skipped)
@@ -361,6 +383,11 @@ class ComputeScheduler:
         how = {MoveMethod.DISPATCH: "dispatch (queued, no KV cache)"}.get(
             cmd.method, "recompute" if cmd.recompute else "KV move"
         )
+        method = (
+            "dispatch"
+            if cmd.method is MoveMethod.DISPATCH
+            else ("recompute" if cmd.recompute else "kv")
+        )
         src = self.clients(cmd.source, addresses[cmd.source])
         dst = self.clients(cmd.target, addresses[cmd.target])
         export_id = f"{cmd.command_id}-export"
@@ -376,6 +403,7 @@ class ComputeScheduler:
                     message,
                     time.monotonic() - started,
                     ids,
+                    method,
                 )
             )
 
@@ -401,6 +429,7 @@ class ComputeScheduler:
         released = await self._resolve(src, cmd, export_id, (cmd.target, addresses[cmd.target]))
         if not cmd.recompute and imported.bytes_moved == 0 and imported.recomputed_tokens:
             how = "recompute (a KV move was asked for; the destination engine takes no KV cache)"
+            method = "recompute"
         return done(
             True,
             f"{len(imported.admitted)} request(s) to instance {cmd.target_instance} by {how}"

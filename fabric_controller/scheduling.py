@@ -560,6 +560,12 @@ def acted(tracker: StepTracker, at: float) -> StepTracker:
     return replace(tracker, last_action_at=at)
 
 
+def replan_now(tracker: StepTracker) -> StepTracker:
+    """The tracker with no re-plan in this step yet: the next decision re-plans (an
+    operator resumed the loop, ``PauseSchedule``)."""
+    return replace(tracker, last_plan_at=None)
+
+
 # -- plan -> commands --------------------------------------------------------------------
 
 

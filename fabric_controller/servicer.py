@@ -411,6 +411,17 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
 
     @domain_errors_to_status
     @leader_only
+    async def PauseSchedule(
+        self, request: pb.PauseScheduleRequest, context: Ctx
+    ) -> pb.GetScheduleResponse:
+        self.auth.operator(context)
+        if self.scheduler is None:
+            raise errors.FailedPrecondition("compute scheduling is off: nothing to pause")
+        self.scheduler.pause(request.paused)
+        return schedule_to_pb(self.scheduler.view())
+
+    @domain_errors_to_status
+    @leader_only
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, context: Ctx
     ) -> AsyncIterator[pb.Event]:
@@ -485,6 +496,7 @@ def schedule_to_pb(v: ScheduleView) -> pb.GetScheduleResponse:
         skipped_nodes=v.skipped,
         groups=v.groups,
         groups_with_prior=v.groups_with_prior,
+        paused=v.paused,
         actions=[
             pb.SchedulerAction(
                 timestamp=a.timestamp,
@@ -495,6 +507,7 @@ def schedule_to_pb(v: ScheduleView) -> pb.GetScheduleResponse:
                 message=a.message,
                 seconds=a.seconds,
                 requests=a.requests,
+                method=a.method,
             )
             for a in v.actions
         ],

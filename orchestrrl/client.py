@@ -281,6 +281,7 @@ class ScheduleView:
     skipped_nodes: list[str]
     groups: int = 0  # sample groups among the step's requests (the length signal)
     groups_with_prior: int = 0  # of them, met in an earlier step (their previous epoch)
+    paused: bool = False  # by an operator (pause_schedule)
 
 
 def _schedule(r: pb.GetScheduleResponse) -> ScheduleView:
@@ -297,6 +298,7 @@ def _schedule(r: pb.GetScheduleResponse) -> ScheduleView:
         requests=r.requests,
         groups=r.groups,
         groups_with_prior=r.groups_with_prior,
+        paused=r.paused,
         layouts=[
             {"node": x.node, "before": list(x.before), "after": list(x.after)} for x in r.layouts
         ],
@@ -334,6 +336,7 @@ def _schedule(r: pb.GetScheduleResponse) -> ScheduleView:
                 "message": a.message,
                 "seconds": a.seconds,
                 "requests": list(a.requests),
+                "method": a.method,
             }
             for a in r.actions
         ],
@@ -611,6 +614,16 @@ class AsyncClient:
         r: pb.GetScheduleResponse = await self._unary(
             "GetSchedule",
             lambda stub, timeout: stub.GetSchedule(pb.GetScheduleRequest(), timeout=timeout),
+        )
+        return _schedule(r)
+
+    async def pause_schedule(self, paused: bool = True) -> ScheduleView:
+        """Pause the compute-scheduling loop (it observes and decides nothing) or, with
+        ``paused=False``, resume it: its next round re-plans at once."""
+        request = pb.PauseScheduleRequest(paused=paused)
+        r: pb.GetScheduleResponse = await self._unary(
+            "PauseSchedule",
+            lambda stub, timeout: stub.PauseSchedule(request, timeout=timeout),
         )
         return _schedule(r)
 
@@ -979,6 +992,10 @@ class Client:
 
     def schedule(self) -> ScheduleView:
         result: ScheduleView = self._run(self._async.schedule())
+        return result
+
+    def pause_schedule(self, paused: bool = True) -> ScheduleView:
+        result: ScheduleView = self._run(self._async.pause_schedule(paused))
         return result
 
     def watch(self, recent: int = 0, follow: bool = True) -> Iterator[EventView]:

@@ -93,6 +93,7 @@ POLICY: dict[tuple[str, str], frozenset[str]] = {
     ("FabricController", "GetTopology"): _OPERATOR,
     ("FabricController", "ListNodes"): _OPERATOR,
     ("FabricController", "GetSchedule"): _OPERATOR,
+    ("FabricController", "PauseSchedule"): _OPERATOR,
     ("FabricController", "WatchEvents"): _OPERATOR,
     # an agent's reads are open to every identity the CA signed; its commands are the
     # controller's; a released request may be followed by the node that exported it
@@ -124,6 +125,7 @@ POLICY: dict[tuple[str, str], frozenset[str]] = {
 # What an allowed caller gets when it is not OK: refused for what the request says
 ALLOWED_FAILS: dict[tuple[str, str], grpc.StatusCode] = {
     ("FabricController", "Heartbeat"): grpc.StatusCode.FAILED_PRECONDITION,  # no session
+    ("FabricController", "PauseSchedule"): grpc.StatusCode.FAILED_PRECONDITION,  # loop off
     ("NodeAgent", "ApplyRoutes"): grpc.StatusCode.FAILED_PRECONDITION,  # not enabled here
     ("NodeAgent", "ConfigureRoce"): grpc.StatusCode.FAILED_PRECONDITION,  # not enabled here
     ("NodeAgent", "ImportRequests"): grpc.StatusCode.INVALID_ARGUMENT,  # no method, requests

@@ -246,6 +246,7 @@ async def test_refused_migration_returns_the_requests_to_the_source(cluster: Clu
         s = await client.schedule()
     assert s.actions[-1]["kind"] == "migrate" and not s.actions[-1]["ok"]
     assert s.actions[-1]["requests"] == ids[:2]
+    assert s.actions[-1]["method"] == "kv"  # what was asked (it was refused)
 
     # a retried export under the same command id replays, it does not export again
     src = c.agents["gen0-n0"].stub
@@ -387,3 +388,37 @@ async def test_the_plan_reports_the_sample_groups_of_the_step(cluster: Cluster) 
         s = await client.schedule()
     assert (s.groups, s.groups_with_prior) == (2, 0)
     assert "length signal: 2 sample groups, 0 of them met in an earlier step" in s.explanation
+
+
+async def test_an_operator_pauses_the_loop_and_resuming_replans_at_once(
+    cluster: Cluster,
+) -> None:
+    c = cluster
+    async with AsyncClient(c.controller_address, timeout_s=5.0) as client:
+        s = await client.pause_schedule(True)
+        assert s.paused and "paused by an operator" in s.explanation
+        await seed_long_tail(c.agents["gen0-n0"])
+        await until("both agents report telemetry", lambda: registered(c))
+        await until(
+            "the controller sees the four requests",
+            lambda: any(
+                len(r.telemetry.engine.requests) == 4
+                for r in c.fabric.controller.registry.records()
+                if r.name == "gen0-n0" and r.telemetry is not None
+            ),
+        )
+        for _ in range(3):  # paused: the rounds observe, and decide and do nothing
+            decision = await c.scheduler.round()
+            assert decision.mode == "paused" and decision.plan is None
+        s = await client.schedule()
+        assert s.paused and not s.actions and s.step == c.scheduler._tracker.step
+        status = await c.agents["gen0-n0"].stub.GetStatus(pb.GetStatusRequest(), timeout=5.0)
+        assert tuple(status.tp_layout) == (2, 2, 2, 2)
+
+        s = await client.pause_schedule(False)
+        assert not s.paused
+        decision = await c.scheduler.round()  # the first round after resuming re-plans
+        assert decision.mode == "replan" and decision.plan is not None
+        assert decision.plan.reshards, decision.plan.explain()
+        s = await client.schedule()
+        assert ("reshard", True) in [(a["kind"], a["ok"]) for a in s.actions], s.actions

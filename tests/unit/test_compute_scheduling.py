@@ -493,3 +493,15 @@ def test_the_loops_forecast_uses_siblings_and_the_previous_epoch() -> None:
     # without groups the forecast has no group scales
     plain = view("g0", step=2, requests=running)
     assert not s.forecast_for(t, s.build_state([plain]), s.SchedulingConfig()).group_log_scale
+
+
+def test_replan_now_makes_the_next_decision_a_replan() -> None:
+    views = [view("g0", requests=[("a", 0, 10)]), view("g1")]
+    snap = s.build_state(views)
+    config = s.SchedulingConfig(replan=ReplanSchedule(60.0))
+    tracker = s.observe(s.StepTracker(), views, 100.0, 8)
+    first = s.decide(tracker, snap, PM, 100.0, config)
+    assert first.mode == "replan"
+    tracker = s.planned(tracker, first, 100.0)
+    assert s.decide(tracker, snap, PM, 101.0, config).mode == "balance"  # not due for 60 s
+    assert s.decide(s.replan_now(tracker), snap, PM, 101.0, config).mode == "replan"
