@@ -135,6 +135,9 @@ class ComputeScheduler:
             )
         if self.paused and not paused:
             self._tracker = scheduling.replan_now(self._tracker)
+            self._view = replace(
+                self._view, mode="resumed", reason="resumed by an operator: the next round re-plans"
+            )
         if paused != self.paused:
             log.info("compute_scheduling_" + ("paused" if paused else "resumed"))
         self.paused = paused

@@ -416,7 +416,8 @@ async def test_an_operator_pauses_the_loop_and_resuming_replans_at_once(
         assert tuple(status.tp_layout) == (2, 2, 2, 2)
 
         s = await client.pause_schedule(False)
-        assert not s.paused
+        assert not s.paused and s.mode == "resumed"
+        assert s.explanation.endswith("resumed by an operator: the next round re-plans")
         decision = await c.scheduler.round()  # the first round after resuming re-plans
         assert decision.mode == "replan" and decision.plan is not None
         assert decision.plan.reshards, decision.plan.explain()
