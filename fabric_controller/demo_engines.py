@@ -3,11 +3,23 @@
 A local cluster (``examples/local-engines.toml``: two generation nodes of two "GPUs",
 each a CPU core here) whose generation agents run a real engine (llama.cpp by default,
 or vLLM) with a tiny random-weight model built on the spot. The demo sends a step's
-requests to one node's gateway, as an RL rollout client would; the controller's
-compute-scheduling loop sees the imbalance in the agents' telemetry and reshards and
-migrates. The demo prints each action with its per-stage timings and, at the end,
-checks every response against the same request run alone and uninterrupted on one
-engine server: under greedy decoding they must be equal token for token.
+requests to one node's gateway, as an RL rollout client would, and the controller's
+compute-scheduling loop reshards and migrates. The demo prints each action with its
+per-stage timings and, at the end, checks every response against the same request run
+alone and uninterrupted on one engine server: under greedy decoding they must be equal
+token for token.
+
+What the demo shows does not depend on timing. It drives the conditions and chooses
+the moment of the loop's decision (``PauseSchedule``, ``orlctl schedule pause`` /
+``resume``): with the loop paused, the step's longest requests fill every seat of
+gen0-n0 (nothing queues, gen0-n1 idles), and once the controller's telemetry shows each
+of them ``RESUME_AT`` tokens in, the loop is resumed and re-plans at once. On that state
+its planner reshards both nodes (TP1+TP1 -> TP2) and moves a running request, its
+output so far recomputed by gen0-n1 (for requests ``MIN_FIRST_WAVE_TOKENS`` long or
+more: ``check_config``). The rest of the step's requests follow, and the loop goes on
+as it does in production. The demo counts a migration "of a running request" by the
+client's own stream: tokens of the request had arrived before the move began. It exits
+non-zero unless it showed a reshard, such a migration and equal outputs.
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +48,16 @@ from orchestrrl.logs import setup_logging
 WIRING = Path(__file__).resolve().parents[1] / "examples" / "local-engines.toml"
 GEN_NODE = "gen0-n0"  # the node the client sends to; gen0-n1 starts idle
 SEATS = 2  # sequences per engine instance
+LAYOUT = (1, 1)  # each generation node's instances: TP1 + TP1 (one CPU core each)
+FIRST_WAVE = SEATS * len(LAYOUT)  # the longest requests: they fill gen0-n0's seats
+# Tokens each first-wave request has generated when the loop resumes. The planner (an
+# H800 model of Qwen2.5-14B, as the controller's default) reshards TP1+TP1 -> TP2 and
+# moves a running request once the running requests are predicted long enough: from
+# about 400 tokens in, for requests of at least MIN_FIRST_WAVE_TOKENS (found with
+# ``scheduling.decide`` on these states; tests/e2e/test_engines_demo.py checks it holds).
+RESUME_AT = 500
+MIN_FIRST_WAVE_TOKENS = 1000
+WAIT_S = 600.0  # the most any stage of the demo waits (a loaded machine is slow)
 
 
 @dataclass(frozen=True)
@@ -58,11 +81,25 @@ class RequestResult:
     matches: bool
 
 
+@dataclass(frozen=True)
+class RunningMove:
+    """A request moved while it ran: ``tokens`` of its output had reached the client
+    before the migration began (so they were generated on the source)."""
+
+    request_id: str
+    route: str  # source -> target
+    method: str  # recompute or kv
+    tokens: int
+    command_id: str
+
+
 @dataclass
 class DemoResult:
     engine: str
     requests: list[RequestResult] = field(default_factory=list)
     actions: list[dict[str, Any]] = field(default_factory=list)
+    running_moves: list[RunningMove] = field(default_factory=list)
+    resumed_at_tokens: list[int] = field(default_factory=list)  # first wave, at resume
     reference_s: float = 0.0
     cluster_up_s: float = 0.0
     run_s: float = 0.0
@@ -73,6 +110,56 @@ class DemoResult:
 
     def kinds(self, kind: str) -> list[dict[str, Any]]:
         return [a for a in self.actions if a["kind"] == kind and a["ok"]]
+
+    @property
+    def running_migrations(self) -> int:
+        """Migrations that moved at least one running request with tokens generated."""
+        return len({m.command_id for m in self.running_moves})
+
+    @property
+    def shown(self) -> bool:
+        """Everything the demo claims: a reshard, a running request moved with its
+        tokens, and every output equal to the uninterrupted run."""
+        return (
+            bool(self.kinds("reshard"))
+            and self.running_migrations > 0
+            and bool(self.requests)
+            and self.matched == len(self.requests)
+        )
+
+
+def check_config(cfg: DemoConfig) -> None:
+    """The step must hold what the demo shows: ``FIRST_WAVE`` requests to fill gen0-n0's
+    seats, the shortest of them ``MIN_FIRST_WAVE_TOKENS`` long."""
+    if cfg.requests < FIRST_WAVE:
+        raise errors.field_error(
+            "--requests", cfg.requests, f"at least {FIRST_WAVE}: they fill {GEN_NODE}'s seats"
+        )
+    caps = step_caps(cfg)
+    if caps[FIRST_WAVE - 1] < MIN_FIRST_WAVE_TOKENS:
+        need = next(
+            m
+            for m in range(MIN_FIRST_WAVE_TOKENS, 100_000)
+            if lengths(cfg.requests, m)[FIRST_WAVE - 1] >= MIN_FIRST_WAVE_TOKENS
+        )
+        allowed = (
+            f"at least {MIN_FIRST_WAVE_TOKENS}"
+            if cfg.equal_lengths
+            else f"at least {need} with {cfg.requests} requests"
+        )
+        raise errors.field_error(
+            "--max-tokens",
+            cfg.max_tokens,
+            f"{allowed}: the {FIRST_WAVE} longest requests must be {MIN_FIRST_WAVE_TOKENS} "
+            "tokens or longer for the loop's planner to find resharding worth it",
+        )
+
+
+def step_caps(cfg: DemoConfig) -> list[int]:
+    """Each request's max_tokens, longest first."""
+    if cfg.equal_lengths:
+        return [cfg.max_tokens] * cfg.requests
+    return lengths(cfg.requests, cfg.max_tokens)
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -123,8 +210,27 @@ async def reference(
         await server.stop()
 
 
+class Progress:
+    """What the client has received of each request: (wall time, tokens so far) at
+    every chunk, for telling afterwards how far a request was when it moved."""
+
+    def __init__(self) -> None:
+        self.log: dict[str, list[tuple[float, int]]] = {}
+
+    def add(self, rid: str, tokens: int) -> None:
+        self.log.setdefault(rid, []).append((time.time(), tokens))
+
+    def tokens(self, rid: str) -> int:
+        got = self.log.get(rid)
+        return got[-1][1] if got else 0
+
+    def tokens_before(self, rid: str, when: float) -> int:
+        """Tokens of ``rid`` that had arrived before wall time ``when``."""
+        return max((n for t, n in self.log.get(rid, []) if t < when), default=0)
+
+
 async def stream(
-    url: str, rid: str, prompt: list[int], n: int, t0: float
+    url: str, rid: str, prompt: list[int], n: int, t0: float, progress: Progress
 ) -> tuple[list[int], list[str], float]:
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
             "stream": True, "request_id": rid}  # fmt: skip
@@ -145,6 +251,8 @@ async def stream(
             if got and not first:
                 first = time.perf_counter() - t0
             tokens.extend(got)
+            if got:
+                progress.add(rid, len(tokens))
             nodes = event.get("orl", {}).get("nodes", nodes)
     return tokens, nodes, first
 
@@ -166,11 +274,40 @@ async def _watch(controller: str, seen: list[dict[str, Any]], t0: float, quiet: 
             await asyncio.sleep(0.25)
 
 
+async def _until(
+    what: str, check: Callable[[], Awaitable[bool]], tasks: list[asyncio.Task[Output]]
+) -> None:
+    """Poll the coroutine function ``check`` until it is true; fail naming ``what`` after
+    ``WAIT_S``, or at once when a request stream ended with an error."""
+    async with asyncio.timeout(WAIT_S):
+        while not await check():
+            for task in tasks:
+                if task.done() and task.exception() is not None:
+                    raise errors.FailedPrecondition(f"while waiting for {what}: {task.exception()}")
+            await asyncio.sleep(0.1)
+
+
+def running_moves(actions: list[dict[str, Any]], progress: Progress) -> list[RunningMove]:
+    """The requests that ok migrations of running requests (their KV cache recomputed or
+    moved, not a queued request dispatched) moved after tokens of theirs had arrived."""
+    out = []
+    for a in actions:
+        if a["kind"] != "migrate" or not a["ok"] or a.get("method") not in ("recompute", "kv"):
+            continue
+        began = a["timestamp"] - a["seconds"]
+        for rid in a["requests"]:
+            tokens = progress.tokens_before(rid, began)
+            if tokens > 0:
+                out.append(RunningMove(rid, a["node"], a["method"], tokens, a["command_id"]))
+    return out
+
+
 async def _run(cfg: DemoConfig, run_dir: Path, quiet: bool) -> DemoResult:
     def say(message: str) -> None:
         if not quiet:
             print(message, flush=True)
 
+    check_config(cfg)
     result = DemoResult(cfg.engine)
     command = cfg.command or local.installed_engine(cfg.engine)
     if command is None:
@@ -190,11 +327,7 @@ async def _run(cfg: DemoConfig, run_dir: Path, quiet: bool) -> DemoResult:
         log_dir=run_dir / "logs" / "reference", start_timeout_s=600,
     )  # fmt: skip
     ps = prompts(cfg.requests)
-    caps = (
-        [cfg.max_tokens] * cfg.requests
-        if cfg.equal_lengths
-        else lengths(cfg.requests, cfg.max_tokens)
-    )
+    caps = step_caps(cfg)
     t = time.perf_counter()
     refs = await reference(settings, cfg.engine, ps, caps)
     result.reference_s = time.perf_counter() - t
@@ -203,7 +336,8 @@ async def _run(cfg: DemoConfig, run_dir: Path, quiet: bool) -> DemoResult:
     t = time.perf_counter()
     # two sequences per instance: a CPU core decodes a batch barely faster than its
     # sequences one by one, and a full node's queue is what the loop can spread
-    engine = local.LocalEngine(cfg.engine, str(model), command, args, "1,1", SEATS, cfg.context)
+    layout = ",".join(map(str, LAYOUT))
+    engine = local.LocalEngine(cfg.engine, str(model), command, args, layout, SEATS, cfg.context)
     cluster = await asyncio.to_thread(
         local.up, WIRING, run_dir, ephemeral_ports=True, engine=engine,
         progress=lambda m: say(f"  {m}"),
@@ -211,34 +345,86 @@ async def _run(cfg: DemoConfig, run_dir: Path, quiet: bool) -> DemoResult:
     result.cluster_up_s = time.perf_counter() - t
     try:
         async with AsyncClient(cluster.controller, timeout_s=10.0) as client:
-            gateways = {n.node: n.gateway for n in await client.nodes() if n.gateway}
-        say("  gateways: " + ", ".join(f"{n} http://{g}" for n, g in sorted(gateways.items())))
-        url = f"http://{gateways[GEN_NODE]}"
-        say(f"  {len(ps)} requests stream from {GEN_NODE}'s gateway; the controller's "
-            "compute-scheduling loop acts on the agents' telemetry:")  # fmt: skip
-        t0 = time.perf_counter()
-        watcher = asyncio.create_task(_watch(cluster.controller, result.actions, t0, quiet))
-        try:
-            outs = await asyncio.gather(
-                *(
-                    stream(url, f"demo-{k}", p, n, t0)
-                    for k, (p, n) in enumerate(zip(ps, caps, strict=True))
-                )
-            )
-            await asyncio.sleep(0.5)  # the last actions' records
-        finally:
-            watcher.cancel()
-        result.run_s = time.perf_counter() - t0
-        (run_dir / "outputs.json").write_text(
-            json.dumps({"outputs": [o[0] for o in outs], "reference": refs})
-        )
-        for k, ((tokens, nodes, first), ref) in enumerate(zip(outs, refs, strict=True)):
-            result.requests.append(
-                RequestResult(f"demo-{k}", len(tokens), nodes, first, result.run_s, tokens == ref)
-            )
+            outs = await _step(cluster.controller, client, result, ps, caps, say, quiet)
     finally:
         await asyncio.to_thread(local.down, Path(cluster.run_dir))
+    (run_dir / "outputs.json").write_text(
+        json.dumps({"outputs": [o[0] for o in outs], "reference": refs})
+    )
+    for k, ((tokens, nodes, first_s), ref) in enumerate(zip(outs, refs, strict=True)):
+        result.requests.append(
+            RequestResult(f"demo-{k}", len(tokens), nodes, first_s, result.run_s, tokens == ref)
+        )
     return result
+
+
+Output = tuple[list[int], list[str], float]  # a request's tokens, nodes, first-token time
+
+
+async def _step(
+    controller: str,
+    client: AsyncClient,
+    result: DemoResult,
+    ps: list[list[int]],
+    caps: list[int],
+    say: Callable[[str], None],
+    quiet: bool,
+) -> list[Output]:
+    """The step: the first wave with the loop paused, the loop resumed at a known point,
+    then the rest; each request's output."""
+    gateways = {n.node: n.gateway for n in await client.nodes() if n.gateway}
+    say("  gateways: " + ", ".join(f"{n} http://{g}" for n, g in sorted(gateways.items())))
+    url = f"http://{gateways[GEN_NODE]}"
+    await client.pause_schedule(True)
+    first = list(range(FIRST_WAVE))
+    say(f"  the compute-scheduling loop is paused (orlctl schedule pause); the {FIRST_WAVE} "
+        f"longest requests fill {GEN_NODE}'s {FIRST_WAVE} seats, and the loop resumes once "
+        f"each has {RESUME_AT} tokens:")  # fmt: skip
+    progress = Progress()
+    t0 = time.perf_counter()
+    watcher = asyncio.create_task(_watch(controller, result.actions, t0, quiet))
+
+    def start(k: int) -> asyncio.Task[Output]:
+        return asyncio.create_task(stream(url, f"demo-{k}", ps[k], caps[k], t0, progress))
+
+    tasks = [start(k) for k in first]
+    try:
+
+        async def reached() -> bool:
+            return all(progress.tokens(f"demo-{k}") >= RESUME_AT for k in first)
+
+        await _until(f"{RESUME_AT} tokens of each first request", reached, tasks)
+        seen_at = time.time()
+
+        async def reported() -> bool:  # the controller holds a sample taken since
+            nodes = {n.node: n for n in await client.nodes()}
+            return float(nodes[GEN_NODE].telemetry.get("timestamp", 0.0)) > seen_at
+
+        await _until(f"telemetry of {GEN_NODE} newer than the client's view", reported, tasks)
+        result.resumed_at_tokens = [progress.tokens(f"demo-{k}") for k in first]
+        resumed = time.time()
+        await client.pause_schedule(False)
+        say(f"  [{time.perf_counter() - t0:5.1f} s] resumed (orlctl schedule resume) at "
+            f"{min(result.resumed_at_tokens)}..{max(result.resumed_at_tokens)} tokens: "
+            "the loop re-plans now")  # fmt: skip
+
+        async def decided() -> bool:  # a plan made since, carried out (or empty)
+            s = await client.schedule()
+            return s.planned_at >= resumed and (s.acted or not (s.reshards or s.migrations))
+
+        await _until("the loop's decision after resuming", decided, tasks)
+        tasks += [start(k) for k in range(FIRST_WAVE, len(ps))]
+        say(f"  [{time.perf_counter() - t0:5.1f} s] the other {len(ps) - FIRST_WAVE} "
+            f"request(s) of the step stream into {GEN_NODE}; the loop goes on:")  # fmt: skip
+        outs = await asyncio.gather(*tasks)
+        await asyncio.sleep(0.5)  # the last actions' records
+    finally:
+        for task in tasks:
+            task.cancel()
+        watcher.cancel()
+    result.run_s = time.perf_counter() - t0
+    result.running_moves = running_moves(result.actions, progress)
+    return list(outs)
 
 
 def report(r: DemoResult) -> str:
@@ -249,17 +435,27 @@ def report(r: DemoResult) -> str:
     for q in r.requests:
         lines.append(f"    {q.request_id:<8} {q.tokens:>6}  {q.first_token_s:>9.2f} s  "
                      f"{' -> '.join(q.nodes):<20} {'yes' if q.matches else 'NO'}")  # fmt: skip
+    for m in r.running_moves:
+        lines.append(f"  {m.request_id} moved while running, {m.route} by {m.method}, "
+                     f"{m.tokens} tokens already generated")  # fmt: skip
+    tokens = sum(m.tokens for m in r.running_moves)
     lines.append(
         f"  {len(r.kinds('reshard'))} reshard(s) and {len(r.kinds('migrate'))} migration(s) "
-        f"carried out in {r.run_s:.1f} s; {r.matched} of {len(r.requests)} outputs equal "
-        "the uninterrupted run token for token"
+        f"carried out in {r.run_s:.1f} s, {r.running_migrations} of them of running "
+        f"requests ({len(r.running_moves)} request(s), {tokens} tokens already generated); "
+        f"{r.matched} of {len(r.requests)} outputs equal the uninterrupted run token for token"
     )
+    if not r.shown:
+        lines.append("  NOT SHOWN: the demo needs a reshard, a running request moved and "
+                     "every output equal")  # fmt: skip
     return "\n".join(lines)
 
 
 def run_demo_engines(cfg: DemoConfig, *, as_json: bool = False) -> int:
-    """Run the demo; 0 when every output matched, 1 otherwise."""
+    """Run the demo; 0 when it showed a reshard and a running request moved, and every
+    output matched; 1 otherwise."""
     setup_logging("warning", "console", sys.stderr)
+    check_config(cfg)
     with tempfile.TemporaryDirectory(prefix="orl-demo-engines-") as tmp:
         run_dir = cfg.run_dir or Path(tmp)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -267,7 +463,11 @@ def run_demo_engines(cfg: DemoConfig, *, as_json: bool = False) -> int:
     if as_json:
         doc = asdict(r)
         doc["matched"] = r.matched
+        doc["reshards"] = len(r.kinds("reshard"))
+        doc["migrations"] = len(r.kinds("migrate"))
+        doc["running_migrations"] = r.running_migrations
+        doc["shown"] = r.shown
         print(json.dumps(doc, indent=2))
     else:
         print(report(r))
-    return 0 if r.requests and r.matched == len(r.requests) else 1
+    return 0 if r.shown else 1

@@ -2,10 +2,11 @@
 
 A local cluster (simulated OCS, controller, three agents; the two generation agents run
 llama.cpp servers with a tiny random model), a step's requests streamed to one gateway,
-the controller's compute-scheduling loop deciding reshards and migrations from the
-agents' real telemetry, and every output compared with the same request run alone.
-Requests of at most 1,200 tokens: a step of ~25 s on two cores, several of the loop's
-5 s re-plans long.
+the controller's compute-scheduling loop paused while the longest requests fill the
+node's seats and resumed once each is 500 tokens in: on that state it reshards and moves
+a running request (what the demo shows in every run, whatever the timing). Every output
+is compared with the same request run alone. Requests of at most 1,600 tokens: the
+shortest of the first four is 1,000 tokens, as the demo requires.
 """
 
 from __future__ import annotations
@@ -26,16 +27,31 @@ def test_the_loop_migrates_and_reshards_real_engines_and_outputs_stay_exact(
     r = subprocess.run(
         [sys.executable, "-m", "fabric_controller.cli", "--json", "demo-engines",
          "--engine", "llamacpp", "--engine-command", str(llama_binary),
-         "--max-tokens", "1200", "--run-dir", str(tmp_path / "run")],
+         "--max-tokens", "1600", "--run-dir", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     doc = json.loads(r.stdout)
-    assert doc["matched"] == len(doc["requests"]) == 8
+    assert doc["shown"] and doc["matched"] == len(doc["requests"]) == 8
+    assert min(doc["resumed_at_tokens"]) >= 500
     ok = [a for a in doc["actions"] if a["ok"]]
-    assert any(a["kind"] == "reshard" for a in ok), doc["actions"]
-    migrations = [a for a in ok if a["kind"] == "migrate"]
-    assert migrations, doc["actions"]
-    moved = [q for q in doc["requests"] if len(q["nodes"]) > 1]
-    assert moved and all(q["matches"] for q in moved)
+    assert doc["reshards"] >= 1 and any(a["kind"] == "reshard" for a in ok), doc["actions"]
+    # a running request moved with its output so far: the client had tokens of it
+    # before the move began, and the migration recomputed them (not a queued dispatch)
+    assert doc["running_migrations"] >= 1, doc["actions"]
+    for move in doc["running_moves"]:
+        assert move["tokens"] > 0 and move["method"] in ("recompute", "kv")
+        [action] = [a for a in ok if a["command_id"] == move["command_id"]]
+        assert action["kind"] == "migrate" and move["request_id"] in action["requests"]
+        [request] = [q for q in doc["requests"] if q["request_id"] == move["request_id"]]
+        assert len(request["nodes"]) > 1 and request["matches"]
     assert all(q["tokens"] > 0 for q in doc["requests"])
+
+
+def test_a_step_too_short_to_show_a_reshard_is_refused_up_front() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "fabric_controller.cli", "demo-engines", "--max-tokens", "1200"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert "--max-tokens=1200 is not valid: at least 1600 with 8 requests" in r.stderr
