@@ -44,10 +44,11 @@ restarts from its last confirmed configuration (it saves only confirmed commits)
 
 Fencing (controller HA): the token rides in the datastore. Under the candidate lock the
 driver reads ``/controller/fencing-token``, refuses a token older than it (changing
-nothing, FailedPrecondition as the simulated OCS does) and writes its own in the same
-commit as the batch. The check is the driver's, made atomic by the lock: a manager that
-edits without locking is not fenced (the server has no rule that compares a value with
-its previous one).
+nothing, FailedPrecondition as the simulated OCS does, and one more than 2**40 ahead of
+it) and writes its own in the same commit as a batch that changes something (an empty
+batch stores no token: ``orchestrrl.fencing``). The check is the driver's, made atomic
+by the lock: a manager that edits without locking is not fenced (the server has no rule
+that compares a value with its previous one).
 
 Errors name the switch, the RPC and the server's ``<rpc-error>`` (tag, message, path,
 error-info), bounded. Every RPC has ``timeout_s``; an RPC whose answer is lost (timeout,
@@ -537,14 +538,15 @@ class NetconfOcsDriver:
                 return before.table()
             gate = FencingGate(self._what("edit-config"))  # the one rule, on the stored token
             gate.newest = before.fencing_token
-            gate.admit(fencing_token)
+            gate.check(fencing_token)
             problems = nx.batch_problems(before, disconnect, connect)
             if problems:
                 raise errors.InvalidArgument(
                     self._what("batch refused before sending: " + "; ".join(problems))
                 )
             ops = nx.directed_ops(before, disconnect, connect)
-            token = fencing_token if fencing_token > before.fencing_token else 0
+            # the token is stored with a batch that changes something (FencingGate.record)
+            token = fencing_token if ops and fencing_token > before.fencing_token else 0
             config = nx.edit_config(before, ops, batch_id, token)
             rollback = nx.CAP_ROLLBACK_ON_ERROR in self.capabilities
             self._rpc(

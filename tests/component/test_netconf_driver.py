@@ -150,6 +150,18 @@ async def test_the_fencing_token_rides_in_the_commit_and_an_older_one_changes_no
         await drv.apply([], [(7, 8)], fencing_token=-1)
 
 
+async def test_an_empty_or_far_ahead_batch_cannot_jam_the_stored_token(
+    drv: NetconfOcsDriver, observer: Observer
+) -> None:
+    await drv.apply([], [(1, 2)], fencing_token=7)
+    with pytest.raises(errors.InvalidArgument, match=r"at most 1099511627776 \(2\*\*40\) ahead"):
+        await drv.apply([], [(3, 4)], fencing_token=2**63)
+    await drv.apply([], [], fencing_token=7 + 2**40)  # empty: carried out, token not stored
+    assert observer.controller()["fencing-token"] == "7"
+    await drv.apply([], [(3, 4)], fencing_token=7)  # the real leader goes on
+    assert observer.circuits() == {(1, 2), (3, 4)}
+
+
 async def test_a_controller_that_dies_before_confirming_is_undone_by_the_next_session(
     netconf: NetconfServer, observer: Observer
 ) -> None:
