@@ -17,6 +17,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
 PY=${PY:-.venv/bin/python}
+# the console scripts this checks beyond --version; every one the package declares must
+# be here (the install's entry points are compared with this list)
 SCRIPTS=(orlctl orl-fabric-controller orl-node-agent orl-sim-ocs orl-testbed orl-sim)
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 unset PYTHONPATH
@@ -75,6 +77,14 @@ check_install() {
     || { tail -30 "$run/pip.log"; return 1; }
   local bin="$venv/bin"
   cd "$run"  # the checkout is not on the path from here on
+  local declared
+  declared=$("$bin/python" -c 'import importlib.metadata as m
+print(" ".join(sorted(e.name for e in m.distribution("orchestrrl").entry_points
+                      if e.group == "console_scripts")))')
+  if [ "$declared" != "$(tr ' ' '\n' <<<"${SCRIPTS[*]}" | sort | tr '\n' ' ' | sed 's/ $//')" ]; then
+    echo "the package declares the console scripts: $declared; this script checks: ${SCRIPTS[*]}"
+    echo "(add a check for each new one to scripts/check-package.sh)"; return 1
+  fi
   local versions=()
   for script in "${SCRIPTS[@]}"; do
     versions+=("$("$bin/$script" --version)")
