@@ -12,8 +12,9 @@ token for token.
 What the demo shows does not depend on timing. It drives the conditions and chooses
 the moment of the loop's decision (``PauseSchedule``, ``orlctl schedule pause`` /
 ``resume``): with the loop paused, the step's longest requests fill every seat of
-gen0-n0 (nothing queues, gen0-n1 idles), and once the controller's telemetry shows each
-of them ``RESUME_AT`` tokens in, the loop is resumed and re-plans at once. On that state
+gen0-n0 (nothing queues, gen0-n1 idles; they start one after another, ``STAGGER``), and
+once the controller's telemetry shows each of them ``RESUME_AT`` tokens in, the loop is
+resumed and re-plans at once. On that state
 its planner reshards both nodes (TP1+TP1 -> TP2) and moves a running request, its
 output so far recomputed by gen0-n1 (for requests ``MIN_FIRST_WAVE_TOKENS`` long or
 more: ``check_config``). The rest of the step's requests follow, and the loop goes on
@@ -52,11 +53,21 @@ LAYOUT = (1, 1)  # each generation node's instances: TP1 + TP1 (one CPU core eac
 FIRST_WAVE = SEATS * len(LAYOUT)  # the longest requests: they fill gen0-n0's seats
 # Tokens each first-wave request has generated when the loop resumes. The planner (an
 # H800 model of Qwen2.5-14B, as the controller's default) reshards TP1+TP1 -> TP2 and
-# moves a running request once the running requests are predicted long enough: from
-# about 400 tokens in, for requests of at least MIN_FIRST_WAVE_TOKENS (found with
-# ``scheduling.decide`` on these states; tests/e2e/test_engines_demo.py checks it holds).
+# moves a running request once the running requests are predicted long enough, from
+# about 400 tokens in, while enough of them is left: with the shortest first-wave
+# request MIN_FIRST_WAVE_TOKENS long it does so on every state the decision can see
+# (each request 500 to 1,300 tokens in: the telemetry the loop reads lags the client by
+# a few seconds). tests/unit/test_demo_engines.py checks that on ``scheduling.decide``,
+# tests/e2e/test_engines_demo.py on real engines.
 RESUME_AT = 500
-MIN_FIRST_WAVE_TOKENS = 1000
+MIN_FIRST_WAVE_TOKENS = 1250
+# The first wave starts one request after another, request k+1 once request k has
+# STAGGER[k] tokens. Two requests on one instance decode in lockstep: started together
+# they stay equal, and on two instances each holding such a pair the planner gains
+# nothing by moving one of two equal requests (it reshards and moves none). Staggered,
+# the two requests of an instance differ by a constant gap, and the two instances' gaps
+# differ too.
+STAGGER = (100, 100, 300)
 WAIT_S = 600.0  # the most any stage of the demo waits (a loaded machine is slow)
 
 
@@ -378,8 +389,9 @@ async def _step(
     await client.pause_schedule(True)
     first = list(range(FIRST_WAVE))
     say(f"  the compute-scheduling loop is paused (orlctl schedule pause); the {FIRST_WAVE} "
-        f"longest requests fill {GEN_NODE}'s {FIRST_WAVE} seats, and the loop resumes once "
-        f"each has {RESUME_AT} tokens:")  # fmt: skip
+        f"longest requests fill {GEN_NODE}'s {FIRST_WAVE} seats (each starting when the one "
+        f"before has {'/'.join(map(str, STAGGER))} tokens), and the loop resumes once each "
+        f"has {RESUME_AT} tokens:")  # fmt: skip
     progress = Progress()
     t0 = time.perf_counter()
     watcher = asyncio.create_task(_watch(controller, result.actions, t0, quiet))
@@ -387,8 +399,15 @@ async def _step(
     def start(k: int) -> asyncio.Task[Output]:
         return asyncio.create_task(stream(url, f"demo-{k}", ps[k], caps[k], t0, progress))
 
-    tasks = [start(k) for k in first]
+    tasks = [start(0)]
     try:
+        for k in first[1:]:
+
+            async def started(before: int = k - 1) -> bool:
+                return progress.tokens(f"demo-{before}") >= STAGGER[before]
+
+            await _until(f"{STAGGER[k - 1]} tokens of demo-{k - 1}", started, tasks)
+            tasks.append(start(k))
 
         async def reached() -> bool:
             return all(progress.tokens(f"demo-{k}") >= RESUME_AT for k in first)

@@ -5,8 +5,9 @@ llama.cpp servers with a tiny random model), a step's requests streamed to one g
 the controller's compute-scheduling loop paused while the longest requests fill the
 node's seats and resumed once each is 500 tokens in: on that state it reshards and moves
 a running request (what the demo shows in every run, whatever the timing). Every output
-is compared with the same request run alone. Requests of at most 1,600 tokens: the
-shortest of the first four is 1,000 tokens, as the demo requires.
+is compared with the same request run alone. The step of `make demo-engines` (8
+requests of 250..2,000 tokens): the shortest of the first four is 1,250 tokens, as the
+demo requires (tests/unit/test_demo_engines.py: why).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ def test_the_loop_migrates_and_reshards_real_engines_and_outputs_stay_exact(
     r = subprocess.run(
         [sys.executable, "-m", "fabric_controller.cli", "--json", "demo-engines",
          "--engine", "llamacpp", "--engine-command", str(llama_binary),
-         "--max-tokens", "1600", "--run-dir", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=600,
+         "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     doc = json.loads(r.stdout)
@@ -50,8 +51,8 @@ def test_the_loop_migrates_and_reshards_real_engines_and_outputs_stay_exact(
 
 def test_a_step_too_short_to_show_a_reshard_is_refused_up_front() -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "fabric_controller.cli", "demo-engines", "--max-tokens", "1200"],
+        [sys.executable, "-m", "fabric_controller.cli", "demo-engines", "--max-tokens", "1600"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode == 2
-    assert "--max-tokens=1200 is not valid: at least 1600 with 8 requests" in r.stderr
+    assert "--max-tokens=1600 is not valid: at least 2000 with 8 requests" in r.stderr
