@@ -14,13 +14,15 @@ the moment of the loop's decision (``PauseSchedule``, ``orlctl schedule pause`` 
 ``resume``): with the loop paused, the step's longest requests fill every seat of
 gen0-n0 (nothing queues, gen0-n1 idles; they start one after another, ``STAGGER``), and
 once the controller's telemetry shows each of them ``RESUME_AT`` tokens in, the loop is
-resumed and re-plans at once. On that state
-its planner reshards both nodes (TP1+TP1 -> TP2) and moves a running request, its
-output so far recomputed by gen0-n1 (for requests ``MIN_FIRST_WAVE_TOKENS`` long or
-more: ``check_config``). The rest of the step's requests follow, and the loop goes on
-as it does in production. The demo counts a migration "of a running request" by the
-client's own stream: tokens of the request had arrived before the move began. It exits
-non-zero unless it showed a reshard, such a migration and equal outputs.
+resumed and re-plans at once. On that state its planner reshards both nodes (TP1+TP1 ->
+TP2) and moves a running request, its output so far recomputed by gen0-n1 (for
+requests ``MIN_FIRST_WAVE_TOKENS`` long or more: ``check_config``). The rest of the
+step's requests follow, and the loop goes on as it does in production. Should that
+decision move no running request (an engine that fails to start makes a reshard fail,
+and the loop skips the migrations of a node whose reshard failed), the demo pauses the
+loop and resumes it once more (``RESUMES``). The demo counts a migration "of a running
+request" by the client's own stream: tokens of the request had arrived before the move
+began. It exits non-zero unless it showed a reshard, such a migration and equal outputs.
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ MIN_FIRST_WAVE_TOKENS = 1250
 # the two requests of an instance differ by a constant gap, and the two instances' gaps
 # differ too.
 STAGGER = (100, 100, 300)
+# How often the demo resumes the loop on the first wave at most: once more when its
+# decision moved no running request (an engine that failed to start made a reshard
+# fail, and the loop skips the migrations of a node whose reshard failed).
+RESUMES = 3
 WAIT_S = 600.0  # the most any stage of the demo waits (a loaded machine is slow)
 
 
@@ -298,6 +304,61 @@ async def _until(
             await asyncio.sleep(0.1)
 
 
+async def _resume(
+    client: AsyncClient,
+    result: DemoResult,
+    progress: Progress,
+    t0: float,
+    say: Callable[[str], None],
+    tasks: list[asyncio.Task[Output]],
+) -> int:
+    """Resume the paused loop for its decision on the first wave; when that moved no
+    running request, pause and resume it again, ``RESUMES`` times at most. How many
+    times it was resumed."""
+    for attempt in range(1, RESUMES + 1):
+        if await _decide(client, result, progress, t0, say, tasks) or attempt == RESUMES:
+            return attempt
+        await client.pause_schedule(True)
+        say(f"  [{time.perf_counter() - t0:5.1f} s] no running request moved (an action "
+            "failed?): the loop is paused, and resumed once more")  # fmt: skip
+    raise AssertionError("unreachable")
+
+
+async def _decide(
+    client: AsyncClient,
+    result: DemoResult,
+    progress: Progress,
+    t0: float,
+    say: Callable[[str], None],
+    tasks: list[asyncio.Task[Output]],
+) -> bool:
+    """Resume the paused loop once the controller holds telemetry taken after now, and
+    wait for its decision; whether a running request moved."""
+    seen_at = time.time()
+
+    async def reported() -> bool:  # the controller holds a sample taken since
+        nodes = {n.node: n for n in await client.nodes()}
+        return float(nodes[GEN_NODE].telemetry.get("timestamp", 0.0)) > seen_at
+
+    await _until(f"telemetry of {GEN_NODE} newer than the client's view", reported, tasks)
+    at = [progress.tokens(f"demo-{k}") for k in range(FIRST_WAVE)]
+    result.resumed_at_tokens = result.resumed_at_tokens or at
+    resumed = time.time()
+    await client.pause_schedule(False)
+    say(f"  [{time.perf_counter() - t0:5.1f} s] resumed (orlctl schedule resume) at "
+        f"{min(at)}..{max(at)} tokens: the loop re-plans now")  # fmt: skip
+
+    actions: list[dict[str, Any]] = []
+
+    async def decided() -> bool:  # a plan made since, carried out (or empty)
+        s = await client.schedule()
+        actions[:] = s.actions  # (the watcher may not have printed them yet)
+        return s.planned_at >= resumed and (s.acted or not (s.reshards or s.migrations))
+
+    await _until("the loop's decision after resuming", decided, tasks)
+    return bool(running_moves(actions, progress))
+
+
 def running_moves(actions: list[dict[str, Any]], progress: Progress) -> list[RunningMove]:
     """The requests that ok migrations of running requests (their KV cache recomputed or
     moved, not a queued request dispatched) moved after tokens of theirs had arrived."""
@@ -413,25 +474,7 @@ async def _step(
             return all(progress.tokens(f"demo-{k}") >= RESUME_AT for k in first)
 
         await _until(f"{RESUME_AT} tokens of each first request", reached, tasks)
-        seen_at = time.time()
-
-        async def reported() -> bool:  # the controller holds a sample taken since
-            nodes = {n.node: n for n in await client.nodes()}
-            return float(nodes[GEN_NODE].telemetry.get("timestamp", 0.0)) > seen_at
-
-        await _until(f"telemetry of {GEN_NODE} newer than the client's view", reported, tasks)
-        result.resumed_at_tokens = [progress.tokens(f"demo-{k}") for k in first]
-        resumed = time.time()
-        await client.pause_schedule(False)
-        say(f"  [{time.perf_counter() - t0:5.1f} s] resumed (orlctl schedule resume) at "
-            f"{min(result.resumed_at_tokens)}..{max(result.resumed_at_tokens)} tokens: "
-            "the loop re-plans now")  # fmt: skip
-
-        async def decided() -> bool:  # a plan made since, carried out (or empty)
-            s = await client.schedule()
-            return s.planned_at >= resumed and (s.acted or not (s.reshards or s.migrations))
-
-        await _until("the loop's decision after resuming", decided, tasks)
+        await _resume(client, result, progress, t0, say, tasks)
         tasks += [start(k) for k in range(FIRST_WAVE, len(ps))]
         say(f"  [{time.perf_counter() - t0:5.1f} s] the other {len(ps) - FIRST_WAVE} "
             f"request(s) of the step stream into {GEN_NODE}; the loop goes on:")  # fmt: skip

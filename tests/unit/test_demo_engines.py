@@ -7,7 +7,10 @@ front."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import time
+import types
 
 import pytest
 from hypothesis import assume, given, settings
@@ -132,3 +135,60 @@ def test_the_step_must_hold_what_the_demo_shows() -> None:
         demo.check_config(demo.DemoConfig(requests=3))
     with pytest.raises(errors.InvalidArgument, match=r"--max-tokens=1000 .*: at least 1250:"):
         demo.check_config(demo.DemoConfig(max_tokens=1000, equal_lengths=True))
+
+
+class FakeLoop:
+    """The controller as the demo sees it: ``decisions`` are the actions each resumed
+    round takes (the first fails, as a reshard whose new engine did not start)."""
+
+    def __init__(self, decisions: list[list[dict[str, object]]]) -> None:
+        self.decisions = decisions
+        self.calls: list[str] = []
+        self.actions: list[dict[str, object]] = []
+        self.planned_at = 0.0
+
+    async def nodes(self) -> list[object]:
+        @dataclasses.dataclass
+        class Node:
+            node: str
+            telemetry: dict[str, float]
+
+        return [Node(demo.GEN_NODE, {"timestamp": time.time() + 1.0})]
+
+    async def pause_schedule(self, paused: bool = True) -> object:
+        self.calls.append("pause" if paused else "resume")
+        if not paused:
+            self.actions += self.decisions.pop(0)
+            self.planned_at = time.time()
+        return None
+
+    async def schedule(self) -> object:
+        return types.SimpleNamespace(
+            planned_at=self.planned_at, acted=True, reshards=[1], migrations=[],
+            actions=list(self.actions),
+        )  # fmt: skip
+
+
+def action(
+    kind: str, ok: bool, method: str = "", requests: tuple[str, ...] = ()
+) -> dict[str, object]:
+    return {"kind": kind, "ok": ok, "method": method, "requests": list(requests),
+            "timestamp": time.time() + 5.0, "seconds": 1.0, "node": "gen0-n0 -> gen0-n1",
+            "command_id": f"c-{kind}-{ok}-{method}"}  # fmt: skip
+
+
+async def test_a_decision_that_moved_no_running_request_is_taken_again() -> None:
+    progress = demo.Progress()
+    progress.add("demo-0", 600)  # tokens of demo-0 had reached the client
+    failed = [action("reshard", False), action("migrate", True, "dispatch", ("demo-5",))]
+    moved = [action("reshard", True), action("migrate", True, "recompute", ("demo-0",))]
+    loop = FakeLoop([failed, moved])
+    result = demo.DemoResult("llamacpp")
+    resumes = await demo._resume(loop, result, progress, 0.0, lambda _: None, [])  # type: ignore[arg-type]
+    assert resumes == 2 and loop.calls == ["resume", "pause", "resume"]
+    [move] = demo.running_moves(loop.actions, progress)
+    assert (move.request_id, move.method, move.tokens) == ("demo-0", "recompute", 600)
+    # and it gives up after RESUMES decisions that moved none
+    loop = FakeLoop([failed] * demo.RESUMES)
+    resumes = await demo._resume(loop, result, progress, 0.0, lambda _: None, [])  # type: ignore[arg-type]
+    assert resumes == demo.RESUMES and loop.calls.count("resume") == demo.RESUMES
