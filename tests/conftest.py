@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+# gRPC's fork handlers off before gRPC is imported: tests fork processes while gRPC runs
+from orchestrrl import forksafe as _forksafe  # noqa: F401
 from orchestrrl import wiring as wiring_mod
 from orchestrrl.model import Wiring
 
