@@ -58,7 +58,7 @@ FIRST_WAVE = SEATS * len(LAYOUT)  # the longest requests: they fill gen0-n0's se
 # moves a running request once the running requests are predicted long enough, from
 # about 400 tokens in, while enough of them is left: with the shortest first-wave
 # request MIN_FIRST_WAVE_TOKENS long it does so on every state the decision can see
-# (each request 500 to 1,300 tokens in: the telemetry the loop reads lags the client by
+# (each request 500 to 1,400 tokens in: the telemetry the loop reads lags the client by
 # a few seconds). tests/unit/test_demo_engines.py checks that on ``scheduling.decide``,
 # tests/e2e/test_engines_demo.py on real engines.
 RESUME_AT = 500
