@@ -271,7 +271,8 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     ) -> node_agent_pb2.UpdateWeightsResponse:
         self._admit(context, self._controllers)
         order = order_from_pb(request)
-        self._weights_fencing.admit(request.fencing_token)  # a deposed leader changes nothing
+        token = request.fencing_token
+        self._weights_fencing.check(token)  # a deposed leader changes nothing
         updater = self._weights
         if updater is None:
             raise errors.FailedPrecondition(
@@ -280,7 +281,9 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             )
 
         async def update() -> node_agent_pb2.UpdateWeightsResponse:
-            return (await updater.update(order)).to_pb(order.command_id)
+            done = (await updater.update(order)).to_pb(order.command_id)
+            self._weights_fencing.record(token)  # only once the weights were loaded
+            return done
 
         # the fencing token is not part of what the command is: a retry carries the same
         key = node_agent_pb2.UpdateWeightsRequest()

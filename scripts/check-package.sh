@@ -44,10 +44,11 @@ listing=$(tar -tzf "$sdist")
 for f in proto/orchestrrl/v1/fabric_controller.proto orchestrrl/v1/__init__.py LICENSE; do
   grep -q "/$f\$" <<<"$listing" || { echo "the sdist lacks $f"; exit 1; }
 done
-"$PY" - "$wheel" <<'EOF'
+"$PY" - "$wheel" "$work"/src/proto/orchestrrl/v1/*.proto <<'EOF'
 import sys, zipfile
+from pathlib import Path
 names = set(zipfile.ZipFile(sys.argv[1]).namelist())
-stubs = ("common", "fabric_controller", "node_agent", "optical_switch")
+stubs = [Path(p).stem for p in sys.argv[2:]]  # one module pair per .proto
 missing = [
     f"orchestrrl/v1/{s}{suffix}" for s in stubs for suffix in ("_pb2.py", "_pb2_grpc.py")
     if f"orchestrrl/v1/{s}{suffix}" not in names

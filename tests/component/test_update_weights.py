@@ -234,6 +234,15 @@ async def test_bad_requests_name_the_field(bed: Bed) -> None:
     code, details = await bed.refused(bed.order("f2", ck2, fencing_token=6))
     assert code is grpc.StatusCode.FAILED_PRECONDITION and "fencing token 6" in details
     assert bed.engine.weight_version == "1"
+    # one command cannot jam the fence: a token far ahead is refused, and an update that
+    # fails (a checksum the checkpoint does not have) leaves the newest token as it was
+    code, details = await bed.refused(bed.order("f3", ck2, fencing_token=2**63))
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and "at most 1099511627776" in details
+    code, details = await bed.refused(
+        bed.order("f4", ck2, fencing_token=7 + 2**40, checksum="0" * 64)
+    )
+    assert bed.engine.weight_version == "1", details
+    assert (await bed.update(bed.order("f5", ck2, fencing_token=7))).version == "2"
 
 
 async def test_an_agent_without_a_checkpoint_dir_refuses(tmp_path: Path) -> None:
