@@ -266,12 +266,16 @@ class NetnsOcs:
                 return replace(seen[2], replayed=True)
             await self._refresh()
             before = self.ocs.cross_connects()
-            result = self.ocs.apply(d, c)  # InvalidArgument / injected fault: nothing changed
+            newest = self.ocs.fencing.newest
+            # the table's own apply checks the token again (an HA switch refuses token 0)
+            # and records it; InvalidArgument / injected fault: nothing changed
+            result = self.ocs.apply(d, c, fencing_token=fencing_token)
             if result.added or result.removed:
                 try:
                     await self.circuits.program(sorted(result.removed), sorted(result.added))
                 except errors.OrlError as exc:
                     self._force(before)
+                    self.ocs.fencing.newest = newest  # a batch undone records no token
                     self._log.error("ocs_program_failed", error=str(exc))
                     raise errors.FailedPrecondition(
                         f"OCS {self.ocs.name}: programming the circuits in namespace "
@@ -281,8 +285,6 @@ class NetnsOcs:
                 self._answers[request_id] = (d, c, result)
                 if len(self._answers) > REPLAY_CACHE_SIZE:
                     self._answers.popitem(last=False)
-            if d or c:
-                self.ocs.fencing.record(fencing_token)
             return result
 
     async def set_port_health(self, port: int, up: bool) -> None:

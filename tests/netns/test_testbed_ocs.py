@@ -301,3 +301,8 @@ async def test_the_fence_is_not_jammed_by_an_empty_or_refused_batch(
     with pytest.raises(errors.FailedPrecondition, match="older than the newest seen, 9"):
         await switch.apply([], [(1, 2)], fencing_token=8)  # the deposed one changes nothing
     assert await kernel_redirects(bench.ocs) == {}
+    # a batch the kernel refuses half-way is undone, and its token is not recorded
+    await netns.run(["tc", "-n", bench.ocs, "qdisc", "del", "dev", "p4", "ingress"])
+    with pytest.raises(errors.FailedPrecondition, match="the batch was undone"):
+        await switch.apply([], [(1, 3), (2, 4)], fencing_token=10)
+    assert switch.ocs.fencing.newest == 9 and await kernel_redirects(bench.ocs) == {}
