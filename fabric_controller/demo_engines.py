@@ -9,20 +9,21 @@ per-stage timings and, at the end, checks every response against the same reques
 alone and uninterrupted on one engine server: under greedy decoding they must be equal
 token for token.
 
-What the demo shows does not depend on timing. It drives the conditions and chooses
-the moment of the loop's decision (``PauseSchedule``, ``orlctl schedule pause`` /
+What the demo shows does not depend on timing. It drives the conditions and chooses the
+moment of the loop's decision (``PauseSchedule``, ``orlctl schedule pause`` /
 ``resume``): with the loop paused, the step's longest requests fill every seat of
 gen0-n0 (nothing queues, gen0-n1 idles; they start one after another, ``STAGGER``), and
-once the controller's telemetry shows each of them ``RESUME_AT`` tokens in, the loop is
-resumed and re-plans at once. On that state its planner reshards both nodes (TP1+TP1 ->
-TP2) and moves a running request, its output so far recomputed by gen0-n1 (for
-requests ``MIN_FIRST_WAVE_TOKENS`` long or more: ``check_config``). The rest of the
-step's requests follow, and the loop goes on as it does in production. Should that
-decision move no running request (an engine that fails to start makes a reshard fail,
-and the loop skips the migrations of a node whose reshard failed), the demo pauses the
-loop and resumes it once more (``RESUMES``). The demo counts a migration "of a running
-request" by the client's own stream: tokens of the request had arrived before the move
-began. It exits non-zero unless it showed a reshard, such a migration and equal outputs.
+once the longest is ``RESUME_AT`` tokens in (the others started) and the controller
+holds telemetry taken since, the loop is resumed and re-plans at once. On that state its
+planner reshards both nodes (TP1+TP1 -> TP2) and moves a running request, its output so
+far recomputed by gen0-n1 (for requests ``MIN_FIRST_WAVE_TOKENS`` long or more:
+``check_config``). The rest of the step's requests follow, and the loop goes on as it
+does in production. Should that decision move no running request (an engine that fails
+to start makes a reshard fail, and the loop skips the migrations of a node whose reshard
+failed), the demo pauses the loop and resumes it once more (``RESUMES``). The demo
+counts a migration "of a running request" by the client's own stream: tokens of the
+request had arrived before the move began. It exits non-zero unless it showed a reshard,
+such a migration and equal outputs.
 """
 
 from __future__ import annotations
@@ -53,15 +54,18 @@ GEN_NODE = "gen0-n0"  # the node the client sends to; gen0-n1 starts idle
 SEATS = 2  # sequences per engine instance
 LAYOUT = (1, 1)  # each generation node's instances: TP1 + TP1 (one CPU core each)
 FIRST_WAVE = SEATS * len(LAYOUT)  # the longest requests: they fill gen0-n0's seats
-# Tokens each first-wave request has generated when the loop resumes. The planner (an
-# H800 model of Qwen2.5-14B, as the controller's default) reshards TP1+TP1 -> TP2 and
-# moves a running request once the running requests are predicted long enough, from
-# about 400 tokens in, while enough of them is left: with the shortest first-wave
-# request MIN_FIRST_WAVE_TOKENS long it does so on every state the decision can see
-# (each request 500 to 1,400 tokens in: the telemetry the loop reads lags the client by
-# a few seconds). tests/unit/test_demo_engines.py checks that on ``scheduling.decide``,
-# tests/e2e/test_engines_demo.py on real engines.
-RESUME_AT = 500
+# Tokens the longest first-wave request (demo-0) has when the loop resumes, the others
+# started (RUNNING_AT tokens each). The planner (an H800 model of Qwen2.5-14B, as the
+# controller's default) reshards TP1+TP1 -> TP2 and moves a running request when the
+# running requests are predicted long enough and enough of them is left: with the
+# shortest first-wave request MIN_FIRST_WAVE_TOKENS long it does so on every state the
+# decision can see, the longest 700 to 1,500 tokens in, the others anywhere up to that
+# (the telemetry the loop reads lags the client by a few seconds; waiting for the slowest
+# instead let the longest run to its end on a loaded machine). tests/unit/
+# test_demo_engines.py checks that on ``scheduling.decide``, tests/e2e/
+# test_engines_demo.py on real engines.
+RESUME_AT = 700
+RUNNING_AT = 20
 MIN_FIRST_WAVE_TOKENS = 1250
 # The first wave starts one request after another, request k+1 once request k has
 # STAGGER[k] tokens. Two requests on one instance decode in lockstep: started together
@@ -451,8 +455,8 @@ async def _step(
     first = list(range(FIRST_WAVE))
     say(f"  the compute-scheduling loop is paused (orlctl schedule pause); the {FIRST_WAVE} "
         f"longest requests fill {GEN_NODE}'s {FIRST_WAVE} seats (each starting when the one "
-        f"before has {'/'.join(map(str, STAGGER))} tokens), and the loop resumes once each "
-        f"has {RESUME_AT} tokens:")  # fmt: skip
+        f"before has {'/'.join(map(str, STAGGER))} tokens), and the loop resumes once all "
+        f"run and the longest has {RESUME_AT} tokens:")  # fmt: skip
     progress = Progress()
     t0 = time.perf_counter()
     watcher = asyncio.create_task(_watch(controller, result.actions, t0, quiet))
@@ -471,9 +475,11 @@ async def _step(
             tasks.append(start(k))
 
         async def reached() -> bool:
-            return all(progress.tokens(f"demo-{k}") >= RESUME_AT for k in first)
+            return progress.tokens("demo-0") >= RESUME_AT and all(
+                progress.tokens(f"demo-{k}") >= RUNNING_AT for k in first
+            )
 
-        await _until(f"{RESUME_AT} tokens of each first request", reached, tasks)
+        await _until(f"{RESUME_AT} tokens of demo-0, the others running", reached, tasks)
         await _resume(client, result, progress, t0, say, tasks)
         tasks += [start(k) for k in range(FIRST_WAVE, len(ps))]
         say(f"  [{time.perf_counter() - t0:5.1f} s] the other {len(ps) - FIRST_WAVE} "

@@ -3,7 +3,7 @@
 A local cluster (simulated OCS, controller, three agents; the two generation agents run
 llama.cpp servers with a tiny random model), a step's requests streamed to one gateway,
 the controller's compute-scheduling loop paused while the longest requests fill the
-node's seats and resumed once each is 500 tokens in: on that state it reshards and moves
+node's seats and resumed once the longest is 700 tokens in: on that state it reshards and moves
 a running request (what the demo shows in every run, whatever the timing). Every output
 is compared with the same request run alone. The step of `make demo-engines` (8
 requests of 250..2,000 tokens): the shortest of the first four is 1,250 tokens, as the
@@ -34,7 +34,7 @@ def test_the_loop_migrates_and_reshards_real_engines_and_outputs_stay_exact(
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     doc = json.loads(r.stdout)
     assert doc["shown"] and doc["matched"] == len(doc["requests"]) == 8
-    assert min(doc["resumed_at_tokens"]) >= 500
+    assert doc["resumed_at_tokens"][0] >= 700 and min(doc["resumed_at_tokens"]) >= 20
     ok = [a for a in doc["actions"] if a["ok"]]
     assert doc["reshards"] >= 1 and any(a["kind"] == "reshard" for a in ok), doc["actions"]
     # a running request moved with its output so far: the client had tokens of it

@@ -1,9 +1,9 @@
-"""`orlctl demo-engines` shows a reshard and a migration of a running request in every
-run because it resumes the paused loop on a state it drives: the first wave of requests
-fills gen0-n0's seats (nothing queued, gen0-n1 idle), each at least ``RESUME_AT`` tokens
-in. Here, on the controller's own pure decision (its default planner and perf model),
-every such state the loop can see gives that plan; and the step's shape is checked up
-front."""
+"""`orlctl demo-engines` shows a reshard and a migration of a running request in every run
+because it resumes the paused loop on a state it drives: the first wave of requests
+fills gen0-n0's seats (nothing queued, gen0-n1 idle), the longest at least ``RESUME_AT``
+tokens in, the others started. Here, on the controller's own pure decision (its default
+planner and perf model), every such state the loop can see gives that plan; and the
+step's shape is checked up front."""
 
 from __future__ import annotations
 
@@ -91,13 +91,18 @@ def staggered(generated: list[int], placement: tuple[int, ...]) -> bool:
 
 @settings(deadline=None, max_examples=300)
 @given(
-    st.lists(st.integers(demo.RESUME_AT, 1400), min_size=demo.FIRST_WAVE, max_size=demo.FIRST_WAVE),
+    st.integers(demo.RESUME_AT, 1500),
+    st.lists(
+        st.integers(demo.RUNNING_AT, 1500),
+        min_size=demo.FIRST_WAVE - 1,
+        max_size=demo.FIRST_WAVE - 1,
+    ),
     st.sampled_from(PLACEMENTS),
 )
 def test_every_state_at_resume_gives_a_reshard_and_a_running_migration(
-    generated: list[int], placement: tuple[int, ...]
+    longest: int, others: list[int], placement: tuple[int, ...]
 ) -> None:
-    generated = [min(g, CAPS[k] - 1) for k, g in enumerate(generated)]
+    generated = [min(g, CAPS[k] - 1) for k, g in enumerate([longest, *others])]
     assume(staggered(generated, placement))
     decision, (reshards, migrations) = decide(generated, placement)
     assert {r.node for r in reshards} == {demo.GEN_NODE, "gen0-n1"}, decision
@@ -110,7 +115,7 @@ def test_every_state_at_resume_gives_a_reshard_and_a_running_migration(
     ]  # fmt: skip
     assert running, migrations
     moved = {rid for m in running for rid in m.request_ids}
-    assert all(generated[int(rid.split("-")[1])] >= demo.RESUME_AT for rid in moved)
+    assert all(generated[int(rid.split("-")[1])] >= demo.RUNNING_AT for rid in moved)
 
 
 def test_why_the_first_wave_is_staggered() -> None:
