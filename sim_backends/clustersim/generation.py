@@ -63,11 +63,20 @@ from scheduler.compute_state import (
     MoveMethod,
     NodeGpus,
     Request,
+    StepGoal,
     canonical_instances,
 )
 from scheduler.forecast import PriorLengths, build_forecast, prior_log_scales
 from scheduler.perf_model import DecodeBreakdown, PerfModel
-from scheduler.rollout import RolloutRule, StepEnd, StepProgress, rule_met, step_deadline, step_done
+from scheduler.rollout import (
+    RolloutRule,
+    StepEnd,
+    StepProgress,
+    rule_met,
+    step_deadline,
+    step_done,
+    step_goal,
+)
 from sim_backends.clustersim.oracle import OracleConfig, oracle_plan
 from sim_backends.clustersim.workload import RolloutRequest
 
@@ -597,6 +606,20 @@ class GenerationSim:
             self.ready_s = now
         return step_done(stop.rule, stop.groups_per_step, progress)
 
+    def _goal(self, now: float) -> StepGoal | None:
+        """What ends the step, for the planner (partial rollout; None: full)."""
+        stop = self.stop
+        if stop is None:
+            return None
+        progress = StepProgress(
+            elapsed_s=now,
+            complete_groups=self.complete_groups,
+            tokens=self._tokens_at(now) if stop.rule.end is StepEnd.TOKENS else 0,
+            in_flight=self.unfinished,
+            min_end_s=stop.min_end_s,
+        )
+        return step_goal(stop.rule, stop.groups_per_step, progress)
+
     def _tokens_at(self, now: float) -> int:
         """Decode tokens generated in this step by ``now`` (segments in flight included)."""
         return self.tokens + sum(
@@ -638,6 +661,8 @@ class GenerationSim:
         return ComputeState(nodes, instances, tuple(requests))
 
     def _replan(self, now: float) -> None:
+        # instances decoding now: their iteration in progress goes on through the plan
+        decoding = {s.id for s in self.insts.values() if s.seg is not None and now > s.clock}
         for s in self.insts.values():
             self._sync(s, now)
         state = self._state(now)
@@ -651,19 +676,25 @@ class GenerationSim:
             running_groups=[r.group for r in state.requests],
             group_prior=self.group_prior,
         )
+        goal = self._goal(now)
         if self.policy == "oracle":
             plan = oracle_plan(state, self.lengths, self.perf, now, self.oracle)
         elif self.policy == "reactive":
-            plan = balance(state, forecast, self.perf, now, self.config)
+            plan = balance(state, forecast, self.perf, now, self.config, goal=goal)
         else:
-            plan = plan_compute(state, forecast, self.perf, now, self.config)
+            plan = plan_compute(state, forecast, self.perf, now, self.config, goal=goal)
         self.plans += 1
         self.predicted.append((now, plan.prediction.planned_makespan_s))
         if not plan.empty:
             self.reasons.append(f"t={now:.1f}s: {plan.reason}")
-        self._apply(plan, now)
+        self._apply(plan, now, decoding)
 
-    def _apply(self, plan: ComputePlan, now: float) -> None:
+    def _apply(
+        self, plan: ComputePlan, now: float, decoding: frozenset[str] | set[str] = frozenset()
+    ) -> None:
+        """Carry out ``plan`` at ``now``. ``decoding``: instances with a decode iteration
+        in progress (brought to its start by ``_sync``): one that keeps running requests
+        resumes from there, so a plan that changes nothing on it costs it nothing."""
         # requests leave every instance they are on; the plan says where they go
         where: dict[str, _Req] = {}
         had_kv: dict[str, bool] = {}
@@ -739,7 +770,7 @@ class GenerationSim:
             for s in self.insts.values():
                 s.queue = deque(sorted(s.queue, key=lambda r: rank.get(r.id, len(rank))))
         for s in self.insts.values():
-            if s.busy_until < now and s.seg is None:
+            if s.busy_until < now and s.seg is None and not (s.id in decoding and s.running):
                 s.clock = max(s.clock, now)
             self._schedule(s)
 
