@@ -348,20 +348,29 @@ def rl_discussion(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
             c["rows"]["partial_split"]["samples_speedup"],
         )
 
-    behind = [
-        f"{n} ({a:.3f}x vs {b:.3f}x)" for n, c in results.items() for a, b in [pair(c)] if a < b
-    ]
-    ahead = [
-        f"{n} ({a:.3f}x vs {b:.3f}x)" for n, c in results.items() for a, b in [pair(c)] if a > b
-    ]
-    level = sum(1 for c in results.values() if pair(c)[0] == pair(c)[1])
+    def differ(c: Mapping[str, Any]) -> float:
+        # relative; the rounding of decode segments a re-plan splits counts as level
+        a, b = pair(c)
+        d = a / b - 1.0
+        return d if abs(d) > 1e-9 else 0.0
+
+    def listed(names: list[str]) -> str:
+        return ", ".join(
+            f"{n} ({pair(results[n])[0]:.3f}x vs {pair(results[n])[1]:.3f}x)" for n in names
+        )
+
+    behind = [n for n, c in results.items() if differ(c) < 0]
+    ahead = [n for n, c in results.items() if differ(c) > 0]
+    level = [n for n, c in results.items() if differ(c) == 0]
     lines.append(
         "With partial rollout on, adaptive TP (its layout chosen at each step's start for "
-        "the step's goal, StepGoal) is behind static TP on "
-        + (", ".join(behind) if behind else "no scenario")
+        "the step's goal) is behind static TP on "
+        + (listed(behind) if behind else "no scenario")
         + "; ahead on "
-        + (", ".join(ahead) if ahead else "no scenario")
-        + f"; level on {level} (it kept the static layout, and dispatches as static does)."
+        + (listed(ahead) if ahead else "no scenario")
+        + f"; level on {len(level)} ("
+        + ", ".join(level)
+        + ": it kept the static layout and dispatched as static does)."
     )
     moved = [
         f"{n} ({' '.join(c['rows']['adaptive_partial']['splits'])})"

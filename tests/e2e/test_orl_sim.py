@@ -171,7 +171,9 @@ def test_reproduce_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
         assert c["rows"]["baseline"]["samples_speedup"] == 1.0
         # with partial rollout on, adaptive TP never behind static TP (the acceptance line)
         rs = c["rows"]
-        assert rs["adaptive_partial"]["samples_speedup"] >= rs["partial_split"]["samples_speedup"]
+        assert rs["adaptive_partial"]["samples_speedup"] >= rs["partial_split"][
+            "samples_speedup"
+        ] * (1 - 1e-9)  # level up to the rounding of decode segments split by re-plans
         for r in c["rows"].values():
             assert {
                 "mean_step_s",
