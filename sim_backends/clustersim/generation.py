@@ -126,6 +126,7 @@ class GenStepResult:
     unfinished: tuple[tuple[str, int], ...] = ()
     ready_s: float | None = None
     chunk_moves: int = 0  # divided rollout: chunks that went on on another instance
+    decode_tokens: int = 0  # tokens decoded in the step (every response's, once)
 
 
 @dataclass(frozen=True)
@@ -441,7 +442,7 @@ class GenerationSim:
                 return  # idle until given work
             else:
                 b = len(s.running)
-                while s.heap and s.heap[0][1] not in s.running:
+                while s.heap and not self._live(s, s.heap[0]):
                     heapq.heappop(s.heap)
                 k = s.heap[0][0] - s.it
                 free = s.cap - s.ctx_sum
@@ -481,6 +482,14 @@ class GenerationSim:
         stop_at = min(r.length, r.chunk_end)
         heapq.heappush(s.heap, (s.it + stop_at - r.generated, r.id))
 
+    @staticmethod
+    def _live(s: _Inst, entry: tuple[int, str]) -> bool:
+        """Whether a heap entry of ``s`` is its running request's current end: not one
+        that left, nor one from before it was preempted and admitted here again (its
+        current entry is later; the stale one had ended such requests early)."""
+        r = s.running.get(entry[1])
+        return r is not None and entry[0] == r.it0 + min(r.length, r.chunk_end) - r.generated
+
     def _stop(self, s: _Inst, r: _Req) -> None:
         """``r`` leaves the running batch (its generated count brought up to date)."""
         r.generated += s.it - r.it0
@@ -503,10 +512,10 @@ class GenerationSim:
         s.seg = None
         chunked: list[_Req] = []
         while s.heap and s.heap[0][0] <= s.it:
-            _, rid = heapq.heappop(s.heap)
-            r = s.running.get(rid)
-            if r is None:
+            entry = heapq.heappop(s.heap)
+            if not self._live(s, entry):
                 continue
+            r = s.running[entry[1]]
             self._stop(s, r)
             if r.generated < r.length:  # its chunk ended (divided rollout)
                 r.chunk_end = 1 << 62
@@ -915,4 +924,5 @@ def simulate_step(
         unfinished=tuple(sim.unfinished_tokens()) if stop is not None else (),
         ready_s=sim.ready_s,
         chunk_moves=sim.chunk_moves,
+        decode_tokens=sim.tokens,
     )
