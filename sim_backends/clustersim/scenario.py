@@ -142,7 +142,10 @@ class SplitConfig:
         total = self.total_gpus
         u = self.unit(gpus_per_node)
         trains = self.sweep_train_gpus or tuple(range(u, total, u))
-        return tuple(replace(self, train_gpus=t, gen_gpus=total - t) for t in sorted(trains))
+        return tuple(
+            SplitConfig(t, total - t, placement=self.placement, unit_gpus=self.unit_gpus)
+            for t in sorted(trains)
+        )
 
 
 @dataclass(frozen=True)
