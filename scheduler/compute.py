@@ -6,6 +6,11 @@ that minimise the predicted rest of the step (the makespan: the latest instance 
 finish) plus the cost of getting there (node pauses to reshard, KV moves or recompute).
 It switches only when the predicted gain beats the cost by a stated margin.
 
+Under partial rollout the step ends when its rule is met (``StepGoal``), not when its
+last request does: the plan is scored on the time until then (work and critical paths cut
+where the goal is met, never below the earliest end), and layouts change only at the
+step's start (:func:`layout_frozen`).
+
 The instance model (how long an instance takes for a set of requests) is in
 :mod:`scheduler.compute_problem`, shared with the exact MILP (:mod:`scheduler.milp`).
 
@@ -32,6 +37,8 @@ into it: ``max_n pause_n + max_i (moves_i + run_i)``.
    move choosing between moving the KV cache and recomputing it by the cost model; on
    small clusters it also tries exchanging two requests when no single move helps. The
    stopping condition is a property of the final placement, so it holds again on re-plan.
+   Under partial rollout (``PlannerConfig.carry_tail``) queued requests go in arrival
+   order to the shortest line instead, and nothing is moved off stragglers.
 3. Admission order. Requests of sample groups the forecast predicts long (their
    finished or long-running siblings say so: ``LengthForecast.group_log_scale``) are
    named in ``ComputePlan.admit_order``, predicted longest first: engines admit them
@@ -73,6 +80,7 @@ from scheduler.compute_state import (
     MoveMethod,
     Prediction,
     Reshard,
+    StepGoal,
 )
 from scheduler.forecast import LengthForecast
 from scheduler.layout import REPORTED, LayoutChoice, choose_layout
@@ -90,10 +98,32 @@ def plan_compute(
     config: PlannerConfig = DEFAULT_CONFIG,
     *,
     allow_reshard: bool = True,
+    goal: StepGoal | None = None,
 ) -> ComputePlan:
-    """Proactive re-plan: layout of every node and the instance of every request."""
-    prob = build_problem(state, forecast, perf, config)
+    """Proactive re-plan: layout of every node and the instance of every request.
+
+    ``goal``: under partial rollout, what ends the step (see
+    :func:`scheduler.compute_problem.build_problem`). Layouts then change only at the
+    step's start, while no request holds a KV cache (carried requests are recomputed on
+    the new weights), and only on a forecast that has seen a finished length: the
+    choice holds for the whole step, scored over its expected work with the pause paid
+    once. Inside the step the rule, not the last instance, ends it, so a switch gains
+    only until the goal is met, and its predicted gain is of the order of the
+    prediction's error there (see :func:`layout_frozen`)."""
+    prob = build_problem(state, forecast, perf, config, goal)
+    if layout_frozen(prob, forecast, goal):
+        allow_reshard = False
     return solve(prob, now, allow_reshard=allow_reshard)
+
+
+def layout_frozen(prob: Problem, forecast: LengthForecast, goal: StepGoal | None) -> bool:
+    """Whether a plan under ``goal`` must keep every node's layout: a request holds a KV
+    cache (the step is under way), or the forecast has seen no finished length (a
+    decision that holds for a step must rest on evidence, not the prior). False under
+    full rollout (no goal), whose re-plans correct a choice as lengths come in."""
+    if goal is None:
+        return False
+    return bool(prob.kv_array.any()) or forecast.events == 0
 
 
 def balance(
@@ -102,9 +132,11 @@ def balance(
     perf: PerfModel,
     now: float,
     config: PlannerConfig = DEFAULT_CONFIG,
+    *,
+    goal: StepGoal | None = None,
 ) -> ComputePlan:
     """Reactive balancing between re-plans: layouts stay, requests move off stragglers."""
-    return plan_compute(state, forecast, perf, now, config, allow_reshard=False)
+    return plan_compute(state, forecast, perf, now, config, allow_reshard=False, goal=goal)
 
 
 def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePlan:
@@ -204,7 +236,13 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
             else:
                 k = max(pl.by_node[node], key=lambda k: (pl.cost[k].capacity_tokens, pl.inst[k].id))
             pl.add(r, k)
-    left = pl.place_lpt(new_queue)
+    if config.carry_tail:
+        # partial rollout: the step ends when groups complete, and groups complete in
+        # the order they arrived; dispatching in that order to the shortest line keeps
+        # every instance at the same place in it (longest first would not)
+        left = pl.place_in_line(sorted(new_queue, key=prob.arrival.__getitem__))
+    else:
+        left = pl.place_lpt(new_queue)
     unplaceable.extend(left)
     if not changed:
         keep_s = max(pl.queued_runs(), default=0.0)

@@ -42,12 +42,20 @@ from operator import attrgetter
 import numpy as np
 
 from orchestrrl import errors
-from scheduler.compute_state import ComputeState, Instance, MoveMethod, canonical_instances
+from scheduler.compute_state import (
+    ComputeState,
+    Instance,
+    MoveMethod,
+    StepGoal,
+    canonical_instances,
+)
 from scheduler.forecast import (
     LengthForecast,
+    finish_probability_groups,
     predict_remaining_groups,
     reach_probability_groups,
     remaining_square_groups,
+    truncated_remaining_groups,
 )
 from scheduler.perf_model import PerfModel
 
@@ -82,12 +90,15 @@ class PlannerConfig:
     all_candidates_work: int = 4096
     max_moves: int = 1_000_000
     # partial rollout (scheduler.rollout): the step's tail is carried into the next step
-    # rather than waited for, so a request's critical path is its expected remaining
-    # tokens (layouts are scored on the work, not on the longest response), no group is
-    # admitted ahead of its turn for being predicted long (it would be carried anyway;
-    # queues stay first come, first served, carried requests first), no request is moved
-    # off a straggler (the step does not wait for its last instance), and a layout change
-    # must beat the relative switching margin whatever holds KV (scheduler.layout)
+    # rather than waited for. No group is admitted ahead of its turn for being predicted
+    # long (it would be carried anyway), requests without KV are dispatched in arrival
+    # order to the shortest line rather than longest first (groups complete in arrival
+    # order; Placement.place_in_line), no request is moved off a straggler (the step does
+    # not wait for its last instance), and a layout change must beat the relative
+    # switching margin whatever holds KV (scheduler.layout). What ends the step is the
+    # plan's StepGoal (build_problem: work and critical paths cut where it is met; layouts
+    # only at the step's start, compute.layout_frozen); without one a request's critical
+    # path is its expected remaining tokens
     carry_tail: bool = False
 
     def __post_init__(self) -> None:
@@ -257,6 +268,12 @@ class Problem:
     # finish waits in line: the expected last of the K waiting requests that may reach
     # their critical path, K / (K + 1) (see layout._fcfs_finish)
     late_place: float = 0.5
+    # partial rollout (a StepGoal): decode iterations from now until the step's goal is
+    # met (inf: every request must finish), and the seconds before the step may end
+    # per request, its position in ``state.requests`` (the order requests arrived in)
+    arrival: tuple[int, ...] = ()
+    horizon_tokens: float = math.inf
+    floor_s: float = 0.0
     # node_cost per (old, new) pattern pair, filled on use (a plan asks for few pairs, often)
     pauses: dict[tuple[Pattern, Pattern], float] = field(
         default_factory=dict, compare=False, repr=False
@@ -429,13 +446,84 @@ def allowed_tps(perf: PerfModel, gpus: int, config: PlannerConfig) -> tuple[int,
     )
 
 
+def goal_tokens(
+    forecast: LengthForecast,
+    generated: Sequence[int],
+    groups: Sequence[str | None],
+    goal: StepGoal,
+) -> float:
+    """Decode iterations from now until the step's ``goal`` is met in expectation, every
+    request decoding one token per iteration from now (inf: the goal waits for every
+    request, or the requests in flight cannot meet it).
+
+    ``end = groups``: the least ``w`` at which the expected number of complete groups,
+    ``sum_g prod_(r in g) P(R_r <= w)`` over the groups in flight (a request without a
+    group is one), reaches ``goal.groups``; ``end = tokens``: the least ``w`` at which
+    the expected tokens decoded, ``sum_r E[min(R_r, w)]``, reach ``goal.tokens``. Both
+    are non-decreasing in ``w``: bisection to one token."""
+    n = len(generated)
+    if goal.groups is None and goal.tokens is None:
+        return math.inf
+    need = goal.groups if goal.groups is not None else goal.tokens
+    assert need is not None
+    if need <= 0:
+        return 0.0
+    if n == 0:
+        return math.inf
+    codes: dict[str, int] = {}
+    group_code = np.array(
+        [codes.setdefault(g, len(codes)) if g is not None else -1 for g in groups],
+        dtype=np.int64,
+    )
+    alone = group_code < 0
+    group_code[alone] = len(codes) + np.arange(int(alone.sum()))
+    n_groups = len(codes) + int(alone.sum())
+
+    def reached(w: float) -> bool:
+        if goal.groups is not None:
+            p = finish_probability_groups(forecast, generated, groups, w)
+            with np.errstate(divide="ignore"):
+                log_p = np.log(np.clip(p, 0.0, 1.0))
+            done = np.exp(np.bincount(group_code, weights=log_p, minlength=n_groups))
+            return float(done.sum()) >= need - 1e-9
+        mean, _ = truncated_remaining_groups(forecast, generated, groups, w)
+        return float(mean.sum()) >= need - 1e-9
+
+    if goal.groups is not None and need > n_groups:
+        return math.inf
+    cap = forecast.max_tokens
+    hi = float(cap) if cap is not None else max(1.0, forecast.mean_length())
+    for _ in range(64):
+        if reached(hi):
+            break
+        if cap is not None:
+            return math.inf  # at the cap every request is done: the goal is out of reach
+        hi *= 2.0
+    else:
+        return math.inf
+    lo = 0.0
+    while hi - lo > 1.0:
+        mid = math.floor((lo + hi) / 2.0)
+        if reached(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 def build_problem(
     state: ComputeState,
     forecast: LengthForecast,
     perf: PerfModel,
     config: PlannerConfig = PlannerConfig(),
+    goal: StepGoal | None = None,
 ) -> Problem:
+    """The problem of one plan. ``goal`` (partial rollout): the step ends when it is met,
+    not when its last request does (:func:`goal_tokens`): each request's work is what it
+    decodes until then, ``E[min(R, w)]``, and its critical path at most ``w``; layouts are
+    scored no lower than ``goal.floor_s``, before which the step cannot end anyway."""
     reqs = sorted(state.requests, key=attrgetter("id"))
+    arrival = {r.id: i for i, r in enumerate(state.requests)}
     n_req = len(reqs)
     gens = list(map(attrgetter("generated_tokens"), reqs))
     instance_of = tuple(map(attrgetter("instance"), reqs))
@@ -450,6 +538,11 @@ def build_problem(
     means, quants = predict_remaining_groups(
         forecast, gens, groups, critical_level(n_req, config.tail_quantile)
     )
+    horizon = math.inf if goal is None else goal_tokens(forecast, gens, groups, goal)
+    truncated_square: np.ndarray | None = None
+    if math.isfinite(horizon):
+        within, truncated_square = truncated_remaining_groups(forecast, gens, groups, horizon)
+        means = np.minimum(means, within)
     # per-request arrays in numpy (the same float operations as the scalar forms noted)
     prompt = np.array(list(map(attrgetter("prompt_tokens"), reqs)), dtype=np.int64)
     ctx_a = prompt + np.array(gens, dtype=np.int64)
@@ -464,7 +557,12 @@ def build_problem(
     # int(x * SCALE + 0.5) for x >= 0 (means are never negative)
     mi_a = np.floor(means * SCALE + 0.5).astype(np.int64)
     m_a = mi_a / SCALE
-    q_a = m_a if config.carry_tail else np.maximum(quants, m_a)  # q if q > m else m
+    if goal is not None:
+        # the request that ends the step may sit on any instance: its critical path is
+        # the full rollout's, cut where the goal is met
+        q_a = np.minimum(np.maximum(quants, m_a), np.maximum(horizon, m_a))
+    else:
+        q_a = m_a if config.carry_tail else np.maximum(quants, m_a)  # q if q > m else m
     ctx = tuple(ctx_a.tolist())
     has_kv = tuple(kv_a.tolist())
     pre_a = np.where(kv_a, 0, ctx_a)
@@ -513,7 +611,11 @@ def build_problem(
         mean_ctx = (total_ctx + total_m / 2.0) / len(reqs)
         mean_final = (total_ctx + total_m) / len(reqs)
         # the context the tokens still to come are decoded at, on average over tokens
-        square = remaining_square_groups(forecast, gens, groups)
+        square = (
+            truncated_square
+            if truncated_square is not None
+            else remaining_square_groups(forecast, gens, groups)
+        )
         token_ctx = (
             float((ctx_a * m_a).sum() + square.sum() / 2.0) / total_m if total_m > 0 else mean_ctx
         )
@@ -564,4 +666,7 @@ def build_problem(
         kv_array=kv_a,
         long_group_array=long_group,
         late_place=critical / (critical + 1.0),
+        arrival=tuple(arrival[r.id] for r in reqs),
+        horizon_tokens=horizon,
+        floor_s=0.0 if goal is None else goal.floor_s,
     )

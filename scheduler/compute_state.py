@@ -67,6 +67,34 @@ class NodeGpus:
 
 
 @dataclass(frozen=True)
+class StepGoal:
+    """What ends the step's generation under partial rollout (:mod:`scheduler.rollout`),
+    as the compute planner scores a plan: the step does not wait for its last request,
+    only until the rule is met, and never ends before ``floor_s``.
+
+    ``groups``: sample groups that must still complete (``end = groups``: the trainer's
+    groups less those complete); ``tokens``: tokens still to generate (``end = tokens``);
+    neither (``end = time``): every request in flight, or the time budget, whichever
+    comes first, so only ``floor_s`` is known. ``floor_s``: seconds from now before the
+    step may end at all (the trainer's previous batch; a time budget's end).
+    :func:`scheduler.rollout.step_goal` makes it from a rule and the step's progress."""
+
+    groups: int | None = None
+    tokens: int | None = None
+    floor_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.groups is not None and self.tokens is not None:
+            raise errors.InvalidArgument("a step goal counts groups or tokens, not both")
+        for name in ("groups", "tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value < 0):
+                raise errors.field_error(f"goal.{name}", value, "an integer >= 0 or None")
+        if not 0.0 <= self.floor_s < float("inf"):
+            raise errors.field_error("goal.floor_s", self.floor_s, "a finite number >= 0")
+
+
+@dataclass(frozen=True)
 class ComputeState:
     """Instances per node and the requests of the step, validated on construction."""
 

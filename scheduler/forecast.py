@@ -177,6 +177,8 @@ class LengthForecast:
     observations: int
     # per sample group, the log of its length scale (groups not listed: 0)
     group_log_scale: Mapping[str, float] = field(default_factory=dict, compare=False)
+    # finished lengths behind it (recent steps' and this step's): 0 means a prior only
+    events: int = 0
 
     # -- the distribution --
 
@@ -347,6 +349,7 @@ def build_forecast(
         max_tokens=max_tokens,
         drift=drift,
         observations=len(x_a),
+        events=int(np.count_nonzero(ev_a)),
     )
     if not (completed_groups or running_groups or group_prior):
         return pooled
@@ -547,6 +550,71 @@ def remaining_square_groups(
     floor = np.minimum(2.0 * theta * theta, np.square(np.maximum(0.0, upper - g_s)))
     out: np.ndarray = f * f * np.where(s_g > 1e-12, np.maximum(square, 0.0), floor)
     return out
+
+
+def finish_probability_groups(
+    forecast: LengthForecast,
+    generated: Sequence[int],
+    groups: Sequence[str | None],
+    within: float,
+) -> np.ndarray:
+    """Per request, the probability that it finishes within ``within`` more tokens,
+    ``P(R <= within)``, its length scaled by its group's ``exp(d_p)`` as in
+    :func:`predict_remaining_groups` (a request whose ``generated + within`` reaches the
+    cap surely finishes)."""
+    gen = np.asarray(generated, dtype=np.float64)
+    if len(gen) == 0:
+        return np.zeros(0)
+    f = group_factors(forecast, groups)
+    here = survival_arrays(forecast, gen / f)
+    there = survival_arrays(forecast, (gen + within) / f)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(here > 0, 1.0 - np.minimum(1.0, there / here), 1.0)
+    if forecast.max_tokens is not None:
+        p = np.where(gen + within >= forecast.max_tokens, 1.0, p)
+    out: np.ndarray = p
+    return out
+
+
+def truncated_remaining_groups(
+    forecast: LengthForecast,
+    generated: Sequence[int],
+    groups: Sequence[str | None],
+    within: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per request, the first two moments of ``min(R, within)``: the tokens it decodes
+    in the next ``within`` decode iterations (it stops when it finishes), ``E[min(R,
+    w)]`` and ``E[min(R, w)^2]``, its length scaled by its group's ``exp(d_p)`` as in
+    :func:`remaining_square_groups` (which is the second moment at ``within`` = inf).
+
+    ``E[min(R, w)] = int_g^(g+w) S(x) dx / S(g)`` and ``E[min(R, w)^2] = 2 int_g^(g+w)
+    (x - g) S(x) dx / S(g)``, up to the cap; past the survival floor the memoryless
+    tail, ``theta (1 - exp(-w / theta))`` and its second moment bounded by ``w^2``.
+    Partial rollout scores a step on these: the step ends after about ``w`` iterations
+    (:func:`scheduler.compute_problem.goal_tokens`), and what a request would decode
+    after that is carried into the next step."""
+    gen = np.asarray(generated, dtype=np.float64)
+    if len(gen) == 0:
+        return np.zeros(0), np.zeros(0)
+    f = group_factors(forecast, groups)
+    g_s = gen / f
+    cap = math.inf if forecast.max_tokens is None else float(forecast.max_tokens)
+    upper = np.minimum(np.minimum(cap, cap / f), (gen + max(0.0, within)) / f)
+    upper = np.maximum(upper, g_s)
+    area, first = _moments_to(forecast, upper)
+    area_g, first_g = _moments_to(forecast, g_s)
+    s_g = survival_arrays(forecast, g_s)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mean = (area - area_g) / s_g
+        square = 2.0 * ((first - first_g) - g_s * (area - area_g)) / s_g
+    theta = forecast.tail_mean
+    span = upper - g_s  # in scaled tokens
+    tail_mean = theta * (1.0 - np.exp(-span / theta))
+    tail_square = np.minimum(2.0 * theta * theta, np.square(span))
+    live = s_g > 1e-12
+    mean_out: np.ndarray = f * np.where(live, np.clip(mean, 0.0, span), tail_mean)
+    square_out: np.ndarray = f * f * np.where(live, np.maximum(square, 0.0), tail_square)
+    return mean_out, square_out
 
 
 def _moments_to(forecast: LengthForecast, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -610,6 +610,9 @@ class LayoutChoice:
     switching_s: float
     is_current: bool
     several_sizes: bool
+    # the step cannot end before this (partial rollout's StepGoal.floor_s): a layout
+    # that meets the goal sooner gains nothing over it
+    floor_s: float = 0.0
 
     @property
     def patterns(self) -> int:
@@ -629,7 +632,7 @@ class LayoutChoice:
 
     @property
     def score(self) -> float:
-        return self.makespan_s + self.switching_s
+        return max(self.makespan_s + self.switching_s, self.floor_s)
 
 
 def _profiles(
@@ -786,7 +789,7 @@ def choose_layout(
             assert srt is not None
             mk = _fluid_makespan(prob, cand.counts, srt)
         is_current = cand.key == cur_key
-        choice = LayoutChoice(cand.key, mk, cand.switching_s, is_current, several)
+        choice = LayoutChoice(cand.key, mk, cand.switching_s, is_current, several, prob.floor_s)
         scored.append((choice.score, not is_current, cand.patterns, cand.key, choice))
 
     cands = _candidates(prob, cur_key)

@@ -333,6 +333,32 @@ class Placement:
                 self.add(r, best[2])
         return left
 
+    def place_in_line(self, reqs: Sequence[int]) -> list[int]:
+        """First come, first served to the shortest line: each request, in the order
+        given (arrival), to the instance holding the fewest requests per seat (ties: the
+        lowest instance id) among those whose KV cache holds it. On instances alike and
+        empty this deals requests out in turn, as a static dispatcher does. Returns the
+        requests no instance can hold."""
+        if not reqs:
+            return []
+        n = len(self.inst)
+        heap = [(len(self.members[k]) / self.slots[k], self.ids[k], k) for k in range(n)]
+        heapq.heapify(heap)
+        left: list[int] = []
+        for r in reqs:
+            held: list[tuple[float, str, int]] = []
+            while heap and not self.fits(r, heap[0][2]):
+                held.append(heapq.heappop(heap))
+            if not heap:
+                left.append(r)
+            else:
+                _, _, k = heapq.heappop(heap)
+                self.add(r, k)
+                heapq.heappush(heap, (len(self.members[k]) / self.slots[k], self.ids[k], k))
+            for entry in held:
+                heapq.heappush(heap, entry)
+        return left
+
     def _lpt_by_type(self, order: Sequence[int]) -> list[int]:
         """LPT where the candidates are the least-loaded instance of each TP degree
         (instances of one degree are interchangeable); one heap per degree, updated in

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from orchestrrl import errors
+from scheduler.compute_state import StepGoal
 
 MIN_OVER_PROVISION = 1.0
 MAX_OVER_PROVISION = 2.0  # APRIL and Seer's Partial Rollout baseline issue 2x the prompts
@@ -248,6 +249,26 @@ def rule_met(rule: RolloutRule, groups_per_step: int, p: StepProgress) -> bool:
 def step_done(rule: RolloutRule, groups_per_step: int, p: StepProgress) -> bool:
     """Whether the step's generation ends now: the rule is met and ``min_end_s`` passed."""
     return p.elapsed_s >= p.min_end_s and rule_met(rule, groups_per_step, p)
+
+
+def step_goal(rule: RolloutRule, groups_per_step: int, p: StepProgress) -> StepGoal | None:
+    """What the compute planner must reach for the step to end under ``rule``, from the
+    step's progress ``p`` (None under full rollout: every request must finish).
+
+    ``groups``: the groups still to complete, ``N`` less those complete; ``tokens``: the
+    budget less the tokens generated; ``time``: neither (the step ends at the budget or
+    when nothing is in flight). ``floor_s``: seconds until the step may end,
+    ``min_end_s`` (and a time budget) less the time elapsed."""
+    if not rule.partial:
+        return None
+    if groups_per_step < 1:
+        raise errors.field_error("groups_per_step", groups_per_step, "an integer >= 1")
+    floor = max(0.0, step_deadline(rule, p.min_end_s) - p.elapsed_s)
+    if rule.end is StepEnd.GROUPS:
+        return StepGoal(groups=max(0, groups_per_step - p.complete_groups), floor_s=floor)
+    if rule.end is StepEnd.TOKENS:
+        return StepGoal(tokens=max(0, rule.token_budget - p.tokens), floor_s=floor)
+    return StepGoal(floor_s=floor)
 
 
 # -- closing a step --

@@ -26,7 +26,8 @@ Prediction (one-step-asynchronous pipeline, :func:`scheduler.rollout.step_second
   one's every prediction). The best TP of each split is the one the prediction
   favours.
 - training on ``T`` GPUs: the last batch's measured compute GPU-seconds per token,
-  scaled to the next batch's expected tokens and spread over ``T`` GPUs, plus its
+  scaled to the tokens of the batch the step trains (known: the last step collected it;
+  else the forecast's expectation) and spread over ``T`` GPUs, plus its
   measured exposed communication (ring all-reduce: per-GPU traffic about independent
   of the data-parallel size).
 - weight sync: the last one measured.
@@ -77,11 +78,20 @@ class TrainingRate:
 @dataclass(frozen=True)
 class StepLoad:
     """The next step's load: responses the trainer takes, their mean prompt tokens, and
-    the forecast of response lengths."""
+    the forecast of response lengths. ``train_tokens``: the tokens (prompt and response)
+    of the batch the trainer trains during the step, when known (one step asynchronous:
+    the batch the last step collected); None: the forecast's expectation."""
 
     responses: int
     prompt_tokens: float
     forecast: LengthForecast
+    train_tokens: float | None = None
+
+    @property
+    def training_tokens(self) -> float:
+        if self.train_tokens is not None:
+            return self.train_tokens
+        return self.responses * (self.prompt_tokens + self.forecast.mean_length())
 
 
 @dataclass(frozen=True)
@@ -134,7 +144,9 @@ def generation_seconds(
     longest = f.remaining_quantile(0, critical_level(load.responses, 0.5))
     out: dict[int, tuple[float, float]] = {}
     for t, c in costs.items():
-        instances = (gen_gpus // gpus_per_node) * (gpus_per_node // t)
+        # the GPUs of a node shared with training count at their share (a few of them)
+        whole = (gen_gpus // gpus_per_node) * (gpus_per_node // t)
+        instances = gen_gpus / t if gen_gpus % gpus_per_node and whole else whole
         if instances <= 0:
             continue
         work = load.responses * mean / instances
@@ -182,8 +194,7 @@ def predict(
         return None
     cp, cf = correction
     gens = {t: (a * cp, b * cf) for t, (a, b) in raw.items()}
-    tokens = load.responses * (load.prompt_tokens + load.forecast.mean_length())
-    train_s = training.seconds(tokens, train_gpus)
+    train_s = training.seconds(load.training_tokens, train_gpus)
 
     def gen_of(t: int) -> float:
         bulk, full = gens[t]
@@ -256,10 +267,17 @@ def plan_step(
     if now is None:
         raise errors.FailedPrecondition(f"no TP degree fits the current split {current}")
     best = min(options, key=lambda p: (p.step_s, -p.gen_gpus))
-    moved = abs(best.train_gpus - now.train_gpus) // gpus_per_node
-    to_train = moved if best.train_gpus > now.train_gpus else 0
-    to_gen = moved if best.train_gpus < now.train_gpus else 0
-    switch = split_switch_s(perf, to_train, to_gen, node_gbps)
+    moved_gpus = abs(best.train_gpus - now.train_gpus)
+    moved = moved_gpus // gpus_per_node
+    part = moved_gpus % gpus_per_node != 0  # GPUs of a shared node move (unit_gpus)
+    count = max(1, moved) if part else moved
+    to_train = count if best.train_gpus > now.train_gpus else 0
+    to_gen = count if best.train_gpus < now.train_gpus else 0
+    # the GPUs that move receive over their own NICs: a whole node's, or fewer
+    gbps = node_gbps * min(moved_gpus, gpus_per_node) / gpus_per_node if part else node_gbps
+    switch = split_switch_s(perf, to_train, to_gen, gbps)
+    what = f"{moved_gpus} GPU(s)" if part else f"{moved} node(s)"
+    move = f"{moved_gpus}-GPU move" if part else f"{moved}-node move"
     gain = now.step_s - best.step_s
     margin = max(config.switch_margin_s, config.switch_margin_rel * now.step_s)
     if best.train_gpus != now.train_gpus and gain > switch + margin:
@@ -267,14 +285,14 @@ def plan_step(
         reason = (
             f"split {now.gen_gpus}/{now.train_gpus} -> {best.gen_gpus}/{best.train_gpus} "
             f"(gen/train GPUs): predicted step {now.step_s:.1f} -> {best.step_s:.1f} s, "
-            f"moving {moved} node(s) pauses {switch:.1f} s"
+            f"moving {what} pauses {switch:.1f} s"
         )
     else:
         reason = f"split {now.gen_gpus}/{now.train_gpus} kept: predicted step {now.step_s:.1f} s"
         if best.train_gpus != now.train_gpus:
             reason += (
                 f" (best {best.step_s:.1f} s at {best.gen_gpus}/{best.train_gpus} does not beat "
-                f"it by the {moved}-node move's {switch:.1f} s and the {margin:.1f} s margin)"
+                f"it by the {move}'s {switch:.1f} s and the {margin:.1f} s margin)"
             )
         chosen, switch = now, 0.0
     op = rule.over_provision

@@ -63,11 +63,20 @@ from scheduler.compute_state import (
     MoveMethod,
     NodeGpus,
     Request,
+    StepGoal,
     canonical_instances,
 )
 from scheduler.forecast import PriorLengths, build_forecast, prior_log_scales
 from scheduler.perf_model import DecodeBreakdown, PerfModel
-from scheduler.rollout import RolloutRule, StepEnd, StepProgress, rule_met, step_deadline, step_done
+from scheduler.rollout import (
+    RolloutRule,
+    StepEnd,
+    StepProgress,
+    rule_met,
+    step_deadline,
+    step_done,
+    step_goal,
+)
 from sim_backends.clustersim.oracle import OracleConfig, oracle_plan
 from sim_backends.clustersim.workload import RolloutRequest
 
@@ -116,6 +125,8 @@ class GenStepResult:
     finished: tuple[str, ...] = ()
     unfinished: tuple[tuple[str, int], ...] = ()
     ready_s: float | None = None
+    chunk_moves: int = 0  # divided rollout: chunks that went on on another instance
+    decode_tokens: int = 0  # tokens decoded in the step (every response's, once)
 
 
 @dataclass(frozen=True)
@@ -156,6 +167,15 @@ def gen_node_names(n: int) -> tuple[str, ...]:
 
 def uniform_layout(nodes: Sequence[str], gpus_per_node: int, tp: int) -> dict[str, Pattern]:
     return {n: tuple([tp] * (gpus_per_node // tp)) for n in nodes}
+
+
+def uniform_pattern(gpus: int, tp: int) -> Pattern:
+    """A node of ``gpus`` GPUs at TP ``tp``, or at the largest power-of-two fraction of
+    ``tp`` that divides it (a node with a few GPUs generating: 2 at TP 4 is one TP2)."""
+    t = max(1, tp)
+    while t > 1 and gpus % t:
+        t //= 2
+    return tuple([t] * (gpus // t))
 
 
 def decode_time(perf: PerfModel, tp: int, batch: int, ctx_sum: int, iterations: int) -> float:
@@ -218,6 +238,28 @@ class DecodeTimes:
         return iterations * (f0 + f1) / 2.0, f0
 
 
+def static_turns(insts: Sequence[_Inst], n: int) -> list[_Inst]:
+    """The static dispatcher's instance for each of ``n`` requests in order: in turn
+    (verl splits a batch evenly over its equal instances); when instances differ in size
+    (a node shared with training runs smaller ones) each in proportion to its GPUs, by
+    smooth weighted round robin (nginx's: the same turns as plain round robin when all
+    weigh the same)."""
+    if not insts:
+        return []
+    if len({s.tp for s in insts}) == 1:
+        return [insts[i % len(insts)] for i in range(n)]
+    total = sum(s.tp for s in insts)
+    current = [0] * len(insts)
+    out: list[_Inst] = []
+    for _ in range(n):
+        for k, s in enumerate(insts):
+            current[k] += s.tp
+        k = max(range(len(insts)), key=lambda j: (current[j], -j))
+        current[k] -= total
+        out.append(insts[k])
+    return out
+
+
 def prefill_batch_time(perf: PerfModel, tp: int, tokens: int) -> float:
     total = 0.0
     while tokens > 0:
@@ -229,6 +271,7 @@ def prefill_batch_time(perf: PerfModel, tp: int, tokens: int) -> float:
 
 class _Req:
     __slots__ = (
+        "chunk_end",
         "done_at",
         "gen0",
         "generated",
@@ -251,6 +294,8 @@ class _Req:
         self.running = False
         self.it0 = 0
         self.done_at = -1.0
+        # divided rollout: the generated count at which its current chunk ends
+        self.chunk_end = 1 << 62
 
     def ctx_at(self, it: int) -> int:
         return self.prompt + self.generated + (it - self.it0)
@@ -291,8 +336,11 @@ class GenerationSim:
         max_response_tokens: int,
         history: Sequence[Sequence[int]],
         stop: StepStop | None = None,
+        chunk_tokens: int = 0,
     ) -> None:
         self.perf = perf
+        self.chunk_tokens = chunk_tokens
+        self.chunk_moves = 0  # divided rollout: chunks that continued on another instance
         self.decode = DecodeTimes(perf)
         self.policy = policy
         self.interval = replan_interval_s
@@ -301,7 +349,9 @@ class GenerationSim:
         self.max_tokens = max_response_tokens
         self.history = [list(h) for h in history][-HISTORY_STEPS:]
         self.nodes = tuple(sorted(layout))
-        self.node_gpus = {n: tuple(range(gpus_per_node)) for n in self.nodes}
+        # a node's GPUs are its layout's (a node the pools share has fewer than
+        # gpus_per_node generating: SplitConfig.unit_gpus)
+        self.node_gpus = {n: tuple(range(sum(layout[n]) or gpus_per_node)) for n in self.nodes}
         self.insts: dict[str, _Inst] = {}
         self.cap_of: dict[int, int] = {}
         self.seq_cap_of: dict[int, int] = {}
@@ -392,7 +442,7 @@ class GenerationSim:
                 return  # idle until given work
             else:
                 b = len(s.running)
-                while s.heap and s.heap[0][1] not in s.running:
+                while s.heap and not self._live(s, s.heap[0]):
                     heapq.heappop(s.heap)
                 k = s.heap[0][0] - s.it
                 free = s.cap - s.ctx_sum
@@ -427,7 +477,18 @@ class GenerationSim:
         r.it0 = s.it
         s.running[r.id] = r
         s.ctx_sum += r.prompt + r.generated
-        heapq.heappush(s.heap, (s.it + r.length - r.generated, r.id))
+        if self.chunk_tokens and r.chunk_end > r.length:
+            r.chunk_end = r.generated + self.chunk_tokens  # a chunk starts
+        stop_at = min(r.length, r.chunk_end)
+        heapq.heappush(s.heap, (s.it + stop_at - r.generated, r.id))
+
+    @staticmethod
+    def _live(s: _Inst, entry: tuple[int, str]) -> bool:
+        """Whether a heap entry of ``s`` is its running request's current end: not one
+        that left, nor one from before it was preempted and admitted here again (its
+        current entry is later; the stale one had ended such requests early)."""
+        r = s.running.get(entry[1])
+        return r is not None and entry[0] == r.it0 + min(r.length, r.chunk_end) - r.generated
 
     def _stop(self, s: _Inst, r: _Req) -> None:
         """``r`` leaves the running batch (its generated count brought up to date)."""
@@ -449,12 +510,17 @@ class GenerationSim:
         s.clock = now
         s.last_work = now
         s.seg = None
+        chunked: list[_Req] = []
         while s.heap and s.heap[0][0] <= s.it:
-            _, rid = heapq.heappop(s.heap)
-            r = s.running.get(rid)
-            if r is None:
+            entry = heapq.heappop(s.heap)
+            if not self._live(s, entry):
                 continue
+            r = s.running[entry[1]]
             self._stop(s, r)
+            if r.generated < r.length:  # its chunk ended (divided rollout)
+                r.chunk_end = 1 << 62
+                chunked.append(r)
+                continue
             r.done_at = now
             r.inst = None
             self.completed.append(r.length)
@@ -473,6 +539,42 @@ class GenerationSim:
             self._stop(s, newest)
             s.queue.appendleft(newest)
             self.preemptions += 1
+        for r in chunked:
+            self._next_chunk(s, r, now)
+
+    def _next_chunk(self, s: _Inst, r: _Req, now: float) -> None:
+        """Divided rollout (Seer, arXiv 2511.14617, section 3.2): a request whose chunk
+        ended on ``s`` goes on where there is most room, the instance with the fewest
+        requests (running and waiting) per seat, then the most free KV cache; on ``s``
+        itself when it is as free as any. Elsewhere its KV cache follows it as a
+        migration's does: moved (NVLink or RDMA) or recomputed, whichever is cheaper,
+        stalling the instance it joins for that long; there it starts at once if a seat
+        and its KV fit, else it waits first in line (and is recomputed when admitted, as
+        an engine would)."""
+
+        def room(x: _Inst) -> tuple[float, float, int, str]:
+            load = (len(x.running) + len(x.queue)) / self._seq_cap(x.tp)
+            return (load, -(x.cap - x.ctx_sum) / x.cap, x is not s, x.id)
+
+        dst = min(self.insts.values(), key=room)
+        if dst is s:
+            self._start(s, r)  # its KV stays and its seat is free: it goes on here
+            return
+        ctx = r.prompt + r.generated
+        move = self.perf.kv_move_time(ctx, same_node=dst.node == s.node, src_tp=s.tp, dst_tp=dst.tp)
+        cost = min(move, self.perf.recompute_time(dst.tp, ctx))
+        self.chunk_moves += 1
+        self._sync(dst, now)
+        dst.busy_until = max(dst.busy_until, dst.clock, now) + cost
+        r.inst = dst
+        fits = len(dst.running) < self._seq_cap(dst.tp) and (
+            not dst.running or dst.ctx_sum + ctx <= dst.cap
+        )
+        if fits:
+            self._start(dst, r)
+        else:
+            dst.queue.appendleft(r)
+        self._schedule(dst)
 
     @staticmethod
     def _iterations_done(seg: tuple[float, int, int, float, float], now: float) -> int:
@@ -523,8 +625,7 @@ class GenerationSim:
         ordered = [self.reqs[rr.id] for rr in requests]
         if self.policy == "static":
             insts = sorted(self.insts.values(), key=lambda s: s.id)
-            for i, r in enumerate(ordered):
-                s = insts[i % len(insts)]
+            for r, s in zip(ordered, static_turns(insts, len(ordered)), strict=True):
                 r.inst = s
                 s.queue.append(r)
         else:
@@ -597,6 +698,20 @@ class GenerationSim:
             self.ready_s = now
         return step_done(stop.rule, stop.groups_per_step, progress)
 
+    def _goal(self, now: float) -> StepGoal | None:
+        """What ends the step, for the planner (partial rollout; None: full)."""
+        stop = self.stop
+        if stop is None:
+            return None
+        progress = StepProgress(
+            elapsed_s=now,
+            complete_groups=self.complete_groups,
+            tokens=self._tokens_at(now) if stop.rule.end is StepEnd.TOKENS else 0,
+            in_flight=self.unfinished,
+            min_end_s=stop.min_end_s,
+        )
+        return step_goal(stop.rule, stop.groups_per_step, progress)
+
     def _tokens_at(self, now: float) -> int:
         """Decode tokens generated in this step by ``now`` (segments in flight included)."""
         return self.tokens + sum(
@@ -638,6 +753,8 @@ class GenerationSim:
         return ComputeState(nodes, instances, tuple(requests))
 
     def _replan(self, now: float) -> None:
+        # instances decoding now: their iteration in progress goes on through the plan
+        decoding = {s.id for s in self.insts.values() if s.seg is not None and now > s.clock}
         for s in self.insts.values():
             self._sync(s, now)
         state = self._state(now)
@@ -651,19 +768,25 @@ class GenerationSim:
             running_groups=[r.group for r in state.requests],
             group_prior=self.group_prior,
         )
+        goal = self._goal(now)
         if self.policy == "oracle":
             plan = oracle_plan(state, self.lengths, self.perf, now, self.oracle)
         elif self.policy == "reactive":
-            plan = balance(state, forecast, self.perf, now, self.config)
+            plan = balance(state, forecast, self.perf, now, self.config, goal=goal)
         else:
-            plan = plan_compute(state, forecast, self.perf, now, self.config)
+            plan = plan_compute(state, forecast, self.perf, now, self.config, goal=goal)
         self.plans += 1
         self.predicted.append((now, plan.prediction.planned_makespan_s))
         if not plan.empty:
             self.reasons.append(f"t={now:.1f}s: {plan.reason}")
-        self._apply(plan, now)
+        self._apply(plan, now, decoding)
 
-    def _apply(self, plan: ComputePlan, now: float) -> None:
+    def _apply(
+        self, plan: ComputePlan, now: float, decoding: frozenset[str] | set[str] = frozenset()
+    ) -> None:
+        """Carry out ``plan`` at ``now``. ``decoding``: instances with a decode iteration
+        in progress (brought to its start by ``_sync``): one that keeps running requests
+        resumes from there, so a plan that changes nothing on it costs it nothing."""
         # requests leave every instance they are on; the plan says where they go
         where: dict[str, _Req] = {}
         had_kv: dict[str, bool] = {}
@@ -739,7 +862,7 @@ class GenerationSim:
             for s in self.insts.values():
                 s.queue = deque(sorted(s.queue, key=lambda r: rank.get(r.id, len(rank))))
         for s in self.insts.values():
-            if s.busy_until < now and s.seg is None:
+            if s.busy_until < now and s.seg is None and not (s.id in decoding and s.running):
                 s.clock = max(s.clock, now)
             self._schedule(s)
 
@@ -757,10 +880,13 @@ def simulate_step(
     max_response_tokens: int = 20480,
     history: Sequence[Sequence[int]] = (),
     stop: StepStop | None = None,
+    chunk_tokens: int = 0,
 ) -> GenStepResult:
-    """Simulate one step's generation from a starting layout (node -> TP pattern); with
-    ``stop``, until its partial-rollout rule ends the step (requests may carry a prefix
-    generated in earlier steps: ``RolloutRequest.generated``)."""
+    """Simulate one step's generation from a starting layout (node -> TP pattern; a
+    node's GPUs are its pattern's); with ``stop``, until its partial-rollout rule ends the
+    step (requests may carry a prefix generated in earlier steps:
+    ``RolloutRequest.generated``); ``chunk_tokens`` > 0: divided rollout
+    (:meth:`GenerationSim._next_chunk`)."""
     if policy == "proactive":
         config = replace(config, move_margin_s=math.inf)
     sim = GenerationSim(
@@ -773,6 +899,7 @@ def simulate_step(
         max_response_tokens,
         history,
         stop,
+        chunk_tokens,
     )
     start = sim.layout()
     seconds = sim.run(requests)
@@ -796,4 +923,6 @@ def simulate_step(
         finished=tuple(sim.finished),
         unfinished=tuple(sim.unfinished_tokens()) if stop is not None else (),
         ready_s=sim.ready_s,
+        chunk_moves=sim.chunk_moves,
+        decode_tokens=sim.tokens,
     )

@@ -192,16 +192,22 @@ def training_traffic(
     flops_per_gpu: float,
     grad_bytes_per_param: int = 2,
     reference_model: bool = False,
+    gpus: int = 0,
 ) -> TrainingTraffic:
     """The compute and collectives of training one RL step's batch of ``tokens`` on
-    ``nodes`` (rank order) under ``layout``; ``flops_per_gpu`` = peak x training MFU."""
+    ``nodes`` (rank order) under ``layout``; ``flops_per_gpu`` = peak x training MFU.
+    ``gpus``: the training GPUs when a node is shared with generation (fewer than
+    ``nodes x gpus_per_node``; 0: every GPU of the nodes): compute is timed on them, the
+    collectives on the nodes."""
     problems = layout.problems(shape, len(nodes), gpus_per_node)
     if problems:
         raise errors.InvalidArgument("; ".join(problems))
     if mini_batches < 1:
         raise errors.field_error("training.mini_batches", mini_batches, "an integer >= 1")
     n = len(nodes)
-    gpus = n * gpus_per_node
+    if not 0 <= gpus <= n * gpus_per_node:
+        raise errors.field_error("gpus", gpus, f"0 or at most the nodes' {n * gpus_per_node}")
+    gpus = gpus or n * gpus_per_node
     tok_mb = tokens / mini_batches
     active = shape.active_params
     update = 6.0 * active * tok_mb / (gpus * flops_per_gpu)

@@ -53,6 +53,7 @@ from sim_backends.clustersim.generation import (
     gen_node_names,
     simulate_step,
     uniform_layout,
+    uniform_pattern,
 )
 from sim_backends.clustersim.models import shape
 from sim_backends.clustersim.parallel import (
@@ -219,6 +220,7 @@ def training_step(s: Scenario, perf: PerfModel, tokens: int) -> TrainingTraffic:
         flops_per_gpu=perf.hardware.peak_flops * perf.efficiency.training_mfu,
         grad_bytes_per_param=s.training.grad_bytes_per_param,
         reference_model=s.training.reference_model,
+        gpus=s.split.train_gpus if s.split.train_gpus % c.gpus_per_node else 0,
     )
 
 
@@ -231,10 +233,22 @@ def candidate_tps(s: Scenario, perf: PerfModel) -> tuple[int, ...]:
     )
 
 
+def gen_layout(s: Scenario, tp: int) -> dict[str, Pattern]:
+    """The generation pool at a uniform TP ``tp``: ``gen000``.. its whole nodes, and after
+    them the GPUs it has on a node shared with training (``SplitConfig.unit_gpus``), at
+    ``tp`` or the largest TP dividing them."""
+    g = s.cluster.gpus_per_node
+    whole = s.gen_nodes
+    names = gen_node_names(whole + (1 if s.shared_gen_gpus else 0))
+    layout = uniform_layout(names[:whole], g, tp)
+    if s.shared_gen_gpus:
+        layout[names[-1]] = uniform_pattern(s.shared_gen_gpus, tp)
+    return layout
+
+
 def run_generation(s: Scenario, perf: PerfModel, policy: str, tp: int) -> tuple[GenStepResult, ...]:
     """Every step's generation; the layout and the length history carry across steps."""
-    nodes = gen_node_names(s.gen_nodes)
-    layout: Mapping[str, Pattern] = uniform_layout(nodes, s.cluster.gpus_per_node, tp)
+    layout: Mapping[str, Pattern] = gen_layout(s, tp)
     history: list[tuple[int, ...]] = []
     config = replace(SIM_PLANNER, max_num_seqs=s.generation.max_num_seqs)
     out: list[GenStepResult] = []
@@ -250,6 +264,7 @@ def run_generation(s: Scenario, perf: PerfModel, policy: str, tp: int) -> tuple[
             config=config,
             max_response_tokens=s.workload.max_response_tokens,
             history=history,
+            chunk_tokens=s.generation.chunk_tokens,
         )
         out.append(res)
         history.append(res.lengths)
@@ -518,8 +533,8 @@ def choose_split(outcomes: Sequence[SplitOutcome]) -> SplitOutcome:
 
 
 def with_split(s: Scenario, train_gpus: int, gen_gpus: int) -> Scenario:
-    """``s`` with this fixed split."""
-    return replace(s, split=SplitConfig(train_gpus, gen_gpus))
+    """``s`` with this fixed split (by the same unit)."""
+    return replace(s, split=SplitConfig(train_gpus, gen_gpus, unit_gpus=s.split.unit_gpus))
 
 
 def outcome(r: RunResult) -> SplitOutcome:

@@ -174,6 +174,7 @@ RL_HEADER = (
     "scenario",
     "baseline (best static, full)",
     "TP alone",
+    "divided rollout alone",
     "split alone",
     "partial alone",
     "static + partial + split",
@@ -183,7 +184,7 @@ RL_HEADER = (
     "bound (full)",
 )
 # the RL rows shown, in order (keys of reproduce.RL_ROWS)
-RL_SHOWN = ("tp", "split", "partial", "partial_split", "adaptive_partial")
+RL_SHOWN = ("tp", "divided", "split", "partial", "partial_split", "adaptive_partial")
 
 
 def _rl_cell(r: Mapping[str, Any]) -> str:
@@ -206,7 +207,7 @@ def rl_rows(results: Mapping[str, Mapping[str, Any]]) -> list[list[object]]:
                 name,
                 f"TP{c['best_static_tp']} {c['gen_gpus']}/{c['train_gpus']}: "
                 f"{b['mean_step_s']:.1f} s, {b['samples_per_s']:.2f} samples/s",
-                *(_rl_cell(rs[k]) for k in RL_SHOWN),
+                *(_rl_cell(rs[k]) if k in rs else "" for k in RL_SHOWN),
                 f"{a['offpolicy_token_share']:.0%}",
                 f"{a['dropped_share']:.1%}",
                 f"{c['bound_speedup']:.3f}x",
@@ -242,6 +243,92 @@ def op_rows(sweep: Mapping[str, Any]) -> list[list[object]]:
     ]
 
 
+STUDY_HEADER = (
+    "mechanism (partial rollout, static TP)",
+    "splits (gen/train)",
+    "step s",
+    "samples/s",
+    "speedup (samples, tokens)",
+    "off-policy tokens",
+    "dropped",
+)
+
+
+def study_rows(study: Mapping[str, Any], rl: Mapping[str, Any]) -> list[list[object]]:
+    """Rows of :data:`STUDY_HEADER`: the DAPO-like study (``reproduce.dapo_study``) with
+    the whole-node rows of section 1b it builds on, then its bounds."""
+    unit = study["unit_gpus"]
+    best = study["best_fixed"]
+    named: list[tuple[str, Mapping[str, Any]]] = [
+        ("whole nodes, the step planner's split (1b)", rl["rows"]["partial_split"]),
+        ("adaptive TP too (1b)", rl["rows"]["adaptive_partial"]),
+        (f"split by {unit} GPUs, the step planner's", study["rows"]["granular_plan"]),
+        (
+            f"split by {unit} GPUs, the best fixed split ({best}, hindsight)",
+            study["rows"]["granular_best"],
+        ),
+    ]
+    for key, r in study["rows"].items():
+        if key.startswith("divided_"):
+            chunk = key.split("_")[1]
+            where = (
+                f"the best fixed {unit}-GPU split ({best})"
+                if key.endswith("granular_best")
+                else "the planner's whole-node split"
+            )
+            named.append((f"divided rollout, {chunk}-token chunks, {where}", r))
+    rows: list[list[object]] = [
+        [
+            name,
+            " ".join(r["splits"]),
+            r["mean_step_s"],
+            r["samples_per_s"],
+            f"{r['samples_speedup']:.3f}x, {r['tokens_speedup']:.3f}x",
+            f"{r['offpolicy_token_share']:.0%}",
+            f"{r['dropped_share']:.1%}",
+        ]
+        for name, r in named
+    ]
+    rows.append(
+        [
+            f"bound: {best}'s GPU-seconds spread over every GPU (any split)",
+            "",
+            study["balanced_step_s"],
+            "",
+            f"{study['balanced_speedup']:.3f}x",
+            "",
+            "",
+        ]
+    )
+    rows.append(
+        [
+            f"bound: the weight sync overlapped with training ({best})",
+            "",
+            study["best_step_s"] - study["sync_s"],
+            "",
+            f"at most {study['sync_s']:.2f} s a step",
+            "",
+            "",
+        ]
+    )
+    return rows
+
+
+def fixed_rows(study: Mapping[str, Any]) -> list[list[object]]:
+    """Every fixed split of the DAPO-like study: its step, samples/s and speedups."""
+    return [
+        [
+            key,
+            r["mean_step_s"],
+            r["mean_gen_s"],
+            r["mean_train_s"],
+            r["samples_per_s"],
+            f"{r['samples_speedup']:.3f}x, {r['tokens_speedup']:.3f}x",
+        ]
+        for key, r in study["fixed"].items()
+    ]
+
+
 def rl_discussion(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """Observations on the RL-throughput rows (computed from the run)."""
     if not results:
@@ -254,17 +341,36 @@ def rl_discussion(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
         f"{min(full.values()):.3f}x ({low}) to {max(full.values()):.3f}x of the best static "
         "full-rollout baseline in trained samples per second."
     )
-    behind = [
-        f"{n} ({c['rows']['adaptive_partial']['samples_speedup']:.3f}x vs "
-        f"{c['rows']['partial_split']['samples_speedup']:.3f}x)"
-        for n, c in results.items()
-        if c["rows"]["adaptive_partial"]["samples_speedup"]
-        < c["rows"]["partial_split"]["samples_speedup"]
-    ]
+
+    def pair(c: Mapping[str, Any]) -> tuple[float, float]:
+        return (
+            c["rows"]["adaptive_partial"]["samples_speedup"],
+            c["rows"]["partial_split"]["samples_speedup"],
+        )
+
+    def differ(c: Mapping[str, Any]) -> float:
+        # relative; the rounding of decode segments a re-plan splits counts as level
+        a, b = pair(c)
+        d = a / b - 1.0
+        return d if abs(d) > 1e-9 else 0.0
+
+    def listed(names: list[str]) -> str:
+        return ", ".join(
+            f"{n} ({pair(results[n])[0]:.3f}x vs {pair(results[n])[1]:.3f}x)" for n in names
+        )
+
+    behind = [n for n, c in results.items() if differ(c) < 0]
+    ahead = [n for n, c in results.items() if differ(c) > 0]
+    level = [n for n, c in results.items() if differ(c) == 0]
     lines.append(
-        "With partial rollout on, adaptive TP is behind static TP on "
-        + (", ".join(behind) if behind else "no scenario")
-        + " (the tail it re-lays out for is carried into the next step instead)."
+        "With partial rollout on, adaptive TP (its layout chosen at each step's start for "
+        "the step's goal) is behind static TP on "
+        + (listed(behind) if behind else "no scenario")
+        + "; ahead on "
+        + (listed(ahead) if ahead else "no scenario")
+        + f"; level on {len(level)} ("
+        + ", ".join(level)
+        + ": it kept the static layout and dispatched as static does)."
     )
     moved = [
         f"{n} ({' '.join(c['rows']['adaptive_partial']['splits'])})"
@@ -565,12 +671,45 @@ def write_report(out: Mapping[str, Any], runs: Mapping[str, RunResult], outdir: 
             "tokens generated under an older weight version than their batch's (beyond "
             "the pipeline's one-step lag); dropped: responses dropped for staleness (with "
             "their groups) over dropped and trained. `bound (full)`: generation at its "
-            "fluid bound with the baseline's training and sync, full rollout."
+            "fluid bound with the baseline's training and sync, full rollout. `divided "
+            "rollout alone`: the baseline with Seer's divided rollout, full rollout."
         )
         md.append("")
         md.append(_table(RL_HEADER, rl_rows(rl)))
         md.append("")
         md += [f"- {line}" for line in rl_discussion(rl)]
+        md.append("")
+    studies = out.get("dapo_study", {})
+    for name, study in studies.items():
+        md += [f"## 1c. {name}: what moves it toward 1.4x", ""]
+        md.append(
+            "Each mechanism on its own, on top of partial rollout with static TP (the "
+            "baseline is section 1b's). A split by pairs of GPUs (`split.unit_gpus = "
+            f"{study['unit_gpus']}`: with one NIC per GPU, each pool's GPUs on a shared node "
+            "bring their own NICs), chosen by the step planner, and every such split fixed "
+            "from the first step (the best found with hindsight); Seer's divided rollout "
+            "(a request goes on, after each chunk, on the instance with the most room, its "
+            "KV cache moved or recomputed at a migration's cost); and two bounds: the best "
+            "fixed split's generation and training GPU-seconds spread over every GPU (no "
+            "split, however fine, balances the pools better), and the weight sync, which "
+            "overlapping it with the next training would take off the step at most."
+        )
+        md.append("")
+        md.append(_table(STUDY_HEADER, study_rows(study, out["rl"][name])))
+        md.append("")
+        md.append(
+            _table(
+                (
+                    "fixed split (gen/train)",
+                    "step s",
+                    "gen s",
+                    "train s",
+                    "samples/s",
+                    "speedup (samples, tokens)",
+                ),
+                fixed_rows(study),
+            )
+        )
         md.append("")
     ops = out.get("sensitivity_over_provision", {})
     if ops:

@@ -90,15 +90,29 @@ OP_SWEEP = ("default-14b", "dapo-14b")  # ... and over the partial rollout's ove
 # most one weight version more than the pipeline's own lag (the issue's default)
 PARTIAL = RolloutRule(RolloutMode.PARTIAL, 1.25, 1, StepEnd.GROUPS)
 OVER_PROVISION = (1.1, 1.25, 1.5, 2.0)
-# the RL-throughput rows, in report order: (key, policy, rule, the step planner's split)
+# Seer's divided rollout (arXiv 2511.14617, section 3.2): the paper's body gives no chunk
+# size; secondary summaries of it report chunks of 8K tokens. The DAPO-like study also
+# runs a quarter of it.
+DIVIDED_CHUNK = 8192
+DIVIDED_CHUNKS = (2048, 8192)
+# the RL-throughput rows, in report order: (key, policy, rule, the step planner's split,
+# divided rollout's chunk)
 RL_ROWS = (
-    ("baseline", "static", FULL, False),
-    ("tp", "adaptive", FULL, False),
-    ("split", "static", FULL, True),
-    ("partial", "static", PARTIAL, False),
-    ("partial_split", "static", PARTIAL, True),
-    ("adaptive_partial", "adaptive", PARTIAL, True),
+    ("baseline", "static", FULL, False, 0),
+    ("tp", "adaptive", FULL, False, 0),
+    ("split", "static", FULL, True, 0),
+    ("partial", "static", PARTIAL, False, 0),
+    ("partial_split", "static", PARTIAL, True, 0),
+    ("adaptive_partial", "adaptive", PARTIAL, True, 0),
+    ("divided", "static", FULL, False, DIVIDED_CHUNK),
 )
+# the DAPO-like study (REPORT section 1c): what moves the suite's DAPO-like load toward
+# the issue's 1.4x, each mechanism measured on its own
+DAPO_STUDY = ("dapo-14b",)
+# a split by pairs of GPUs (each with its NIC: split.unit_gpus), swept over these
+# generation-pool sizes
+GRANULAR_UNIT = 2
+GRANULAR_GEN_GPUS = (36, 38, 40, 42, 44, 46, 48)
 
 
 @dataclass(frozen=True)
@@ -408,6 +422,17 @@ def tasks(plan: Plan, out: dict[str, Any], runs: dict[str, RunResult]) -> Iterat
 
         yield f"over-provisioning sweep {s.name}: {len(OVER_PROVISION)} budgets", one_op
 
+    study: dict[str, Any] = {}
+    out["dapo_study"] = study
+    for s in plan.suite:
+        if s.name not in DAPO_STUDY:
+            continue
+
+        def one_study(s: Scenario = s) -> None:
+            study[s.name] = dapo_study(s, plan, out["rl"][s.name])
+
+        yield f"DAPO-like study {s.name}: split by GPU pairs, divided rollout, bounds", one_study
+
     sweeps: dict[str, Any] = {}
     out["sensitivity_split"] = sweeps
     for s in plan.suite:
@@ -537,14 +562,15 @@ def rl_row(s: Scenario, plan: Plan) -> dict[str, Any]:
     s, _ = resolve_split(replace(s, steps=steps))
     perf = perf_model(s)
 
-    def run(policy: str, tp: int, rule: RolloutRule, split: bool) -> RLRun:
-        return run_rl(s, perf, policy, tp, rule, plan_split=split, warmup=warmup)
+    def run(policy: str, tp: int, rule: RolloutRule, split: bool, chunk: int = 0) -> RLRun:
+        sc = replace(s, generation=replace(s.generation, chunk_tokens=chunk))
+        return run_rl(sc, perf, policy, tp, rule, plan_split=split, warmup=warmup)
 
     statics = {t: run("static", t, FULL, False) for t in candidate_tps(s, perf)}
     tp = min(statics, key=lambda t: (statics[t].mean_step_s, t))
     runs: dict[str, RLRun] = {}
-    for key, policy, rule, split in RL_ROWS:
-        runs[key] = statics[tp] if key == "baseline" else run(policy, tp, rule, split)
+    for key, policy, rule, split, chunk in RL_ROWS:
+        runs[key] = statics[tp] if key == "baseline" else run(policy, tp, rule, split, chunk)
     base = runs["baseline"]
     bounds = step_bounds(s, perf)
     window = base.steady_steps
@@ -587,6 +613,65 @@ def over_provision_rows(s: Scenario, plan: Plan, rl: Mapping[str, Any]) -> dict[
         row["tokens_speedup"] = r.tokens_per_s / base["tokens_per_s"]
         rows[f"{op:g}"] = row
     return {"best_static_tp": tp, "rows": rows}
+
+
+def dapo_study(s: Scenario, plan: Plan, rl: Mapping[str, Any]) -> dict[str, Any]:
+    """What moves a training-bound load toward the issue's 1.4x, each mechanism on its
+    own, all with partial rollout and static TP (``rl``'s best static TP): the step
+    planner's split by pairs of GPUs (``split.unit_gpus``), every such split fixed from
+    the first step (the best one found with hindsight), divided rollout on the planner's
+    whole-node split and on the best fixed split, each with :data:`DIVIDED_CHUNKS`. And two
+    bounds from the best fixed split's steady steps: its generation and training
+    GPU-seconds spread over every GPU (a split as fine as one likes, what a perfectly
+    balanced pipeline would take), and the weight sync, which a sync overlapped with the
+    next training would take off the step at most."""
+    steps, warmup = plan.rl_steps
+    s, _ = resolve_split(replace(s, steps=steps))
+    perf = perf_model(s)
+    tp = rl["best_static_tp"]
+    base = rl["rows"]["baseline"]
+    total = s.split.total_gpus
+
+    def run(sc: Scenario, split: bool, chunk: int = 0) -> RLRun:
+        sc = replace(sc, generation=replace(sc.generation, chunk_tokens=chunk))
+        return run_rl(sc, perf, "static", tp, PARTIAL, plan_split=split, warmup=warmup)
+
+    def row(r: RLRun) -> dict[str, Any]:
+        out = r.summary()
+        out["samples_speedup"] = r.samples_per_s / base["samples_per_s"]
+        out["tokens_speedup"] = r.tokens_per_s / base["tokens_per_s"]
+        return out
+
+    granular = replace(s, split=replace(s.split, unit_gpus=GRANULAR_UNIT))
+    rows: dict[str, Any] = {"granular_plan": row(run(granular, True))}
+    fixed: dict[str, RLRun] = {}
+    for g in GRANULAR_GEN_GPUS:
+        if 0 < g < total:
+            fixed[f"{g}/{total - g}"] = run(with_split(granular, total - g, g), False)
+    best_key = max(fixed, key=lambda k: (fixed[k].samples_per_s, k))
+    best = fixed[best_key]
+    rows["granular_best"] = row(best)
+    for chunk in DIVIDED_CHUNKS:
+        rows[f"divided_{chunk}"] = row(run(s, True, chunk))
+        g = int(best_key.split("/")[0])
+        rows[f"divided_{chunk}_granular_best"] = row(
+            run(with_split(granular, total - g, g), False, chunk)
+        )
+    st = best.steady_steps
+    gpu_s = [x.gen_s * x.gen_gpus + x.train_s * x.train_gpus for x in st]
+    balanced = sum(w / total + x.sync_s for w, x in zip(gpu_s, st, strict=True)) / len(st)
+    per_step = best.samples_per_s * best.mean_step_s
+    return {
+        "best_static_tp": tp,
+        "unit_gpus": GRANULAR_UNIT,
+        "fixed": {k: row(v) for k, v in fixed.items()},
+        "best_fixed": best_key,
+        "rows": rows,
+        "balanced_step_s": balanced,
+        "balanced_speedup": per_step / balanced / base["samples_per_s"],
+        "sync_s": sum(x.sync_s for x in st) / len(st),
+        "best_step_s": best.mean_step_s,
+    }
 
 
 DONE_FRACTIONS = (0.5, 0.75, 0.9)

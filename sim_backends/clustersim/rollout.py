@@ -44,10 +44,8 @@ from sim_backends.clustersim.generation import (
     GenStepResult,
     Pattern,
     StepStop,
-    gen_node_names,
     group_name,
     simulate_step,
-    uniform_layout,
 )
 from sim_backends.clustersim.pipeline import (
     SIM_PLANNER,
@@ -55,6 +53,7 @@ from sim_backends.clustersim.pipeline import (
     StepTimer,
     StepTiming,
     candidate_tps,
+    gen_layout,
     make_fabric,
     pipeline_bound,
     with_split,
@@ -246,9 +245,7 @@ def run_rl(
     cfg = s.workload
     n_groups = cfg.prompts_per_step
     size = cfg.samples_per_prompt
-    layout: Mapping[str, Pattern] = uniform_layout(
-        gen_node_names(s.gen_nodes), s.cluster.gpus_per_node, tp
-    )
+    layout: Mapping[str, Pattern] = gen_layout(s, tp)
     config = replace(SIM_PLANNER, max_num_seqs=s.generation.max_num_seqs, carry_tail=rule.partial)
     history: list[tuple[int, ...]] = []
     groups: dict[str, _Group] = {}  # open: carried unfinished and complete waiting
@@ -271,6 +268,7 @@ def run_rl(
                     n_groups * size,
                     prompt_mean,
                     build_forecast(history[-4:], max_tokens=cfg.max_response_tokens),
+                    train_tokens=batch_tokens,
                 ),
                 training=measured,
                 sync_s=last_sync,
@@ -329,6 +327,7 @@ def run_rl(
             max_response_tokens=cfg.max_response_tokens,
             history=history,
             stop=stop,
+            chunk_tokens=s.generation.chunk_tokens,
         )
         history.append(res.lengths)
         last_gen = res.ready_s if res.ready_s is not None else res.seconds
@@ -380,17 +379,19 @@ def run_rl(
 
 
 def _all_splits(s: Scenario) -> tuple[Scenario, ...]:
-    """Every whole-node split of the pool (both pools keep a node)."""
-    g, total = s.cluster.gpus_per_node, s.split.total_gpus
-    return tuple(with_split(s, t, total - t) for t in range(g, total, g))
+    """Every split of the pool by whole nodes, or by ``split.unit_gpus`` (both pools keep
+    some GPUs)."""
+    u, total = s.split.unit(s.cluster.gpus_per_node), s.split.total_gpus
+    return tuple(with_split(s, t, total - t) for t in range(u, total, u))
 
 
 def _resize(layout: Mapping[str, Pattern], s: Scenario, tp: int) -> dict[str, Pattern]:
-    """The generation layout on ``s``'s generation nodes: nodes kept keep their
-    patterns, new ones start uniform at ``tp``."""
-    names = gen_node_names(s.gen_nodes)
-    fresh = uniform_layout(names, s.cluster.gpus_per_node, tp)
-    return {n: layout.get(n, fresh[n]) for n in names}
+    """The generation layout on ``s``'s generation nodes: nodes kept (with as many GPUs
+    generating) keep their patterns, new ones start uniform at ``tp``."""
+    fresh = gen_layout(s, tp)
+    return {
+        n: layout[n] if n in layout and sum(layout[n]) == sum(p) else p for n, p in fresh.items()
+    }
 
 
 def _record(

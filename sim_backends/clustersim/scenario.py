@@ -21,10 +21,11 @@ A scenario (every key optional except ``cluster.nodes``; defaults below)::
     [model]
     name = "Qwen2.5-14B"           # scheduler.perf_model.MODELS (MoE: "Qwen3-235B-A22B")
 
-    [split]                        # disaggregation: whole nodes per pool
+    [split]                        # disaggregation: whole nodes per pool (by default)
     train_gpus = 16
     gen_gpus = 48
-    choose = "fixed"               # or "auto": see SplitConfig
+    choose = "fixed"               # or "auto" / "plan": see SplitConfig
+    unit_gpus = 0                  # 0: whole nodes; e.g. 2: pools may share a node
     sweep_train_gpus = [8, 16, 24] # only with choose = "auto"
 
     [workload]   ...  see WorkloadConfig
@@ -57,6 +58,8 @@ from scheduler.rollout import (
 from sim_backends.clustersim.models import SHAPES
 from sim_backends.clustersim.parallel import Parallelism
 
+# divided rollout: a chunk shorter than this would move requests every few seconds
+MIN_CHUNK_TOKENS = 256
 POLICIES = ("static", "proactive", "reactive", "adaptive", "prompt-oracle", "oracle")
 SPLIT_CHOICES = ("fixed", "auto", "plan")
 PLACEMENTS = ("contiguous", "scattered")
@@ -104,6 +107,16 @@ class SplitConfig:
     ``placement``: ``contiguous`` (the training pool fills whole pods first, generation
     the pods after) or ``scattered`` (training ranks dealt round-robin over the pods, as a
     shared cluster's scheduler hands out free nodes); see :func:`~.pipeline.pools`.
+
+    ``unit_gpus``: the granularity of the split (0: whole nodes, the default). A divisor
+    of ``cluster.gpus_per_node`` whose GPUs own whole NICs (``unit_gpus x nics_per_node``
+    a multiple of ``gpus_per_node``; with the default one NIC per GPU, any divisor): the
+    pools may then share one node, its GPUs in two parts, each with its own NICs (the two
+    pools share only the node's NVSwitch, which is non-blocking, and its host). Both pools
+    are multiples of the unit and together whole nodes. The simulator takes the shared
+    node's network as the training pool's (generation has no network traffic in this
+    model; the generation GPUs there get the weights over NVLink) and times training's
+    compute on its exact GPU count; ``auto`` and ``plan`` move the split by units.
     """
 
     train_gpus: int = 0
@@ -111,10 +124,15 @@ class SplitConfig:
     choose: str = "fixed"
     sweep_train_gpus: tuple[int, ...] = ()
     placement: str = "contiguous"
+    unit_gpus: int = 0
 
     @property
     def total_gpus(self) -> int:
         return self.train_gpus + self.gen_gpus
+
+    def unit(self, gpus_per_node: int) -> int:
+        """GPUs the split moves by: ``unit_gpus``, or a whole node."""
+        return self.unit_gpus or gpus_per_node
 
     def candidates(self, gpus_per_node: int) -> tuple[SplitConfig, ...]:
         """The splits ``auto`` chooses from, fewest training GPUs first (just this split
@@ -122,8 +140,12 @@ class SplitConfig:
         if self.choose != "auto":
             return (self,)
         total = self.total_gpus
-        trains = self.sweep_train_gpus or tuple(range(gpus_per_node, total, gpus_per_node))
-        return tuple(SplitConfig(t, total - t) for t in sorted(trains))
+        u = self.unit(gpus_per_node)
+        trains = self.sweep_train_gpus or tuple(range(u, total, u))
+        return tuple(
+            SplitConfig(t, total - t, placement=self.placement, unit_gpus=self.unit_gpus)
+            for t in sorted(trains)
+        )
 
 
 @dataclass(frozen=True)
@@ -186,6 +208,11 @@ class GenerationConfig:
         length information), ``oracle`` (knows every response length: the
     clairvoyant baseline of :mod:`.oracle`). ``static_tp`` 0 picks the best uniform layout by
         simulating each (``orl-sim`` reports which). ``max_num_seqs``: vLLM's default 256.
+
+        ``chunk_tokens``: Seer's divided rollout (arXiv 2511.14617, section 3.2; 0: off):
+        a request generates at most this many tokens per dispatch, then goes on on the
+        instance with the most room, its KV cache moved or recomputed at a migration's
+        cost (:meth:`.generation.GenerationSim._next_chunk`). Any policy; at least 256.
     """
 
     policy: str = "adaptive"
@@ -193,6 +220,7 @@ class GenerationConfig:
     initial_tp: int = 0  # adaptive policies start from this layout (0: same as static_tp)
     replan_interval_s: float = 5.0
     max_num_seqs: int = 256
+    chunk_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -294,11 +322,19 @@ class Scenario:
 
     @property
     def train_nodes(self) -> int:
-        return self.split.train_gpus // self.cluster.gpus_per_node
+        """Nodes holding training GPUs (a node the pools share counts here: its network
+        is the training pool's, see ``SplitConfig.unit_gpus``)."""
+        return -(-self.split.train_gpus // self.cluster.gpus_per_node)
 
     @property
     def gen_nodes(self) -> int:
+        """Nodes all of whose GPUs generate."""
         return self.split.gen_gpus // self.cluster.gpus_per_node
+
+    @property
+    def shared_gen_gpus(self) -> int:
+        """Generation GPUs on the node the pools share (0: whole nodes)."""
+        return self.split.gen_gpus % self.cluster.gpus_per_node
 
 
 _SECTIONS: dict[str, type] = {
@@ -319,8 +355,10 @@ _NON_NEGATIVE = {
     ("cluster", "nodes_per_pod"),
     ("split", "train_gpus"),
     ("split", "gen_gpus"),
+    ("split", "unit_gpus"),
     ("generation", "static_tp"),
     ("generation", "initial_tp"),
+    ("generation", "chunk_tokens"),
     ("workload", "prompt_sigma"),
     ("workload", "prompt_sigma_response"),
     ("workload", "sample_sigma"),
@@ -509,16 +547,17 @@ def _check_split_choice(s: Scenario, problems: list[str]) -> None:
         )
         return
     total = sp.total_gpus
-    bad = [t for t in sweep if t <= 0 or t % g or t >= total]
+    u = sp.unit(g) if sp.unit_gpus >= 0 and g % max(1, sp.unit_gpus) == 0 else g
+    bad = [t for t in sweep if t <= 0 or t % u or t >= total]
     if bad or len(set(sweep)) != len(sweep):
         problems.append(
             str(
                 errors.field_error(
                     "split.sweep_train_gpus",
                     list(sweep),
-                    f"distinct training-pool sizes, each a positive multiple of {g} GPUs "
+                    f"distinct training-pool sizes, each a positive multiple of {u} GPUs "
                     f"below the pool total train_gpus + gen_gpus = {total} (so both pools "
-                    "keep at least one node)",
+                    "keep some GPUs)",
                 )
             )
         )
@@ -535,12 +574,37 @@ def _check_semantics(s: Scenario, problems: list[str]) -> None:
             str(errors.field_error("model.name", s.model.name, "one of " + ", ".join(MODELS)))
         )
     g = c.gpus_per_node
+    unit = s.split.unit_gpus
+    if unit and (unit < 0 or g % unit or (unit * c.nics_per_node) % g):
+        problems.append(
+            str(
+                errors.field_error(
+                    "split.unit_gpus",
+                    unit,
+                    f"0 (whole nodes) or a divisor of cluster.gpus_per_node ({g}) whose GPUs own "
+                    f"whole NICs (unit x nics_per_node ({c.nics_per_node}) a multiple of {g})",
+                )
+            )
+        )
+        unit = 0
+    u = unit or g
     for key in ("train_gpus", "gen_gpus"):
         v = getattr(s.split, key)
-        if v <= 0 or v % g:
+        if v <= 0 or v % u:
             problems.append(
-                str(errors.field_error(f"split.{key}", v, f"a positive multiple of {g} GPUs"))
+                str(errors.field_error(f"split.{key}", v, f"a positive multiple of {u} GPUs"))
             )
+    if u != g and s.split.total_gpus % g:
+        problems.append(
+            str(
+                errors.field_error(
+                    "split.gen_gpus",
+                    s.split.gen_gpus,
+                    f"with split.unit_gpus = {u}, a number making train_gpus + gen_gpus whole "
+                    f"nodes of {g} (the pools share at most one node, all of it)",
+                )
+            )
+        )
     _check_split_choice(s, problems)
     if s.split.placement not in PLACEMENTS:
         problems.append(
@@ -597,6 +661,16 @@ def _check_semantics(s: Scenario, problems: list[str]) -> None:
         problems.append(
             str(
                 errors.field_error("generation.policy", gen.policy, "one of " + ", ".join(POLICIES))
+            )
+        )
+    if gen.chunk_tokens and gen.chunk_tokens < MIN_CHUNK_TOKENS:
+        problems.append(
+            str(
+                errors.field_error(
+                    "generation.chunk_tokens",
+                    gen.chunk_tokens,
+                    f"0 (off) or at least {MIN_CHUNK_TOKENS} tokens per chunk",
+                )
             )
         )
     for key in ("static_tp", "initial_tp"):

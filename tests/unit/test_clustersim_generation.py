@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -89,6 +90,20 @@ def test_kv_overflow_preempts_and_every_request_still_finishes() -> None:
     res = simulate_step(small, reqs, ONE_NODE)
     assert res.preemptions > 0
     assert len(res.completions) == 6
+    assert res.decode_tokens == 6 * 600  # every token decoded once
+
+
+def test_a_preempted_request_decodes_every_token_after_it_is_admitted_again() -> None:
+    """A request preempted and admitted again on its instance decodes all of its tokens:
+    its completion entry from before the preemption used to end it early (here 5,451 of
+    6,553 tokens were decoded)."""
+    small = PerfModel(PERF.model, replace(H800, hbm_bytes=7.01e9))
+    rng = random.Random(0)
+    lengths = [rng.randint(100, 1500) for _ in range(8)]
+    reqs = [_req(i, 200, n) for i, n in enumerate(lengths)]
+    res = simulate_step(small, reqs, ONE_NODE)
+    assert res.preemptions > 0
+    assert res.decode_tokens == sum(lengths) == 6553
     # slower than with room for all: preempted requests recompute their KV
     assert res.seconds > simulate_step(PERF, reqs, ONE_NODE).seconds
 

@@ -9,14 +9,17 @@ import pytest
 from sim_backends.clustersim.report import (
     E2E_HEADER,
     RL_HEADER,
+    STUDY_HEADER,
     SWEEP_HEADER,
     discussion,
     e2e_rows,
+    fixed_rows,
     op_rows,
     rl_discussion,
     rl_rows,
     seqs_caps,
     seqs_discussion,
+    study_rows,
     sweep_discussion,
     sweep_rows,
 )
@@ -241,6 +244,7 @@ def _rl_row(speedup: float, static_partial: float, splits: list[str]) -> dict[st
             "partial": row(1.02),
             "partial_split": row(static_partial),
             "adaptive_partial": row(speedup, splits),
+            "divided": row(1.02),
         },
     }
 
@@ -253,11 +257,47 @@ def test_rl_rows_give_each_mechanism_and_the_off_policy_and_dropped_shares() -> 
     rows = rl_rows(results)
     assert len(rows[0]) == len(RL_HEADER)
     assert rows[0][1] == "TP4 48/16: 100.0 s, 80.00 samples/s"
-    assert rows[0][6] == "1.342x (1.21x)" and rows[0][7] == "35%" and rows[0][8] == "0.4%"
+    assert rows[0][3] == "1.020x (0.92x)"  # divided rollout alone
+    assert rows[0][7] == "1.342x (1.21x)" and rows[0][8] == "35%" and rows[0][9] == "0.4%"
     lines = rl_discussion(results)
     assert "1.031x (hd) to 1.342x" in lines[0]
     assert "behind static TP on hd (1.031x vs 1.058x)" in lines[1]
+    assert "ahead on dapo (1.342x vs 1.340x); level on 0" in lines[1]
+    level = {"dapo": _rl_row(1.34 * (1 + 1e-12), 1.34, ["48/16"])}
+    assert (
+        "behind static TP on no scenario; ahead on no scenario; level on 1"
+        in (rl_discussion(level)[1])
+    )
     assert "moved the split on dapo (48/16 48/16 40/24)" in lines[2]
     assert rl_discussion({}) == []
     sweep = {"rows": {"1.25": results["dapo"]["rows"]["adaptive_partial"]}}
     assert op_rows(sweep)[0][:2] == ["1.25", "48/16 48/16 40/24"]
+
+
+def test_the_dapo_study_rows_name_each_mechanism_and_the_bounds() -> None:
+    rl = _rl_row(1.34, 1.34, ["48/16", "40/24"])
+    row = rl["rows"]["partial_split"]
+    study = {
+        "unit_gpus": 2,
+        "best_fixed": "42/22",
+        "rows": {
+            "granular_plan": row,
+            "granular_best": {**row, "samples_speedup": 1.365},
+            "divided_8192": row,
+            "divided_8192_granular_best": row,
+        },
+        "fixed": {"40/24": {**row, "mean_gen_s": 90.0, "mean_train_s": 80.0}},
+        "balanced_step_s": 70.0,
+        "balanced_speedup": 1.374,
+        "sync_s": 0.07,
+        "best_step_s": 73.0,
+    }
+    rows = study_rows(study, rl)
+    assert all(len(r) == len(STUDY_HEADER) for r in rows)
+    names = [r[0] for r in rows]
+    assert names[3] == "split by 2 GPUs, the best fixed split (42/22, hindsight)"
+    assert rows[3][4] == "1.365x, 1.206x"
+    assert "divided rollout, 8192-token chunks, the planner's whole-node split" in names
+    assert "divided rollout, 8192-token chunks, the best fixed 2-GPU split (42/22)" in names
+    assert rows[-2][4] == "1.374x" and rows[-1][4] == "at most 0.07 s a step"
+    assert fixed_rows(study) == [["40/24", row["mean_step_s"], 90.0, 80.0, 107.2, "1.340x, 1.206x"]]
