@@ -279,6 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--rollout", help="full (default) or partial")
     rl.add_argument("--seed", type=int)
     rl.add_argument("--lr", type=float, help="the trainer's learning rate")
+    rl.add_argument("--vocab", type=int, help="the policy's vocabulary size")
+    rl.add_argument("--hidden", type=int, help="the policy's hidden size")
+    rl.add_argument("--layers", type=int, help="the policy's layers")
+    rl.add_argument("--target-length", type=int, help="the task's target response length")
+    rl.add_argument("--length-weight", type=float, help="the reward's weight on the length")
+    rl.add_argument("--ramble", type=float, help="the first policy's logit spread (0: off)")
+    rl.add_argument("--seats", type=int, help="sequences per engine instance")
     rl.add_argument(
         "--plot", type=Path, default=Path("demo-rl-reward.png"), help="the reward curve (PNG)"
     )
@@ -753,6 +760,13 @@ def cmd_demo_rl(args: argparse.Namespace) -> int:
         "learning_rate": args.lr,
         "seed": args.seed,
         "rollout": args.rollout,
+        "vocab": args.vocab,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "target_length": args.target_length,
+        "ramble": args.ramble,
+        "length_weight": args.length_weight,
+        "seats": args.seats,
         "run_dir": args.run_dir,
         "plot": args.plot,
     }

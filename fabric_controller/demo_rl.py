@@ -59,6 +59,8 @@ class RLConfig:
     hidden: int = 64
     layers: int = 2
     target_length: int = 6
+    length_weight: float = 0.5  # the reward's weight on stopping near target_length
+    ramble: float = 0.0  # the first policy's logit spread (0: as initialised; see build_policy)
     learning_rate: float = 5e-3
     seed: int = 0
     seats: int = 4  # sequences per engine instance
@@ -227,10 +229,16 @@ def build_policy(cfg: RLConfig, root: Path) -> tuple[Any, Path]:
     config = policy.llama_config(
         vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers
     )
+    model = policy.new_policy(config, cfg.seed)
+    if cfg.ramble:
+        # a base model that rambles: its logits spread to ``ramble`` (standard deviation)
+        # and end-of-sequence at 0, so it stops about once in 63 * e^(ramble^2 / 2) tokens
+        with torch.no_grad():
+            w = model.lm_head.weight
+            w.mul_(cfg.ramble / (float(w.std()) * cfg.hidden**0.5))
+            w[policy.eos_id(model)] = 0.0
     trainer = PolicyTrainer(
-        policy.new_policy(config, cfg.seed),
-        config,
-        TrainConfig(learning_rate=cfg.learning_rate, logprob_tolerance=1e-3),
+        model, config, TrainConfig(learning_rate=cfg.learning_rate, logprob_tolerance=1e-3)
     )
     ckpt = trainer.save(root)
     if cfg.engine == "llamacpp":
@@ -248,7 +256,9 @@ async def _run(cfg: RLConfig, run_dir: Path, say: Any) -> RLResult:
             f"{cfg.engine} is not installed in .engines/: run `make engines` "
             "(or pass --engine-command)"
         )
-    task = TargetStop(cfg.vocab, target_length=cfg.target_length)
+    task = TargetStop(
+        cfg.vocab, target_length=cfg.target_length, length_weight=cfg.length_weight
+    )
     store = local.checkpoint_dir(run_dir, TRAIN_NODE)
     store.mkdir(parents=True, exist_ok=True)
     trainer, model = await asyncio.to_thread(build_policy, cfg, store)

@@ -412,7 +412,9 @@ class Uplink:
         failed: list[BaseException] = []
 
         def launch(address: str) -> None:
-            ch = leader.channel(address, self._tls, keepalive_s=s.keepalive_s)
+            ch = leader.channel(
+                address, self._tls, keepalive_s=s.keepalive_s, watched=len(addresses) > 1
+            )
             stub = fabric_controller_pb2_grpc.FabricControllerStub(ch)
             coro = leader.attempt(
                 ch,

@@ -442,7 +442,9 @@ class AsyncClient:
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = leader.channel(address, self._tls)
+            ch = self._channels[address] = leader.channel(
+                address, self._tls, watched=len(self.addresses) > 1
+            )
         return ch
 
     def _stub_for(self, address: str) -> pb_grpc.FabricControllerStub:

@@ -160,7 +160,13 @@ class RunningServer:
 # telemetry batch, a command), and on an agent's stream the server's PING per upload woke
 # the agent's gRPC threads: without it their CPU halved (about 0.15 -> 0.07 % of one core
 # in bench/agent_overhead.py).
-SERVER_ONLY_OPTIONS: list[tuple[str, Any]] = [("grpc.http2.bdp_probe", 0)]
+SERVER_ONLY_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.http2.bdp_probe", 0),
+    # accept the keepalive pings of CHANNEL_OPTIONS (every 30 s, also between calls): with
+    # gRPC's default (5 minutes) a server answers the third with GOAWAY "too_many_pings",
+    # and the next call of an idle controller->agent channel failed UNAVAILABLE
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+]
 
 
 def server_options(clients: int) -> list[tuple[str, Any]]:
@@ -200,13 +206,10 @@ async def start_server(
 
     ``options``: more server channel options (e.g. ``orchestrrl.leader.SERVER_OPTIONS``)."""
     host, _ = parse_address(listen, "listen")
-    server = grpc.aio.server(
-        options=[
-            *server_options(clients),
-            ("grpc.max_receive_message_length", max_receive_bytes),
-            *options,
-        ]
-    )
+    merged = dict(server_options(clients))  # an option given twice: the later one
+    merged["grpc.max_receive_message_length"] = max_receive_bytes
+    merged.update(options)
+    server = grpc.aio.server(options=list(merged.items()))
     guarded = _GuardedServer(server)
     register(guarded)
     names = tuple(service_names)

@@ -162,15 +162,26 @@ async def call(what: str, coro: Awaitable[T]) -> T:
 
 
 def channel(
-    address: str, tls: TlsConfig | None, *, keepalive_s: float = KEEPALIVE_S
+    address: str,
+    tls: TlsConfig | None,
+    *,
+    keepalive_s: float = KEEPALIVE_S,
+    watched: bool = True,
 ) -> grpc.aio.Channel:
     """A channel to a controller: :func:`orchestrrl.grpcutil.channel` whose connection is
     declared dead when it stops answering pings (see the module docstring).
+
+    ``watched`` False (a caller with no other controller to turn to): the plain channel,
+    whose pings give a busy controller ten seconds; a connection declared dead after one
+    second of silence only helps a caller that can ask another controller, and fails the
+    calls of one that cannot whenever its controller's host is loaded.
 
     ``keepalive_s``: the silence before a ping. A call that stays open (an agent's
     telemetry stream, which the controller never answers until it ends) pings at this
     rate for as long as it lives, and each ping wakes the process's gRPC threads a few
     times: the agent uses a longer one (``node_agent.uplink.UplinkSettings``)."""
+    if not watched:
+        return grpcutil.channel(address, tls)
     options = [
         *(o for o in CLIENT_OPTIONS if o[0] != "grpc.keepalive_time_ms"),
         ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
