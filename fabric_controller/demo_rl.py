@@ -256,9 +256,7 @@ async def _run(cfg: RLConfig, run_dir: Path, say: Any) -> RLResult:
             f"{cfg.engine} is not installed in .engines/: run `make engines` "
             "(or pass --engine-command)"
         )
-    task = TargetStop(
-        cfg.vocab, target_length=cfg.target_length, length_weight=cfg.length_weight
-    )
+    task = TargetStop(cfg.vocab, target_length=cfg.target_length, length_weight=cfg.length_weight)
     store = local.checkpoint_dir(run_dir, TRAIN_NODE)
     store.mkdir(parents=True, exist_ok=True)
     trainer, model = await asyncio.to_thread(build_policy, cfg, store)

@@ -31,7 +31,7 @@ def test_servers_accept_the_keepalive_pings_that_channels_send() -> None:
     a long training phase). Every server must accept what every channel sends."""
     server = dict(grpcutil.server_options(0))
     channel = dict(grpcutil.CHANNEL_OPTIONS)
-    assert server["grpc.http2.min_ping_interval_without_data_ms"] <= channel[
-        "grpc.keepalive_time_ms"
-    ]
+    assert (
+        server["grpc.http2.min_ping_interval_without_data_ms"] <= channel["grpc.keepalive_time_ms"]
+    )
     assert server["grpc.keepalive_permit_without_calls"] == 1
