@@ -227,9 +227,22 @@ def discussion(a: Mapping[str, Any]) -> list[str]:
         + " against verl's update_actor (plus ref where logged) at "
         + ", ".join(f"{r['trained_tokens_per_response']:.0f}" for r in rows.values())
         + " trained tokens per response (the DAPO-like lengths, prompt included), training at "
-        "the 0.52 MFU the simulator uses everywhere. verl's own rows are not linear in the "
-        "trainer's GPUs: 16 x 313.81, 32 x 156.98 and 64 x 113.16 GPU-seconds per version "
-        "(5.0k, 5.0k, 7.2k), so no one FLOP rate fits all three."
+        "the 0.52 MFU the simulator uses everywhere. verl's update times imply "
+        + ", ".join(
+            f"{k} {r['implied_tokens_per_response']['at_mfu']:.0f}"
+            for k, r in rows.items()
+            if "implied_tokens_per_response" in r
+        )
+        + " trained tokens per response at that MFU (at most "
+        + ", ".join(
+            f"{r['implied_tokens_per_response']['at_peak']:.0f}"
+            for r in rows.values()
+            if "implied_tokens_per_response" in r
+        )
+        + " at the H20's whole 148 TFLOP/s): verl's responses were shorter than the lengths "
+        "assumed here, which verl does not publish. Its own rows are not linear in the "
+        "trainer's GPUs either: 16 x 313.81, 32 x 156.98 and 64 x 113.16 GPU-seconds per "
+        "version (5.0k, 5.0k, 7.2k), so no one FLOP rate fits all three."
     )
     waits = ", ".join(
         f"{k} {r['published']['trainer_idle']:.0%} / {r['variants']['verl']['trainer_idle']:.0%}"
@@ -256,9 +269,11 @@ def discussion(a: Mapping[str, Any]) -> list[str]:
         f"on {', '.join(TARGET_ROWS)}: met on {', '.join(met) or 'none'}"
         + (f", missed on {', '.join(missed)}" if missed else "")
         + "). All of it is the split: the planner moves nodes to the trainer, which bounds "
-        f"every row in the model. The balance bound (both pools' GPU-seconds over every GPU) "
-        f"is {bounds}; the split beats it slightly where a smaller rollout pool runs fuller "
-        "batches. The trajectories' p99 lag is "
+        f"every row in the model. The balance bound (both pools' GPU-seconds over every GPU, "
+        f"any split) is {bounds}: no split reaches 1.3x where it is below; the planner moves "
+        "whole nodes (8 GPUs), which leaves part of it where the best whole-node split "
+        "overshoots, and beats it slightly where a smaller rollout pool runs fuller batches. "
+        "The trajectories' p99 lag is "
         + ", ".join(
             f"{k} {r['variants']['verl']['lag_p99']:g} (verl) / "
             f"{r['variants']['orchestrrl']['lag_p99']:g} (ours)"

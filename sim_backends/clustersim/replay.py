@@ -44,7 +44,7 @@ from typing import Any
 from orchestrrl import errors
 from scheduler.async_rollout import AsyncPolicy, Pull, WeightUpdate
 from sim_backends.clustersim.async_rl import AsyncRun, run_async
-from sim_backends.clustersim.pipeline import perf_model
+from sim_backends.clustersim.pipeline import perf_model, train_shape
 from sim_backends.clustersim.scenario import Scenario, load_scenario
 
 VERL_DIR = Path(__file__).resolve().parents[2] / "examples" / "sim" / "verl"
@@ -167,6 +167,7 @@ def replay_row(pub: Published, quick: bool = False, seed: int = 1) -> dict[str, 
     rows = _variant_rows(runs)
     model_step = verl.mean_logged_step_s
     return {
+        "implied_tokens_per_response": implied_tokens(s, pub),
         "published": {
             "step_s": pub.step_s,
             "gen_s": pub.gen_s,
@@ -192,6 +193,22 @@ def replay_row(pub: Published, quick: bool = False, seed: int = 1) -> dict[str, 
         ),
         "variants": rows,
     }
+
+
+def implied_tokens(s: Scenario, pub: Published) -> dict[str, float]:
+    """Trained tokens per response (prompt and response) that verl's published update time
+    (with its reference pass where logged) implies under the model's training FLOPs, at
+    the model's MFU and at the GPU's whole peak (an upper bound)."""
+    perf = perf_model(s)
+    t = s.training
+    factor = 6.0 + (2.0 if t.old_logprob else 0.0) + (2.0 if t.reference_model else 0.0)
+    active = train_shape(s, perf).active_params
+    gpus = int(pub.split.split(":")[0])
+    per_gpu = perf.hardware.peak_flops
+    responses = s.workload.requests_per_step
+    seconds = pub.update_s + pub.ref_s
+    at_peak = seconds * gpus * per_gpu / (factor * active) / responses
+    return {"at_mfu": at_peak * perf.efficiency.training_mfu, "at_peak": at_peak}
 
 
 def replay(quick: bool = False, seed: int = 1) -> dict[str, Any]:

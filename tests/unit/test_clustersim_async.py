@@ -166,7 +166,7 @@ def test_runs_are_deterministic() -> None:
 
 def test_the_asynchronous_driver_refuses_other_modes_and_split_units() -> None:
     s = _scenario()
-    with pytest.raises(errors.InvalidArgument, match="rollout.mode"):
+    with pytest.raises(errors.InvalidArgument, match=r"rollout\.mode"):
         run_async(s, rule=FULL)
-    with pytest.raises(errors.InvalidArgument, match="split.unit_gpus"):
+    with pytest.raises(errors.InvalidArgument, match=r"split\.unit_gpus"):
         run_async(replace(s, split=replace(s.split, unit_gpus=4)))

@@ -1,4 +1,5 @@
-"""REPORT section 1d and ``orl-sim async-replay``'s tables (sim_backends.clustersim.async_report)."""
+"""REPORT section 1d and ``orl-sim async-replay``'s tables
+(sim_backends.clustersim.async_report)."""
 
 from __future__ import annotations
 

@@ -278,11 +278,13 @@ def test_an_asynchronous_scenario_parses_with_either_staleness_form() -> None:
         ),
         (
             {"min_train_gpus": 12},
-            "async.min_train_gpus=12 is not valid: 0 (no bound) or a multiple of 8 GPUs from 8 to 24",
+            "async.min_train_gpus=12 is not valid: 0 (no bound) or a multiple of 8 GPUs "
+            "from 8 to 24",
         ),
         (
             {"max_train_gpus": 32},
-            "async.max_train_gpus=32 is not valid: 0 (no bound) or a multiple of 8 GPUs from 8 to 24",
+            "async.max_train_gpus=32 is not valid: 0 (no bound) or a multiple of 8 GPUs "
+            "from 8 to 24",
         ),
         (
             {"min_train_gpus": 24, "max_train_gpus": 16},
