@@ -31,7 +31,7 @@ between optimizer steps), and the relays' host-memory bandwidth.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from orchestrrl import errors
@@ -198,10 +198,6 @@ def propagation_figure(tp: int = 8) -> dict[str, Any]:
         "target_s": TARGET_S,
         "stall_target_s": STALL_TARGET_S,
     }
-
-
-def with_hardware(s: Scenario, hardware: str) -> Scenario:
-    return replace(s, cluster=replace(s.cluster, hardware=hardware))
 
 
 __all__ = ["PropagationRow", "propagation", "propagation_figure", "propagation_scenario"]

@@ -13,6 +13,10 @@
    with expert parallelism, at 1024 and 2048 GPUs, contiguous and scattered placement,
    every fabric: training + weight sync timed in closed form on the fabric; perf/cost
    with and without host links; where RFabric beats the best static fabric.
+1d. asynchronous RL (:mod:`.replay`, :mod:`.propagation`): verl's published fully-async
+   runs (H20) with a model of verl's mode, OrchestrRL's asynchronous mode on the same GPUs
+   and each of its mechanisms alone, a rollout-bound split of the 7B row, and the
+   version-propagation figure (32B to 64 rollout GPUs on a 4:1 core, leases vs static).
 3. sensitivity: OCS switching time (10 us .. 50 ms) on RFabric at 1024 GPUs; the
    generation/training split of the default and the DAPO-like suite scenarios (64 GPUs,
    1-4 training nodes): where the pipeline is generation- or training-bound, which split
