@@ -130,3 +130,7 @@ def test_a_quick_replay_row_runs_every_variant_against_the_published_row() -> No
     assert row["error"] == pytest.approx(row["model_step_s"] / 294.77 - 1.0)
     assert row["variants"]["circuits"]["lease_s"] > 0
     assert not row["variants"]["verl"]["plan_split"] and row["variants"]["orchestrrl"]["plan_split"]
+    # verl's 313.81 s update on 16 H20 at 6 x 7.6e9 FLOPs per token: at most ~2,000 tokens
+    implied = row["implied_tokens_per_response"]
+    assert implied["at_peak"] == pytest.approx(313.81 * 16 * 148e12 / (6 * 7.6156e9) / 64, rel=1e-3)
+    assert implied["at_mfu"] == pytest.approx(0.52 * implied["at_peak"])
