@@ -15,7 +15,7 @@ REPLAY_HEADER = (
     "verl published s/step",
     "model of verl s/step",
     "error",
-    "published update_actor s",
+    "published update_actor (+ref) s",
     "model training s",
     "published trainer wait s",
     "model trainer wait s",
