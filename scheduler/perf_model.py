@@ -71,6 +71,10 @@ from orchestrrl import errors
 
 GB = 1e9
 GIB = 1024.0**3
+# Host-to-device copy rate of a Hopper GPU on PCIe Gen5 x16: nvbandwidth's
+# host_to_device_memcpy_sm measured 35.0-35.4 GB/s per GPU on an H100 cluster, and a
+# second user reports the same on H20 and H800 (NVIDIA/nvbandwidth#24)
+H2D_HOPPER = 35.0e9
 
 # --------------------------------------------------------------------------------------
 # Hardware (data, with sources)
@@ -90,6 +94,12 @@ class Hardware:
     gpus_per_node: int
     nic_bandwidth: float  # B/s per NIC (one NIC per GPU on these nodes)
     hbm_efficiency: float  # achievable fraction of hbm_bandwidth for streaming reads
+    # host memory -> GPU copy rate (B/s per GPU): how fast an engine loads new weights
+    # from a relay copy in its host's memory (0: unknown)
+    h2d_bandwidth: float = 0.0
+    # the achievable fraction of peak_flops of a large BF16 GEMM measured on this GPU
+    # (0: the engine's Efficiency.gemm_efficiency, an H100 measurement)
+    gemm_efficiency: float = 0.0
     source: str = field(default="", compare=False)
 
 
@@ -104,6 +114,7 @@ H800 = Hardware(
     gpus_per_node=8,
     nic_bandwidth=400e9 / 8,
     hbm_efficiency=6.081 / 8.0,
+    h2d_bandwidth=H2D_HOPPER,
     source=(
         "MISSION.md (989 TFLOP/s dense BF16, 80 GB HBM3 at 3.35 TB/s, NVLink 400 GB/s, "
         "8 x 400 Gb/s NICs); FlashMLA deep-dive (deepseek-ai/FlashMLA#75: H800 SXM5 "
@@ -124,6 +135,7 @@ H100 = Hardware(
     gpus_per_node=8,
     nic_bandwidth=400e9 / 8,
     hbm_efficiency=6.081 / 8.0,
+    h2d_bandwidth=H2D_HOPPER,
     source=(
         "NVIDIA H100 SXM datasheet as quoted in meta-pytorch/tritonbench#78 (989.5 TFLOP/s "
         "BF16 dense, 80 GB, 3.35 TB/s); NVLink4 900 GB/s bidirectional = 450 GB/s each way "
@@ -141,15 +153,43 @@ A100 = Hardware(
     gpus_per_node=8,
     nic_bandwidth=200e9 / 8,
     hbm_efficiency=1355.0 / 1555.0,
+    h2d_bandwidth=25.13e9,
     source=(
         "NVIDIA A100 datasheet (312 TFLOP/s BF16 dense, 80 GB HBM2e at 2.039 TB/s, NVLink3 "
         "600 GB/s bidirectional, 108 SMs); DGX A100: 8 x 200 Gb/s HDR NICs; hbm_efficiency: "
         "measured memcopy 1355 GB/s vs 1555 GB/s datasheet on A100 "
-        "(PTsolvers/gpu-workshop-JuliaCon23#7)"
+        "(PTsolvers/gpu-workshop-JuliaCon23#7); h2d_bandwidth: nvbandwidth "
+        "host_to_device_memcpy_sm 25.13 GB/s on an A100-SXM4 (NVIDIA/nvbandwidth#42)"
     ),
 )
 
-HARDWARE: dict[str, Hardware] = {h.name: h for h in (H800, H100, A100)}
+H20 = Hardware(
+    name="H20",
+    peak_flops=148e12,
+    hbm_bytes=96 * GB,
+    hbm_bandwidth=4.0e12,
+    # NVLink 900 GB/s bidirectional on the H20, 450 GB/s each way
+    nvlink_bandwidth=450e9,
+    sms=78,
+    gpus_per_node=8,
+    nic_bandwidth=400e9 / 8,
+    hbm_efficiency=6.081 / 8.0,
+    h2d_bandwidth=H2D_HOPPER,
+    gemm_efficiency=142.25 / 148.0,
+    source=(
+        "Hugging Face hardware page huggingface.co/hardware/h20 (148 TFLOP/s BF16 dense, "
+        "96 GB, 400 W); 96 GB HBM3 at 4.0 TB/s (unanswered.io, 'NVIDIA H20 HBM memory'); "
+        "NVLink 900 GB/s bidirectional, 450 GB/s one way (deepseek-ai/DeepEP#16: 'The H20 "
+        "NVLink's bi-directional bandwidth is 900 GB/s'); 78 SMs (SGLang/DeepEP H20 "
+        "settings: num_sms lowered 'because H20 has 78 SMs'); gemm_efficiency: a measured "
+        "BF16 10240^3 matmul at 142.25 TFLOP/s on an H20 (zzc0721/torch-performance-test-"
+        "data#77); NICs: 8 x 400 Gb/s as the HGX H100 board the H20 shares (an assumption: "
+        "verl's README does not state its network); hbm_efficiency and h2d_bandwidth as H800 "
+        "(NVIDIA/nvbandwidth#24 reports the same host-to-device figures on H20 and H800)"
+    ),
+)
+
+HARDWARE: dict[str, Hardware] = {h.name: h for h in (H800, H100, A100, H20)}
 
 
 # --------------------------------------------------------------------------------------
@@ -345,6 +385,19 @@ QWEN25_32B = ModelShape(
 QWEN25_72B = ModelShape(
     "Qwen2.5-72B", 80, 8192, 64, 8, 29568, 152064, source=_QWEN_SOURCE.format(name="Qwen2.5-72B")
 )
+# Qwen2.5-Math-7B is built on Qwen2.5-7B (its model card: base_model Qwen/Qwen2.5-7B): 28
+# layers, hidden 3584, 28 heads, 4 KV heads (k/v projections 512 x 3584), FFN 18944, vocab
+# 152064, untied; verl's fully-async recipe raises max_position_embeddings to 32768
+QWEN25_MATH_7B = ModelShape(
+    "Qwen2.5-Math-7B",
+    28,
+    3584,
+    28,
+    4,
+    18944,
+    152064,
+    source=_QWEN_SOURCE.format(name="Qwen2.5-Math-7B"),
+)
 
 # Llama 3 (the models of the public H100 measurements the calibration tests hold this
 # model to): no QKV bias, untied embeddings, vocab 128256, GQA with 8 KV heads.
@@ -423,6 +476,7 @@ MODELS: dict[str, ModelShape] = {
         QWEN25_14B,
         QWEN25_32B,
         QWEN25_72B,
+        QWEN25_MATH_7B,
         LLAMA3_8B,
         LLAMA3_70B,
         QWEN3_235B_A22B,
@@ -1198,4 +1252,6 @@ def default_model(model: str = "Qwen2.5-14B", hardware: str = "H800-SXM") -> Per
         hw = HARDWARE[hardware]
     except KeyError:
         raise errors.field_error("hardware", hardware, f"one of {', '.join(HARDWARE)}") from None
+    if hw.gemm_efficiency > 0:  # a GEMM efficiency measured on this GPU
+        return PerfModel(shape, hw, Efficiency(gemm_efficiency=hw.gemm_efficiency))
     return PerfModel(shape, hw)

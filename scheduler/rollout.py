@@ -43,9 +43,17 @@ every complete group. ``StepClose`` says which responses were carried, which gro
 dropped, and the trained tokens per weight version (the off-policy share is the part of
 them older than the step's own version).
 
-The step's length: :func:`step_seconds`, one function for every mode (the extension
-point for a fully asynchronous mode, whose trainer does not wait for a global weight
-sync).
+The step's length: :func:`step_seconds`, one function for every mode.
+
+- ``async`` (AReaL, verl's ``fully_async_policy``, Laminar, StaleFlow): the trainer and
+  the rollout engines run at once; a "step" is one weight version, the trainer's
+  ``N`` groups. New groups start only while they stay within the staleness bound
+  (:attr:`RolloutRule.admission_bound`, AReaL's integer ``max_staleness`` or verl's
+  fractional ``staleness_threshold``: at most ``(version + 1 + bound) x N`` groups
+  started in all, :func:`scheduler.async_rollout.admission_limit`); weights reach the
+  engines without a global phase. The step lasts the trainer's training plus its wait
+  for samples plus the part of the weight push it blocks on
+  (:func:`step_seconds`). The rules of that mode are in :mod:`scheduler.async_rollout`.
 """
 
 from __future__ import annotations
@@ -64,10 +72,12 @@ MAX_STALENESS_LIMIT = 16  # AReaL's largest bound is 8 (math); twice that is all
 
 
 class RolloutMode(StrEnum):
-    """How a step's generation ends (issue 32 adds a fully asynchronous mode)."""
+    """How a step's generation ends: every group (``full``), by a rule with carry-over
+    (``partial``), or never: trainer and rollout run at once (``async``)."""
 
     FULL = "full"
     PARTIAL = "partial"
+    ASYNC = "async"
 
 
 class StepEnd(StrEnum):
@@ -90,7 +100,10 @@ class RolloutRule:
     1.0 in full mode). ``max_staleness``: weight versions a response may span beyond the
     pipeline's own lag (0-16; AReaL's eta). ``token_budget`` (tokens) and
     ``time_budget_s`` (seconds) are the budgets of ``end = tokens`` and ``end = time``
-    and must be 0 otherwise."""
+    and must be 0 otherwise. ``staleness_threshold``: verl's fractional form of the
+    asynchronous mode's bound (0-16; 0: ``max_staleness`` is the bound); only with
+    ``mode = async``, whose ``end`` is ``all`` (no step end: the trainer takes its
+    groups as they complete)."""
 
     mode: RolloutMode = RolloutMode.FULL
     over_provision: float = 1.0
@@ -98,10 +111,24 @@ class RolloutRule:
     end: StepEnd = StepEnd.ALL
     token_budget: int = 0
     time_budget_s: float = 0.0
+    staleness_threshold: float = 0.0
 
     @property
     def partial(self) -> bool:
         return self.mode is RolloutMode.PARTIAL
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.mode is RolloutMode.ASYNC
+
+    @property
+    def admission_bound(self) -> float:
+        """The asynchronous mode's staleness bound ``eta``: at most ``(version + 1 +
+        eta) x N`` groups started in all (verl's ``staleness_threshold`` when set, else
+        AReaL's ``max_staleness``)."""
+        if self.staleness_threshold > 0:
+            return float(self.staleness_threshold)
+        return float(self.max_staleness)
 
     def problems(self, prefix: str = "rollout") -> list[str]:
         """Every problem of this rule, each naming the key, the value and what is
@@ -125,6 +152,21 @@ class RolloutRule:
             )
         elif not self.partial and op != 1.0:
             bad("over_provision", op, '1.0 unless rollout.mode = "partial"')
+        st = self.staleness_threshold
+        if (
+            not isinstance(st, int | float)
+            or isinstance(st, bool)
+            or math.isnan(st)
+            or not 0.0 <= st <= MAX_STALENESS_LIMIT
+        ):
+            bad(
+                "staleness_threshold",
+                st,
+                f"a number from 0 to {MAX_STALENESS_LIMIT} (verl's fractional bound; 0: "
+                "max_staleness is the bound)",
+            )
+        elif st != 0 and not self.asynchronous:
+            bad("staleness_threshold", st, '0 unless rollout.mode = "async"')
         if (
             not isinstance(self.max_staleness, int)
             or isinstance(self.max_staleness, bool)
@@ -141,7 +183,12 @@ class RolloutRule:
         if self.partial and self.end not in PARTIAL_ENDS:
             bad("end", self.end.value, 'one of groups, tokens, time with rollout.mode = "partial"')
         if not self.partial and self.end is not StepEnd.ALL:
-            bad("end", self.end.value, 'all with rollout.mode = "full" (it ends when all are done)')
+            bad(
+                "end",
+                self.end.value,
+                f'all with rollout.mode = "{self.mode.value}" (full: a step ends when all are '
+                "done; async: the trainer takes groups as they complete)",
+            )
         for key, value, rule in (
             ("token_budget", self.token_budget, StepEnd.TOKENS),
             ("time_budget_s", self.time_budget_s, StepEnd.TIME),
@@ -172,6 +219,7 @@ def build_rule(
     max_staleness: int = 1,
     token_budget: int = 0,
     time_budget_s: float = 0.0,
+    staleness_threshold: float = 0.0,
     prefix: str = "rollout",
 ) -> tuple[RolloutRule | None, list[str]]:
     """A rule from plain values (a config file, command-line flags): the rule, or None and
@@ -190,7 +238,9 @@ def build_rule(
         problems.append(str(errors.field_error(f"{prefix}.end", end, "one of " + ", ".join(ends))))
         return None, problems
     e = StepEnd(end) if end else (StepEnd.GROUPS if m is RolloutMode.PARTIAL else StepEnd.ALL)
-    rule = RolloutRule(m, over_provision, max_staleness, e, token_budget, time_budget_s)
+    rule = RolloutRule(
+        m, over_provision, max_staleness, e, token_budget, time_budget_s, staleness_threshold
+    )
     problems += rule.problems(prefix)
     return (None if problems else rule), problems
 
@@ -426,18 +476,25 @@ def close_step(
 @dataclass(frozen=True)
 class StepPhases:
     """One RL step's phases: generation (until its rule ended it), training of the
-    previous batch (overlapped), and the weight sync after both."""
+    previous batch (overlapped), and the weight sync after both. ``wait_s`` (asynchronous
+    mode): the time the trainer waited for complete groups during the step."""
 
     gen_s: float
     train_s: float
     sync_s: float
+    wait_s: float = 0.0
 
 
 def step_seconds(mode: RolloutMode, phases: StepPhases) -> float:
     """The step's length. Full and partial rollout run one step asynchronous: generation
     of step k overlaps training on step k-1's batch, and the weight sync waits for both,
     ``max(generation, training) + sync`` (a partial step's generation already lasts at
-    least as long as the training, :attr:`StepProgress.min_end_s`)."""
+    least as long as the training, :attr:`StepProgress.min_end_s`). Asynchronous mode:
+    generation never pauses the trainer, so a step (one weight version) is the trainer's
+    own time: its wait for samples, its training, and the part of the weight push it
+    blocks on, ``wait + training + sync``."""
     if mode in (RolloutMode.FULL, RolloutMode.PARTIAL):
         return max(phases.gen_s, phases.train_s) + phases.sync_s
+    if mode is RolloutMode.ASYNC:
+        return phases.wait_s + phases.train_s + phases.sync_s
     raise errors.field_error("mode", mode, "one of " + ", ".join(m.value for m in RolloutMode))

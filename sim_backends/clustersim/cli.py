@@ -2,6 +2,7 @@
 
 orl-sim run SCENARIO.toml [--json PATH]
 orl-sim reproduce [--out DIR] [--quick] [--seed N]
+orl-sim async-replay [--quick] [--seed N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ def _run(args: argparse.Namespace) -> int:
     from sim_backends.clustersim.scenario import load_scenario
 
     given = load_scenario(args.scenario)  # every input error surfaces before running
+    if given.rollout.mode == "async":
+        return _run_async(given, args.json)
     scenario, sweep = resolve_split(given)
     if sweep:
         print(
@@ -150,6 +153,106 @@ def _print_rollout(rl: Any) -> None:
     )
 
 
+def _run_async(scenario: Any, json_path: str | None) -> int:
+    """``orl-sim run`` on a ``rollout.mode = "async"`` scenario: one row per weight
+    version, then the run's throughput, lags, idle ratios and weight propagation."""
+    from sim_backends.clustersim.async_rl import run_async
+
+    run = run_async(scenario)
+    rule, pol = run.rule, run.policy
+    print(
+        f"{scenario.name}: {scenario.model.name} on {scenario.split.total_gpus} "
+        f"{scenario.cluster.hardware} GPUs, asynchronous RL (staleness bound "
+        f"{rule.admission_bound:g}), weights {pol.weight_update.value}"
+        + (f" (pull {pol.pull.value})" if pol.weight_update.value == "relay" else "")
+        + f", repack {'on' if pol.repack else 'off'}, reshard {'on' if pol.reshard else 'off'}, "
+        f"split planner {'on' if pol.plan_split else 'off'}, engines TP{run.static_tp}"
+    )
+    print(
+        f"{'version':>7} {'gen/train':>9} {'wait s':>8} {'train s':>8} {'sync s':>7} "
+        f"{'step s':>8} {'trained':>8} {'dropped':>8}  lag (p50/max)"
+    )
+    for v in run.versions:
+        lags = sorted(v.lags)
+        mid = lags[max(0, -(-len(lags) // 2) - 1)] if lags else 0
+        print(
+            f"{v.version:>7} {f'{v.gen_gpus}/{v.train_gpus}':>9} {v.wait_s:>8.2f} "
+            f"{v.train_s:>8.2f} {v.sync_s:>7.3f} {v.step_s:>8.2f} {v.responses:>8} "
+            f"{v.dropped_responses:>8}  {mid}/{lags[-1] if lags else 0}"
+        )
+    for line in run.plans:
+        print(f"  {line}")
+    d = run.summary()
+    print(
+        f"steady (versions {run.warmup}-{len(run.versions) - 1}): {run.samples_per_s:.2f} trained "
+        f"samples/s, {run.tokens_per_s:.0f} tokens/s, step {run.mean_step_s:.2f} s "
+        f"({run.mean_logged_step_s:.2f} s as verl logs it: wait + update); trainer idle "
+        f"{run.trainer_idle:.0%}, rollout idle {run.rollout_idle:.0%}; version lag p50 "
+        f"{d['lag_p50']:g}, p99 {d['lag_p99']:g}, max {d['lag_max']:g}; dropped "
+        f"{run.dropped_share:.1%}"
+    )
+    print(
+        f"weights: propagation (trainer end to the last engine on the version) mean "
+        f"{d['propagation_s']['mean']:.2f} s, max {d['propagation_s']['max']:.2f} s; engine "
+        f"stall per update mean {d['stall_s']['mean']:.3f} s; {run.aborted} requests aborted, "
+        f"{run.repacks} repacks ({run.repack_moves} moves), {run.reshards} reshards"
+    )
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(
+            json.dumps({"scenario": scenario.name, "async": d}, indent=1, sort_keys=True) + "\n"
+        )
+        print(f"wrote {json_path}")
+    return 0
+
+
+def _async_replay(args: argparse.Namespace) -> int:
+    """``orl-sim async-replay``: verl's published fully-async rows, the model of verl's
+    mode, OrchestrRL's mode and each mechanism alone; the version-propagation figure."""
+    from sim_backends.clustersim import async_report, propagation, replay
+    from sim_backends.clustersim.report import _table
+
+    start = time.monotonic()
+    rows: dict[str, Any] = {}
+    for pub in replay.PUBLISHED:
+        sys.stderr.write(f"replaying {pub.key} ({time.monotonic() - start:.0f} s)\n")
+        rows[pub.key] = replay.replay_row(pub, args.quick, args.seed)
+    stress = {"7b-128 rollout-bound (96:32)": replay.stress_row(args.quick, args.seed)}
+    out = {
+        "replay": {"source": replay.SOURCE, "rows": rows},
+        "stress": stress,
+        "propagation": propagation.propagation_figure(),
+        "quick": args.quick,
+        "seed": args.seed,
+    }
+    print(f"verl's published fully-async runs ({replay.SOURCE}) and the model")
+    print(_table(async_report.REPLAY_HEADER, async_report.replay_rows(out["replay"])))
+    print()
+    print("each mechanism alone: throughput over the model of verl on the same GPUs")
+    print(_table(async_report.ABLATION_HEADER, async_report.ablation_rows(out["replay"], stress)))
+    print()
+    for line in async_report.discussion(out):
+        print(f"- {line}")
+    print()
+    fig = out["propagation"]
+    print(
+        f"version propagation: {fig['model']} to {fig['rollout_gpus']} rollout GPUs on a "
+        f"{fig['oversubscription']:g}:1 core (engines TP{fig['engine_tp']})"
+    )
+    print(_table(async_report.PROPAGATION_HEADER, async_report.propagation_rows(fig)))
+    print(
+        f"leased {fig['leased_s']:.2f} s vs the static optical core {fig['static_s']:.2f} s "
+        f"({fig['ratio']:.2f}x); stall {fig['stall_s']:.3f} s (targets <= {fig['target_s']:g} "
+        f"s and <= {fig['stall_target_s']:g} s)"
+    )
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {args.json}")
+    print(f"took {time.monotonic() - start:.1f} s")
+    return 0
+
+
 def _reproduce(args: argparse.Namespace) -> int:
     from sim_backends.clustersim.report import write_json, write_report
     from sim_backends.clustersim.reproduce import Plan, run_all
@@ -193,10 +296,19 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--out", default="sim-results", help="output directory (default sim-results)")
     rep.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of seconds")
     rep.add_argument("--seed", type=int, default=1)
+    ar = sub.add_parser(
+        "async-replay",
+        help="replay verl's published fully-async runs beside OrchestrRL's asynchronous mode",
+    )
+    ar.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of seconds")
+    ar.add_argument("--seed", type=int, default=1)
+    ar.add_argument("--json", help="also write the results as JSON to this path")
     args = parser.parse_args(argv)
     try:
         if args.command == "run":
             return _run(args)
+        if args.command == "async-replay":
+            return _async_replay(args)
         return _reproduce(args)
     except errors.OrlError as exc:
         print(f"orl-sim: error: {exc}", file=sys.stderr)

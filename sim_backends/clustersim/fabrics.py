@@ -156,8 +156,15 @@ class FabricOptions:
     settle_margin_s: float = DEFAULT_SETTLING_MARGIN_S  # ToR-side optics lock after a switch
     slack_gate: bool = True  # False: rewire every phase and charge what the window hides not
     switch_radix: int = DEFAULT_SWITCH_RADIX
+    # optical fabrics: a pod's NICs per ToR uplink into the OCS layer (1: one uplink per
+    # NIC, non-blocking; 4: a 4:1 oversubscribed core whose circuits are re-pointable)
+    optical_oversubscription: float = 1.0
 
     def __post_init__(self) -> None:
+        if not self.optical_oversubscription >= 1:
+            raise errors.field_error(
+                "fabric.optical_oversubscription", self.optical_oversubscription, "a number >= 1"
+            )
         if not self.oversubscription >= 1:
             raise errors.field_error(
                 "fabric.oversubscription", self.oversubscription, "a number >= 1"
@@ -326,7 +333,8 @@ class Fabric:
         assert self._optical is not None
         if c.pods == 1:  # nothing above the one pod's leaves: no uplinks, no OCS
             return optical_cost(endpoints, 0, 0, o.ocs_ports, prices)
-        return optical_cost(endpoints, endpoints, self._optical.ocs_count, o.ocs_ports, prices)
+        uplinks = self._optical.uplinks
+        return optical_cost(endpoints, uplinks, self._optical.ocs_count, o.ocs_ports, prices)
 
     @property
     def circuits(self) -> frozenset[Circuit]:
@@ -401,7 +409,8 @@ def pod_name(pod: int) -> str:
 
 def optical_wiring(cluster: ClusterSpec, options: FabricOptions, roles: Sequence[Role]) -> Wiring:
     """The wiring the network planner sees for an optical fabric: one ToR group per pod
-    with one uplink per NIC of its nodes (1:1), spread over as few OCSes as the ports
+    with one uplink per NIC of its nodes (1:1; one per ``optical_oversubscription`` NICs
+    for an oversubscribed core), spread over as few OCSes as the ports
     allow, every pod with the same number of ports on each OCS (so any pod pair can
     meet on any OCS)."""
     pods = cluster.pods
@@ -413,7 +422,8 @@ def optical_wiring(cluster: ClusterSpec, options: FabricOptions, roles: Sequence
     sizes = [
         min(cluster.nodes_per_pod, cluster.nodes - i * cluster.nodes_per_pod) for i in range(pods)
     ]
-    uplinks = [s * cluster.nics_per_node for s in sizes]
+    ratio = options.optical_oversubscription
+    uplinks = [max(1, math.floor(s * cluster.nics_per_node / ratio + 1e-9)) for s in sizes]
     count = -(-max(uplinks) // per)
     ocses = tuple(
         Ocs(f"ocs{j:02d}", "", options.ocs_ports, options.ocs_switching_s) for j in range(count)
@@ -456,6 +466,7 @@ class _Optical:
         roles = [Role.TRAIN if i in train_pods else Role.GEN for i in range(pods)]
         self.wiring = optical_wiring(cluster, options, roles)
         self.ocs_count = len(self.wiring.ocses)
+        self.uplinks = sum(len(t.uplinks) for t in self.wiring.tors)
         self._pod_of_port = {
             (u.ocs, u.ocs_port): int(t.pod[3:]) for t in self.wiring.tors for u in t.uplinks
         }

@@ -193,12 +193,14 @@ def training_traffic(
     grad_bytes_per_param: int = 2,
     reference_model: bool = False,
     gpus: int = 0,
+    old_logprob: bool = True,
 ) -> TrainingTraffic:
     """The compute and collectives of training one RL step's batch of ``tokens`` on
     ``nodes`` (rank order) under ``layout``; ``flops_per_gpu`` = peak x training MFU.
     ``gpus``: the training GPUs when a node is shared with generation (fewer than
     ``nodes x gpus_per_node``; 0: every GPU of the nodes): compute is timed on them, the
-    collectives on the nodes."""
+    collectives on the nodes. ``old_logprob`` False: no pass recomputing the old policy's
+    log-probabilities (the engines' own are used); a reference model's pass stays."""
     problems = layout.problems(shape, len(nodes), gpus_per_node)
     if problems:
         raise errors.InvalidArgument("; ".join(problems))
@@ -211,7 +213,8 @@ def training_traffic(
     tok_mb = tokens / mini_batches
     active = shape.active_params
     update = 6.0 * active * tok_mb / (gpus * flops_per_gpu)
-    logprob = (2.0 + (2.0 if reference_model else 0.0)) * active * tokens / (gpus * flops_per_gpu)
+    passes = (2.0 if old_logprob else 0.0) + (2.0 if reference_model else 0.0)
+    logprob = passes * active * tokens / (gpus * flops_per_gpu)
     b, gb = shape.dtype_bytes, grad_bytes_per_param
     pats: list[Pattern] = []
 

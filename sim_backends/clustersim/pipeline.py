@@ -221,6 +221,7 @@ def training_step(s: Scenario, perf: PerfModel, tokens: int) -> TrainingTraffic:
         grad_bytes_per_param=s.training.grad_bytes_per_param,
         reference_model=s.training.reference_model,
         gpus=s.split.train_gpus if s.split.train_gpus % c.gpus_per_node else 0,
+        old_logprob=s.training.old_logprob,
     )
 
 
@@ -300,6 +301,7 @@ def make_fabric(s: Scenario, perf: PerfModel, kind: str | None = None, **opts: o
         ocs_switching_s=f.ocs_switching_s,
         ocs_ports=f.ocs_ports,
         reconfigure=f.reconfigure,
+        optical_oversubscription=f.optical_oversubscription,
     )
     if opts:
         options = replace(options, **opts)  # type: ignore[arg-type]
@@ -321,7 +323,8 @@ def _sync_transfers(
 def train_compute_s(s: Scenario, perf: PerfModel, tokens: int) -> float:
     """Training FLOPs of one RL step's batch over the training pool at the model's MFU
     (8 x active params x tokens, 10 with a reference model; :mod:`.parallel`)."""
-    factor = 6.0 + 2.0 + (2.0 if s.training.reference_model else 0.0)
+    factor = 6.0 + (2.0 if s.training.old_logprob else 0.0)
+    factor += 2.0 if s.training.reference_model else 0.0
     h, e = perf.hardware, perf.efficiency
     return (
         factor

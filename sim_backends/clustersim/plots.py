@@ -148,3 +148,44 @@ def plot_regimes(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_split_timeline(series: Mapping[str, Sequence[tuple[float, int]]], path: Path) -> None:
+    """Trainer GPUs per weight version over time (asynchronous runs), one line per row."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for label, points in series.items():
+        if not points:
+            continue
+        ax.step([t for t, _ in points], [g for _, g in points], where="post", label=label)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("trainer GPUs")
+    ax.set_title("The split planner: trainer GPUs over time")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_version_lag(lags: Mapping[str, Mapping[str, Sequence[int]]], path: Path) -> None:
+    """Share of trained trajectories per version lag, per row and mode."""
+    rows = list(lags)
+    fig, axes = plt.subplots(1, max(1, len(rows)), figsize=(3.2 * max(1, len(rows)), 3.4))
+    if len(rows) <= 1:
+        axes = [axes]
+    for ax, row in zip(axes, rows, strict=False):
+        modes = lags[row]
+        width = 0.8 / max(1, len(modes))
+        for i, (mode, values) in enumerate(modes.items()):
+            if not values:
+                continue
+            top = max(values)
+            xs = list(range(top + 1))
+            share = [sum(1 for v in values if v == x) / len(values) for x in xs]
+            ax.bar([x + i * width for x in xs], share, width=width, label=mode)
+        ax.set_title(row, fontsize=8)
+        ax.set_xlabel("version lag")
+    axes[0].set_ylabel("share of trained trajectories")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

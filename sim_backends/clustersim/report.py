@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrrl import errors
+from sim_backends.clustersim.async_report import section as async_section
 from sim_backends.clustersim.pipeline import SIM_PLANNER, RunResult
 from sim_backends.clustersim.reproduce import PAPER, POLICIES
 
@@ -711,6 +712,7 @@ def write_report(out: Mapping[str, Any], runs: Mapping[str, RunResult], outdir: 
             )
         )
         md.append("")
+    md += async_section(out, _table, outdir, plots)
     ops = out.get("sensitivity_over_provision", {})
     if ops:
         md += ["### Over-provisioning (partial rollout, static TP, the planner's split)", ""]

@@ -13,6 +13,10 @@
    with expert parallelism, at 1024 and 2048 GPUs, contiguous and scattered placement,
    every fabric: training + weight sync timed in closed form on the fabric; perf/cost
    with and without host links; where RFabric beats the best static fabric.
+1d. asynchronous RL (:mod:`.replay`, :mod:`.propagation`): verl's published fully-async
+   runs (H20) with a model of verl's mode, OrchestrRL's asynchronous mode on the same GPUs
+   and each of its mechanisms alone, a rollout-bound split of the 7B row, and the
+   version-propagation figure (32B to 64 rollout GPUs on a 4:1 core, leases vs static).
 3. sensitivity: OCS switching time (10 us .. 50 ms) on RFabric at 1024 GPUs; the
    generation/training split of the default and the DAPO-like suite scenarios (64 GPUs,
    1-4 training nodes): where the pipeline is generation- or training-bound, which split
@@ -38,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.rollout import FULL, RolloutMode, RolloutRule, StepEnd
-from sim_backends.clustersim import regimes
+from sim_backends.clustersim import propagation, regimes, replay
 from sim_backends.clustersim.generation import GenStepResult, decode_time
 from sim_backends.clustersim.pipeline import (
     RunResult,
@@ -324,6 +328,28 @@ def tasks(plan: Plan, out: dict[str, Any], runs: dict[str, RunResult]) -> Iterat
             out["rl"][s.name] = rl_row(s, plan)
 
         yield f"RL throughput {s.name}: full and partial rollout, split, TP", rl_one
+
+    asyn: dict[str, Any] = {"replay": {"source": replay.SOURCE, "rows": {}}, "stress": {}}
+    out["async"] = asyn
+    for pub in replay.PUBLISHED:
+
+        def one_replay(pub: replay.Published = pub) -> None:
+            asyn["replay"]["rows"][pub.key] = replay.replay_row(pub, plan.quick, plan.seed)
+
+        yield (
+            f"async replay {pub.key}: verl's mode, OrchestrRL's and each mechanism alone",
+            one_replay,
+        )
+
+    def one_stress() -> None:
+        asyn["stress"]["7b-128 rollout-bound (96:32)"] = replay.stress_row(plan.quick, plan.seed)
+
+    yield "async: a rollout-bound split of the 7B row", one_stress
+
+    def one_propagation() -> None:
+        asyn["propagation"] = propagation.propagation_figure()
+
+    yield "async: version propagation, 32B to 64 rollout GPUs on a 4:1 core", one_propagation
 
     out["network"] = {}
     for nodes in plan.network_nodes:
@@ -782,6 +808,30 @@ def headline(out: dict[str, Any]) -> list[tuple[str, str, str]]:
                 "split vs best static TP, full rollout",
                 f"{min(full.values()):.2f}x-{max(full.values()):.2f}x{dapo}",
                 "1.42x (up to; paper's end-to-end figure)",
+            )
+        )
+    async_rows = out.get("async", {}).get("replay", {}).get("rows", {})
+    if async_rows:
+        got = ", ".join(
+            f"{k} {r['variants']['orchestrrl']['speedup']:.2f}x (model of verl {r['error']:+.0%} "
+            "vs published)"
+            for k, r in async_rows.items()
+        )
+        rows.append(
+            (
+                "async RL: OrchestrRL's mode vs a model of verl's fully-async on the same GPUs",
+                got,
+                ">= 1.3x on 7b-128 and 30b-a3b-128 (issue 32's target)",
+            )
+        )
+    fig = out.get("async", {}).get("propagation")
+    if fig:
+        rows.append(
+            (
+                "version propagation, 32B to 64 rollout GPUs, 4:1 core, circuit leases",
+                f"{fig['leased_s']:.2f} s ({fig['ratio']:.2f}x faster than the static optical "
+                f"core; stall {fig['stall_s']:.2f} s)",
+                "<= 2 s, stall <= 0.2 s (issue 32's target)",
             )
         )
     for gpus, table in out.get("network", {}).items():

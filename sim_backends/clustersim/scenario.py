@@ -33,7 +33,8 @@ A scenario (every key optional except ``cluster.nodes``; defaults below)::
     [training]   ...  see TrainingConfig
     [parallelism] ... see sim_backends.clustersim.parallel.Parallelism
     [fabric]     ...  see FabricConfig
-    [rollout]    ...  see RolloutConfig (full or partial rollout)
+    [rollout]    ...  see RolloutConfig (full, partial or asynchronous rollout)
+    [async]      ...  see AsyncConfig (the asynchronous mode's weights, tail and split)
 
 Defaults and their public basis are documented on each dataclass.
 """
@@ -47,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrrl import errors
+from scheduler.async_rollout import MAX_LAG_LIMIT, MAX_LEASE_S, AsyncPolicy, Pull, WeightUpdate
 from scheduler.perf_model import HARDWARE, MODELS, default_model
 from scheduler.rollout import (
     MAX_OVER_PROVISION,
@@ -232,7 +234,10 @@ class TrainingConfig:
     2 x params x tokens to recompute the old policy's log-probabilities (plus as much
     again for a reference model when ``reference_model``; MoE: active parameters).
     ``model``: the shape trained (one of ``scheduler.perf_model.MODELS``, MoE
-    Qwen3-235B-A22B and Qwen3-30B-A3B among them); empty: ``model.name``. Generation is
+    Qwen3-235B-A22B and Qwen3-30B-A3B among them); empty: ``model.name``.
+    ``old_logprob``: the trainer recomputes the old policy's log-probabilities (the 2 x
+    params x tokens pass); false when the engines' own log-probs are used (verl's
+    fully-async recipe: ``use_rollout_log_probs=True``). Generation is
     timed with ``model.name``'s performance model, which has a MoE decode: with
     ``model.name`` = Qwen3-235B-A22B the instances are one node each (experts over the
     node's GPUs, on NVLink; the regime map of ``orl-sim reproduce`` also times instances
@@ -244,6 +249,7 @@ class TrainingConfig:
     reference_model: bool = False
     grad_bytes_per_param: int = 2
     model: str = ""
+    old_logprob: bool = True
 
 
 @dataclass(frozen=True)
@@ -263,7 +269,14 @@ class RolloutConfig:
     A partial step never ends before the trainer has finished the previous batch
     (generation goes on meanwhile). Carried requests recompute their KV cache on the new
     weights when admitted (a prefill of prompt and prefix, the migration path's
-    recompute)."""
+    recompute).
+
+    ``async``: the trainer and the engines run at once (AReaL, verl's fully-async
+    recipe); a step is one weight version. A new group starts only while the groups
+    started stay within ``(version + 1 + bound) x prompts_per_step``: the bound is
+    ``staleness_threshold`` (verl's fractional form, 0-16) when set, else
+    ``max_staleness`` (AReaL's integer eta). How the weights reach the engines, the
+    tail repack and the split planner are the ``[async]`` table's."""
 
     mode: str = "full"
     over_provision: float = 1.0
@@ -271,6 +284,7 @@ class RolloutConfig:
     end: str = ""
     token_budget: int = 0
     time_budget_s: float = 0.0
+    staleness_threshold: float = 0.0
 
     def built(self) -> tuple[RolloutRule | None, list[str]]:
         return build_rule(
@@ -280,6 +294,7 @@ class RolloutConfig:
             max_staleness=self.max_staleness,
             token_budget=self.token_budget,
             time_budget_s=self.time_budget_s,
+            staleness_threshold=self.staleness_threshold,
         )
 
     @property
@@ -289,6 +304,104 @@ class RolloutConfig:
         if rule is None:
             raise errors.InvalidArgument("; ".join(problems))
         return rule
+
+
+@dataclass(frozen=True)
+class AsyncConfig:
+    """The asynchronous mode (``rollout.mode = "async"``; :mod:`scheduler.async_rollout`).
+
+    ``weight_update``: ``relay`` (the trainer pushes each version once to relay copies
+    in the rollout nodes' memory, one head per rollout pod and a chain inside it, and goes
+    on; an engine loads it when its batch drains, ``pull = "drain"``, or at once,
+    aborting and resuming its requests, ``pull = "abort"``) or ``global`` (verl's: every
+    engine paused for one sync, its running requests aborted and resumed with their KV
+    recomputed). ``local_updates``: optimizer updates per version, each on
+    ``prompts_per_step / local_updates`` groups as they complete (verl's
+    ``trigger_parameter_sync_step``; each runs ``training.mini_batches`` optimizer
+    steps). ``max_lag``: a group whose oldest token is more versions behind the trainer
+    is dropped and counted (-1: none, as verl). ``repack``: the draining engines'
+    requests move onto as few of them as hold them (best fit, KV moved) every
+    ``repack_interval_s`` (5 s) and at each new version (engines at ``tail_fraction`` of
+    their seats or below; 1.0: all), so the others load the new version and take fresh
+    prompts; ``reshard``: whole nodes are emptied, and a node left with a tail reshards
+    to one engine of the node's width when that frees it sooner
+    (:func:`scheduler.repack.reshard_pays`). ``plan_split``: the split
+    planner moves GPUs between the pools every ``plan_every`` versions, within
+    ``min_train_gpus``..``max_train_gpus`` (0: unbounded). ``lease_s``: how long each
+    weight-broadcast wave may hold extra circuits (0: none; optical fabrics only),
+    ``repack_lease_s`` the same for bulk repack moves. ``versions``: weight versions
+    simulated, ``warmup``: the first ones left out of every mean."""
+
+    weight_update: str = "relay"
+    pull: str = "drain"
+    local_updates: int = 1
+    max_lag: int = -1
+    repack: bool = False
+    reshard: bool = False
+    tail_fraction: float = 1.0
+    repack_interval_s: float = 5.0
+    plan_split: bool = False
+    plan_every: int = 2
+    min_train_gpus: int = 0
+    max_train_gpus: int = 0
+    lease_s: float = 0.0
+    repack_lease_s: float = 0.0
+    versions: int = 8
+    warmup: int = 2
+
+    def built(self, gpus: int = 0, unit: int = 1) -> tuple[AsyncPolicy | None, list[str]]:
+        """The policy, or None and every problem (``gpus``/``unit``: the split's)."""
+        problems: list[str] = []
+        updates = [w.value for w in WeightUpdate]
+        pulls = [p.value for p in Pull]
+        if self.weight_update not in updates:
+            problems.append(
+                str(
+                    errors.field_error(
+                        "async.weight_update", self.weight_update, "one of " + ", ".join(updates)
+                    )
+                )
+            )
+        if self.pull not in pulls:
+            problems.append(
+                str(errors.field_error("async.pull", self.pull, "one of " + ", ".join(pulls)))
+            )
+        if not 2 <= self.versions <= 1000:
+            problems.append(
+                str(
+                    errors.field_error("async.versions", self.versions, "an integer from 2 to 1000")
+                )
+            )
+        if not 0 <= self.warmup < self.versions:
+            problems.append(
+                str(
+                    errors.field_error(
+                        "async.warmup",
+                        self.warmup,
+                        f"an integer from 0 to versions - 1 ({self.versions - 1})",
+                    )
+                )
+            )
+        if problems:
+            return None, problems
+        policy = AsyncPolicy(
+            WeightUpdate(self.weight_update),
+            Pull(self.pull),
+            self.local_updates,
+            self.max_lag,
+            self.repack,
+            self.reshard,
+            self.tail_fraction,
+            self.repack_interval_s,
+            self.plan_split,
+            self.plan_every,
+            self.min_train_gpus,
+            self.max_train_gpus,
+            self.lease_s,
+            self.repack_lease_s,
+        )
+        problems = policy.problems("async", gpus, unit)
+        return (None if problems else policy), problems
 
 
 @dataclass(frozen=True)
@@ -302,6 +415,7 @@ class FabricConfig:
     ocs_switching_s: float = 0.010
     ocs_ports: int = 320
     reconfigure: bool = True
+    optical_oversubscription: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -318,6 +432,7 @@ class Scenario:
     parallelism: Parallelism = field(default_factory=Parallelism)
     fabric: FabricConfig = FabricConfig()
     rollout: RolloutConfig = RolloutConfig()
+    asynchronous: AsyncConfig = AsyncConfig()
     source: str = field(default="", compare=False)
 
     @property
@@ -347,7 +462,10 @@ _SECTIONS: dict[str, type] = {
     "parallelism": Parallelism,
     "fabric": FabricConfig,
     "rollout": RolloutConfig,
+    "async": AsyncConfig,
 }
+# a section whose field on Scenario has another name ("async" is a Python keyword)
+_FIELD = {"async": "asynchronous"}
 _TOP = {"name": str, "seed": int, "steps": int}
 
 # (section, key) -> (minimum, inclusive) for numbers; everything else positive
@@ -381,6 +499,18 @@ _OWN_RANGE = {
     ("rollout", "max_staleness"): f"an integer from 0 to {MAX_STALENESS_LIMIT}",
     ("rollout", "token_budget"): 'an integer > 0 with rollout.end = "tokens", else 0',
     ("rollout", "time_budget_s"): 'a number > 0 with rollout.end = "time", else 0',
+    ("rollout", "staleness_threshold"): f"a number from 0 to {MAX_STALENESS_LIMIT}",
+    ("async", "local_updates"): "an integer from 1 to 64",
+    ("async", "max_lag"): f"-1 (no limit) or an integer from 0 to {MAX_LAG_LIMIT}",
+    ("async", "tail_fraction"): "a number in (0, 1]",
+    ("async", "repack_interval_s"): "a number from 0.1 to 3600 seconds",
+    ("async", "plan_every"): "an integer from 1 to 1000 versions",
+    ("async", "min_train_gpus"): "0 (no bound) or a number of GPUs",
+    ("async", "max_train_gpus"): "0 (no bound) or a number of GPUs",
+    ("async", "lease_s"): f"a number from 0 (no lease) to {MAX_LEASE_S:g} seconds",
+    ("async", "repack_lease_s"): f"a number from 0 (no lease) to {MAX_LEASE_S:g} seconds",
+    ("async", "versions"): "an integer from 2 to 1000",
+    ("async", "warmup"): "an integer from 0 to versions - 1",
 }
 
 
@@ -414,7 +544,7 @@ def parse_scenario(data: Mapping[str, Any], where: str = "scenario") -> Scenario
                 continue
             built = _section(key, value, problems)
             if built is not None:
-                sections[key] = built
+                sections[_FIELD.get(key, key)] = built
         else:
             problems.append(
                 f"{key}={value!r} is not valid: unknown key; allowed: {', '.join(allowed_top)}"
@@ -698,6 +828,16 @@ def _check_semantics(s: Scenario, problems: list[str]) -> None:
                     )
                 )
     problems += s.rollout.built()[1]
+    unit = s.split.unit(g) if s.split.unit_gpus >= 0 and g % max(1, s.split.unit_gpus) == 0 else g
+    problems += s.asynchronous.built(s.split.total_gpus, unit)[1]
+    if s.asynchronous != AsyncConfig() and s.rollout.mode != "async":
+        problems.append(
+            str(
+                errors.field_error(
+                    "rollout.mode", s.rollout.mode, "async when the scenario has an [async] table"
+                )
+            )
+        )
     f = s.fabric
     if f.kind not in FABRIC_KINDS:
         problems.append(
@@ -706,6 +846,14 @@ def _check_semantics(s: Scenario, problems: list[str]) -> None:
     if f.oversubscription < 1.0:
         problems.append(
             str(errors.field_error("fabric.oversubscription", f.oversubscription, ">= 1"))
+        )
+    if f.optical_oversubscription < 1.0:
+        problems.append(
+            str(
+                errors.field_error(
+                    "fabric.optical_oversubscription", f.optical_oversubscription, ">= 1"
+                )
+            )
         )
     if c.nodes_per_pod and c.nodes_per_pod > c.nodes:
         problems.append(

@@ -70,6 +70,31 @@ def test_run_with_partial_rollout_and_the_step_planner(tmp_path: Path) -> None:
     assert len(data["splits"]) == 5 and len(data["plans"]) == 3
 
 
+def test_run_an_asynchronous_scenario(tmp_path: Path) -> None:
+    out = tmp_path / "res.json"
+    proc = _orl_sim("run", "examples/sim/async.toml", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "asynchronous RL (staleness bound 0.5), weights relay (pull drain)" in proc.stdout
+    assert "version lag p50" in proc.stdout and "propagation" in proc.stdout
+    data = json.loads(out.read_text())["async"]
+    assert data["versions"] == 6 and data["samples_per_s"] > 0
+    assert len(data["steps"]) == 6 and data["repack"] and data["plan_split"]
+    again = tmp_path / "again.json"
+    assert _orl_sim("run", "examples/sim/async.toml", "--json", str(again)).returncode == 0
+    assert again.read_text() == out.read_text()  # deterministic for the scenario's seed
+
+
+def test_async_replay_quick_prints_the_tables_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "replay.json"
+    proc = _orl_sim("async-replay", "--quick", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "verl published s/step" in proc.stdout and "balance bound" in proc.stdout
+    assert "version propagation" in proc.stdout
+    data = json.loads(out.read_text())
+    assert set(data["replay"]["rows"]) == {"7b-32", "7b-64", "7b-128", "30b-a3b-128"}
+    assert data["propagation"]["ratio"] > 1.0
+
+
 def test_bad_scenario_is_rejected_before_running(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text(
@@ -87,7 +112,7 @@ def test_bad_scenario_is_rejected_before_running(tmp_path: Path) -> None:
 def test_reproduce_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     proc = _orl_sim("reproduce", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    assert "] 24/24" in proc.stderr  # the progress bar reached the end
+    assert "] 30/30" in proc.stderr  # the progress bar reached the end
     assert "compute 64 GPUs Qwen2.5-14B" in proc.stdout and "paper" in proc.stdout
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results) >= {"compute", "network", "sensitivity_switching", "sensitivity_split"}
@@ -195,7 +220,21 @@ def test_reproduce_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     assert "## 1c. dapo-14b: what moves it toward 1.4x" in report
     assert set(results["sensitivity_over_provision"]) == {"default-14b", "dapo-14b"}
     assert "RL throughput, suite" in proc.stdout
+    # the asynchronous mode: verl's published rows replayed, each mechanism alone, the
+    # version-propagation figure
+    asyn = results["async"]
+    assert set(asyn["replay"]["rows"]) == {"7b-32", "7b-64", "7b-128", "30b-a3b-128"}
+    for row in asyn["replay"]["rows"].values():
+        assert row["variants"]["verl"]["speedup"] == 1.0
+        assert {"split", "relay", "repack", "reshard", "circuits", "orchestrrl"} <= set(
+            row["variants"]
+        )
+        assert row["published"]["step_s"] > 0 and "error" in row
+    assert asyn["propagation"]["leased_s"] <= asyn["propagation"]["static_s"]
+    assert "## 1d. Asynchronous RL" in report and "Version propagation" in report
+    assert "async RL: OrchestrRL's mode" in proc.stdout
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert "async-split.png" in pngs and "async-lag.png" in pngs
     assert "regime-map.png" in pngs
     assert "perf-cost.png" in pngs and any(p.startswith("timeline-") for p in pngs)
     assert all((tmp_path / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)

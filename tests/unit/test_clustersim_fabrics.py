@@ -69,6 +69,21 @@ def test_oversubscription_slows_pod_to_pod_traffic_by_its_ratio() -> None:
     assert r_full.link_utilisation["nic"] == pytest.approx(8 / 32)  # 8 of 32 node directions
 
 
+def test_an_oversubscribed_optical_core_has_fewer_uplinks_that_a_phase_can_re_point() -> None:
+    # pod 0 sends to pod 2 only: 8 NICs per pod, 2 uplinks at 4:1; the RFabric phase plan
+    # points both at pod 2, the standing plan (training mesh + sync) spreads them
+    transfers = [Transfer(i, 8 + i, 25 * GB) for i in range(4)]
+    thin = FabricOptions(optical_oversubscription=4.0)
+    rf = build_fabric(FabricKind.RFABRIC, SMALL, thin, TRAIN, GEN)
+    full = build_fabric(FabricKind.RFABRIC, SMALL, FabricOptions(), TRAIN, GEN)
+    assert rf.cost().total < full.cost().total  # a quarter of the uplinks and OCS ports
+    leased = rf.run_phase("weight-sync", transfers, idle_window_s=1.0)
+    assert leased.seconds == pytest.approx(4.0)  # 100 GB over 2 circuits of 12.5 GB/s
+    assert full.run_phase("weight-sync", transfers, idle_window_s=1.0).seconds == pytest.approx(1.0)
+    with pytest.raises(errors.InvalidArgument, match="optical_oversubscription"):
+        FabricOptions(optical_oversubscription=0.5)
+
+
 def test_rail_optimised_performs_as_the_fat_tree() -> None:
     transfers = weight_sync_transfers(TRAIN, GEN, 40 * GB, SMALL) + ring_allreduce(TRAIN, 8 * GB)
     rail = build_fabric(FabricKind.RAIL, SMALL, FabricOptions(), TRAIN, GEN)

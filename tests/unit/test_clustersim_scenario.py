@@ -185,7 +185,7 @@ def test_rollout_defaults_to_full_and_partial_keys_build_the_rule() -> None:
 @pytest.mark.parametrize(
     ("rollout", "needle"),
     [
-        ({"mode": "async"}, "rollout.mode='async' is not valid: one of full, partial"),
+        ({"mode": "eager"}, "rollout.mode='eager' is not valid: one of full, partial, async"),
         (
             {"mode": "partial", "over_provision": 2.5},
             "rollout.over_provision=2.5 is not valid: a number from 1.0 to 2.0",
@@ -222,3 +222,125 @@ def test_bad_rollout_values_name_the_key_the_value_and_the_range(
     rollout: dict[str, Any], needle: str
 ) -> None:
     assert needle in _error({"cluster": {"nodes": 8}, "rollout": rollout})
+
+
+# -- the asynchronous mode ([rollout] mode = "async" and the [async] table) --
+
+
+def test_an_asynchronous_scenario_parses_with_either_staleness_form() -> None:
+    p = parse_scenario(
+        {
+            "cluster": {"nodes": 4},
+            "rollout": {"mode": "async", "staleness_threshold": 0.5},
+            "async": {"weight_update": "relay", "repack": True, "reshard": True, "lease_s": 2},
+        }
+    )
+    assert p.rollout.rule.asynchronous and p.rollout.rule.admission_bound == 0.5
+    policy, problems = p.asynchronous.built(p.split.total_gpus, 8)
+    assert problems == [] and policy is not None
+    assert policy.repack and policy.reshard and policy.lease_s == 2.0
+    areal = parse_scenario(
+        {"cluster": {"nodes": 4}, "rollout": {"mode": "async", "max_staleness": 2}}
+    )
+    assert areal.rollout.rule.admission_bound == 2.0
+
+
+@pytest.mark.parametrize(
+    ("table", "needle"),
+    [
+        (
+            {"weight_update": "broadcast"},
+            "async.weight_update='broadcast' is not valid: one of global, relay",
+        ),
+        ({"pull": "later"}, "async.pull='later' is not valid: one of drain, abort"),
+        ({"local_updates": 0}, "async.local_updates=0 is not valid: an integer from 1 to 64"),
+        (
+            {"max_lag": -2},
+            "async.max_lag=-2 is not valid: -1 (no limit) or an integer from 0 to 64",
+        ),
+        (
+            {"max_lag": 65},
+            "async.max_lag=65 is not valid: -1 (no limit) or an integer from 0 to 64",
+        ),
+        ({"tail_fraction": 1.5}, "async.tail_fraction=1.5 is not valid: a number in (0, 1]"),
+        ({"tail_fraction": 0}, "async.tail_fraction=0.0 is not valid: a number in (0, 1]"),
+        (
+            {"repack_interval_s": 0.01},
+            "async.repack_interval_s=0.01 is not valid: a number from 0.1 to 3600 seconds",
+        ),
+        ({"reshard": True}, "async.reshard=True is not valid: false unless async.repack = true"),
+        ({"plan_every": 0}, "async.plan_every=0 is not valid: an integer from 1 to 1000"),
+        ({"lease_s": -1}, "async.lease_s=-1.0 is not valid: a number from 0 (no lease) to 600"),
+        ({"lease_s": 601}, "async.lease_s=601.0 is not valid: a number from 0 (no lease) to 600"),
+        (
+            {"repack_lease_s": "long"},
+            "async.repack_lease_s='long' is not valid: a number from 0 (no lease) to 600",
+        ),
+        (
+            {"min_train_gpus": 12},
+            "async.min_train_gpus=12 is not valid: 0 (no bound) or a multiple of 8 GPUs "
+            "from 8 to 24",
+        ),
+        (
+            {"max_train_gpus": 32},
+            "async.max_train_gpus=32 is not valid: 0 (no bound) or a multiple of 8 GPUs "
+            "from 8 to 24",
+        ),
+        (
+            {"min_train_gpus": 24, "max_train_gpus": 16},
+            "async.min_train_gpus=24 is not valid: at most async.max_train_gpus (16)",
+        ),
+        ({"versions": 1}, "async.versions=1 is not valid: an integer from 2 to 1000"),
+        (
+            {"versions": 4, "warmup": 4},
+            "async.warmup=4 is not valid: an integer from 0 to versions - 1",
+        ),
+        ({"lag": 3}, "async.lag=3 is not valid: unknown key"),
+    ],
+)
+def test_bad_async_values_name_the_key_the_value_and_the_range(
+    table: dict[str, Any], needle: str
+) -> None:
+    data = {"cluster": {"nodes": 4}, "rollout": {"mode": "async"}, "async": table}
+    assert needle in _error(data)
+
+
+@pytest.mark.parametrize(
+    ("rollout", "needle"),
+    [
+        (
+            {"mode": "async", "staleness_threshold": 17},
+            "rollout.staleness_threshold=17.0 is not valid: a number from 0 to 16",
+        ),
+        (
+            {"mode": "async", "staleness_threshold": -0.5},
+            "rollout.staleness_threshold=-0.5 is not valid: a number from 0 to 16",
+        ),
+        (
+            {"mode": "full", "staleness_threshold": 0.5},
+            'rollout.staleness_threshold=0.5 is not valid: 0 unless rollout.mode = "async"',
+        ),
+    ],
+)
+def test_bad_staleness_thresholds_are_refused(rollout: dict[str, Any], needle: str) -> None:
+    assert needle in _error({"cluster": {"nodes": 4}, "rollout": rollout})
+
+
+def test_an_async_table_needs_the_asynchronous_mode() -> None:
+    err = _error({"cluster": {"nodes": 4}, "async": {"repack": True}})
+    assert "rollout.mode='full' is not valid: async when the scenario has an [async] table" in err
+
+
+def test_bad_optical_oversubscription_is_refused() -> None:
+    err = _error({"cluster": {"nodes": 4}, "fabric": {"optical_oversubscription": 0.5}})
+    assert "fabric.optical_oversubscription=0.5 is not valid: >= 1" in err
+
+
+def test_verls_replay_scenarios_are_valid() -> None:
+    from sim_backends.clustersim.replay import PUBLISHED, VERL_DIR
+
+    for pub in PUBLISHED:
+        s = load_scenario(VERL_DIR / pub.scenario)
+        assert s.cluster.hardware == "H20" and s.rollout.rule.admission_bound == 0.5
+        assert s.split.total_gpus == pub.gpus
+        assert s.asynchronous.built(s.split.total_gpus, 8)[0] is not None

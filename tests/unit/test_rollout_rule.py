@@ -52,7 +52,7 @@ def test_defaults_are_full_rollout_and_partial_ends_by_groups() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [
-        ({"mode": "half"}, "rollout.mode='half' is not valid: one of full, partial"),
+        ({"mode": "half"}, "rollout.mode='half' is not valid: one of full, partial, async"),
         (
             {"mode": "partial", "over_provision": 2.5},
             "rollout.over_provision=2.5 is not valid: a number from 1.0 to 2.0",
@@ -179,7 +179,59 @@ def test_step_seconds_is_the_one_step_asynchronous_pipeline() -> None:
     assert step_seconds(RolloutMode.FULL, StepPhases(10.0, 12.0, 1.0)) == 13.0
     assert step_seconds(RolloutMode.PARTIAL, StepPhases(15.0, 12.0, 1.0)) == 16.0
     with pytest.raises(errors.InvalidArgument, match="mode"):
-        step_seconds("async", StepPhases(1.0, 1.0, 1.0))  # type: ignore[arg-type]
+        step_seconds("fully-async", StepPhases(1.0, 1.0, 1.0))  # type: ignore[arg-type]
+
+
+def test_an_asynchronous_step_is_the_trainers_own_time() -> None:
+    # generation never pauses the trainer: its wait, its training, its blocking push
+    phases = StepPhases(gen_s=500.0, train_s=100.0, sync_s=0.5, wait_s=20.0)
+    assert step_seconds(RolloutMode.ASYNC, phases) == 120.5
+
+
+def test_the_asynchronous_bound_takes_either_form() -> None:
+    areal, problems = build_rule(mode="async", max_staleness=2)
+    assert problems == [] and areal is not None
+    assert areal.asynchronous and not areal.partial and areal.end is StepEnd.ALL
+    assert areal.admission_bound == 2.0
+    verl, problems = build_rule(mode="async", staleness_threshold=0.5)
+    assert problems == [] and verl is not None and verl.admission_bound == 0.5
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        (
+            {"mode": "async", "staleness_threshold": -0.1},
+            "rollout.staleness_threshold=-0.1 is not valid: a number from 0 to 16",
+        ),
+        (
+            {"mode": "async", "staleness_threshold": 16.5},
+            "rollout.staleness_threshold=16.5 is not valid: a number from 0 to 16",
+        ),
+        (
+            {"mode": "async", "staleness_threshold": math.nan},
+            "rollout.staleness_threshold=nan is not valid: a number from 0 to 16",
+        ),
+        (
+            {"mode": "partial", "staleness_threshold": 0.5},
+            'rollout.staleness_threshold=0.5 is not valid: 0 unless rollout.mode = "async"',
+        ),
+        (
+            {"mode": "async", "end": "groups"},
+            "rollout.end='groups' is not valid: all with rollout.mode = \"async\"",
+        ),
+        (
+            {"mode": "async", "over_provision": 1.5},
+            'rollout.over_provision=1.5 is not valid: 1.0 unless rollout.mode = "partial"',
+        ),
+    ],
+)
+def test_bad_asynchronous_rules_name_the_key_value_and_range(
+    kwargs: dict[str, object], expected: str
+) -> None:
+    rule, problems = build_rule(**kwargs)  # type: ignore[arg-type]
+    assert rule is None
+    assert any(p.startswith(expected) for p in problems), problems
 
 
 # -- closing a step -------------------------------------------------------------------------
