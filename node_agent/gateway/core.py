@@ -736,7 +736,7 @@ class GatewayCore:
                 continue
             req.where = Where.REMOTE
             req.remote = destination.node
-            req.hops.append(destination.node)
+            req.hop(destination.node)
             self._followers.start_following(req.id)
             actions.append(StartFollow(req.id, destination, len(req.output)))
         return released, actions
@@ -786,7 +786,10 @@ class GatewayCore:
             req.logprobs[:] = parsed.logprobs or ()
             req.update_policy = parsed.update_policy
             here = parsed.hops[-1:] == (self.node,)
-            req.hops[:] = parsed.hops if here else [*parsed.hops, self.node]
+            req.hops[:] = parsed.hops
+            req.hop_starts[:] = parsed.hop_starts or [0] * len(parsed.hops)
+            if not here:
+                req.hop(self.node)
             if not req.origin and not self._followers.followed(req.id):
                 self._followers.orphaned(req.id, now)  # until its source follows it
             admitted.append(req)
@@ -846,7 +849,7 @@ class GatewayCore:
             "follow_lost_resuming_here", request=req.id, destination=destination.node, why=why
         )
         req.remote = ""
-        req.hops.append(self.node)
+        req.hop(self.node)
         self._enqueue(req)
         return self._dispatch()
 
@@ -1015,6 +1018,7 @@ class GatewayCore:
             source_node=source_node,
             group=group,
             hops=[self.node],
+            hop_starts=[0],
         )
         self.requests[rid] = req
         return req

@@ -644,6 +644,7 @@ def _orl(req: Request) -> dict[str, Any]:
         "request_id": req.id,
         "weight_versions": [list(v) for v in req.versions],
         "nodes": list(req.hops),
+        "node_starts": list(req.hop_starts),  # output tokens it had on arriving at each
     }
 
 

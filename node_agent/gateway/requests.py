@@ -73,8 +73,13 @@ class Request:
     calls: int = 0  # calls made on engines (for unique engine request ids)
     failures: int = 0  # calls that failed while their instance stayed up
     hops: list[str] = field(default_factory=list)  # the nodes it ran on, in order
+    hop_starts: list[int] = field(default_factory=list)  # output length on arriving at each
     created_wall: float = field(default_factory=time.time)  # seconds since the Unix epoch
     _waiters: list[asyncio.Future[None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.hop_starts) != len(self.hops):  # made without them: all from the start
+            self.hop_starts = [0] * len(self.hops)
 
     @property
     def done(self) -> bool:
@@ -104,6 +109,11 @@ class Request:
             self.versions.append((len(self.output), version))
         self.output.extend(tokens)
         self.notify()
+
+    def hop(self, node: str) -> None:
+        """It goes on on ``node`` from its output so far."""
+        self.hops.append(node)
+        self.hop_starts.append(len(self.output))
 
     def version_per_token(self) -> list[str]:
         """The weight version of each output token."""
@@ -176,6 +186,7 @@ class Request:
             "sampling": self.sampling.as_dict(),
             "versions": [list(v) for v in self.versions],
             "hops": self.hops,
+            "hop_starts": self.hop_starts,
         }
         if self.want_logprobs:
             doc["logprobs"] = self.logprobs
@@ -190,6 +201,7 @@ class ImportedState:
     versions: tuple[tuple[int, str], ...]
     hops: tuple[str, ...]
     logprobs: tuple[float, ...] | None = None  # None: the client did not ask for them
+    hop_starts: tuple[int, ...] = ()  # parallel to hops (older senders: none)
     update_policy: str = ""
 
 
@@ -204,6 +216,7 @@ def parse_engine_state(data: bytes, output_len: int) -> ImportedState:
         sampling = Sampling.from_dict(doc.get("sampling") or {}, "engine_state.sampling")
         versions = tuple((int(i), str(v)) for i, v in doc.get("versions") or [])
         hops = tuple(str(h) for h in doc.get("hops") or [])
+        hop_starts = tuple(int(i) for i in doc.get("hop_starts") or [])
         raw = doc.get("logprobs")
         logprobs = None if raw is None else tuple(float(x) for x in raw)
         policy = str(doc.get("update_policy") or "")
@@ -228,4 +241,21 @@ def parse_engine_state(data: bytes, output_len: int) -> ImportedState:
         )
     if policy and policy not in UPDATE_POLICIES:
         raise errors.field_error("engine_state.update_policy", policy, " or ".join(UPDATE_POLICIES))
-    return ImportedState(sampling, versions, hops, logprobs, policy)
+    if hop_starts and (
+        len(hop_starts) != len(hops)
+        or list(hop_starts) != sorted(hop_starts)
+        or any(i < 0 or i > output_len for i in hop_starts)
+    ):
+        raise errors.field_error(
+            "engine_state.hop_starts",
+            list(hop_starts[:5]),
+            f"one non-decreasing output index in 0..{output_len} per hop",
+        )
+    return ImportedState(
+        sampling,
+        versions,
+        hops,
+        logprobs=logprobs,
+        update_policy=policy,
+        hop_starts=hop_starts,
+    )

@@ -514,6 +514,7 @@ def meta_info(req: Request, now_version: str, now_wall: float) -> dict[str, Any]
         "request_id": req.id,
         "weight_versions": [list(v) for v in req.versions],
         "nodes": list(req.hops),
+        "node_starts": list(req.hop_starts),
     }
     return info
 

@@ -61,7 +61,12 @@ async def test_n_samples_with_their_logprobs_in_one_answer(gw: Gateway) -> None:
         assert c["index"] == i and c["token_ids"] == expected
         assert c["logprobs"]["tokens"] == [f"token_id:{t}" for t in expected]
         assert c["logprobs"]["token_logprobs"] == greedy_logprobs(PROMPT, expected)
-        assert c["orl"] == {"request_id": f"g1-{i}", "weight_versions": [[0, "0"]], "nodes": ["n0"]}
+        assert c["orl"] == {
+            "request_id": f"g1-{i}",
+            "weight_versions": [[0, "0"]],
+            "nodes": ["n0"],
+            "node_starts": [0],
+        }
     assert answer["usage"] == {"prompt_tokens": 5, "completion_tokens": 80, "total_tokens": 85}
     # the samples are one group (the completion's id), as the compute planner sees them
     assert gw.engine.progress().completed_groups == ("g1",) * 4

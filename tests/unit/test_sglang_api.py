@@ -344,7 +344,12 @@ def test_an_output_across_a_weight_update() -> None:
         "completion_tokens": 3,
         "weight_version": "v2",  # the last token's
         "output_token_logprobs": [[-0.5, 4, None], [-1.5, 5, None], [-0.25, 6, None]],
-        "orl": {"request_id": "r1", "weight_versions": [[0, "v1"], [2, "v2"]], "nodes": ["n0"]},
+        "orl": {
+            "request_id": "r1",
+            "weight_versions": [[0, "v1"], [2, "v2"]],
+            "nodes": ["n0"],
+            "node_starts": [0],
+        },
     }
     req.end(Where.FINISHED, "length")
     meta = meta_info(req, "v3", 102.5)
