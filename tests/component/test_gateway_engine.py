@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ from node_agent.gateway.engine import GatewayConfig, GatewayEngine
 from node_agent.gateway.requests import Request, RequestFailed, Where
 from orchestrrl import errors
 from sim_backends.token_engine import EngineRecord, Hold, LocalPeers, ScriptedEngine, greedy
-from tests.helpers import eventually
+from tests.helpers import FakeClock, eventually
 
 pytestmark = pytest.mark.component
 
@@ -53,6 +54,7 @@ class Cluster:
         tune: Callable[[ScriptedEngine], None] | None = None,
         config: GatewayConfig | None = None,
         hold: Hold | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> Node:
         record = EngineRecord()
         node = Node(name, None, record)  # type: ignore[arg-type]
@@ -73,6 +75,7 @@ class Cluster:
             peers=self.peers,
             node=name,
             config=config or GatewayConfig(restart_backoff_s=(0.01, 0.01)),
+            clock=clock,
         )
         await node.engine.start()
         self.nodes[name] = node
@@ -379,15 +382,36 @@ async def test_a_lost_destination_resumes_the_request_at_its_source(cluster: Clu
 
 
 async def test_an_import_nobody_follows_is_aborted_after_the_grace(cluster: Cluster) -> None:
-    b = await cluster.add("b", (1,), delay=0.01, config=GatewayConfig(orphan_grace_s=0.1))
-    a = await cluster.add("a", (1,), delay=0.01)
+    # b's grace runs on a fake clock, and b holds the request at 50 tokens: it runs on
+    # b until the test says otherwise
+    clock = FakeClock()
+    config = GatewayConfig(orphan_grace_s=0.1)
+    b = await cluster.add("b", (1,), config=config, hold=Hold(3 + 50), clock=clock)
+    a = await cluster.add("a", (1,))
     req = a.engine.submit(prompt(0), 1000, GREEDY)
     await eventually(lambda: len(req.output) > 2)
     await migrate(a, b, [req.id])
-    await eventually(lambda: b.engine.request(req.id) is not None)
-    assert a.engine.abort([req.id]) == []  # the client goes away
-    await eventually(lambda: b.engine.request(req.id) is None, within_s=10)
-    assert b.engine.stats().running_requests == 0
+    await eventually(lambda: len(req.output) == 50)  # a follows it on b
+    clock.now += 1.0  # long past the grace: a followed request stays
+    await asyncio.sleep(0.2)  # (the reaper looks every 0.05 s)
+    moved = b.engine.request(req.id)
+    assert moved is not None
+
+    def where() -> Where:
+        assert moved is not None
+        return moved.where
+
+    assert where() is Where.RUNNING
+    assert a.engine.abort([req.id]) == []  # the client goes away: a stops following
+    await asyncio.sleep(0.2)
+    assert where() is Where.RUNNING  # not yet: no time has passed on b's clock
+
+    def reaped() -> bool:
+        clock.now += 0.01  # from now on, b's clock moves
+        return b.engine.request(req.id) is None
+
+    await eventually(reaped)
+    assert where() is Where.ABORTED and b.engine.stats().running_requests == 0
 
 
 async def test_client_abort_and_unknown_ids(cluster: Cluster) -> None:
