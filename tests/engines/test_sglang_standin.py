@@ -225,6 +225,10 @@ async def test_pause_in_place_keeps_the_calls_and_their_progress(
     readers = [asyncio.create_task(read_all(r)) for r in reqs]
     await until_held(reqs, 11, server)
     await node.engine.pause()
+    async with aiohttp.ClientSession() as http:  # (the stand-in's hold refuses nonsense)
+        for bad in (0, "11", 1.5):
+            async with http.post(server.base + "/orl_fake/hold", json={"at": bad}) as r:
+                assert r.status == 400 and f"at={bad!r}" in (await r.json())["error"]
     await hold(server, None)
     await asyncio.sleep(0.3)  # 180 decode steps at the stand-in's rate, if it were not paused
     assert [len(r.output) for r in reqs] == [11] * 3
