@@ -41,7 +41,7 @@ from tests.engines.conftest import (
     settings_for,
     stream_http,
 )
-from tests.helpers import eventually
+from tests.helpers import until
 
 pytestmark = pytest.mark.engine
 
@@ -422,9 +422,15 @@ async def test_logprobs_and_an_update_from_disk_with_a_call_in_flight(
                 got.extend(chunk.token_ids)
                 got_lps.extend(chunk.logprobs)
 
+        await hold(server, len(PROMPTS[1]) + 20)  # mid-response when the pause comes
         reader = asyncio.create_task(read())
-        await eventually(lambda: len(got) >= 20, within_s=60)
+
+        async def held_there() -> bool:  # (with --stream-interval 3 some are not sent yet)
+            return await held(server) == 1
+
+        await until(held_there)
         await server.pause("keep")
+        await hold(server, None)  # only the pause holds it now
         await server.update_weights(path, version="step-2")
         await server.resume()
         await asyncio.wait_for(reader, 60)
