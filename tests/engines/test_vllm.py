@@ -33,6 +33,7 @@ from tests.engines.conftest import (
     check_logprobs,
     cpu_placement,
     generate,
+    generating_below_the_test,
     read_all,
     settings_for,
     stream_http,
@@ -140,11 +141,12 @@ async def paused_mid_response(
     repeated. Returns the requests, every one of them mid-response with ``a`` paused, and
     their readers."""
     for _attempt in range(3):
-        reqs = submit()
-        tally.submitted += reqs
-        readers = [asyncio.create_task(read_all(r)) for r in reqs]
-        await eventually(lambda: started(reqs), within_s=120)  # noqa: B023
-        await a.engine.pause()
+        with generating_below_the_test(a.live()):  # until the pause has landed
+            reqs = submit()
+            tally.submitted += reqs
+            readers = [asyncio.create_task(read_all(r)) for r in reqs]
+            await eventually(lambda: started(reqs), within_s=120)  # noqa: B023
+            await a.engine.pause()
         await until(tally.drained)
         if not any(r.done for r in reqs):
             return reqs, readers
@@ -319,9 +321,10 @@ async def test_a_weight_update_in_place_equals_a_fresh_engine(
                 async for chunk in server.generate(sub):
                     tokens += chunk.token_ids
 
-            reader = asyncio.create_task(read(PROMPTS[i], tokens, f"across-{i}"))
-            await eventually(lambda: len(tokens) >= 50 or reader.done(), within_s=120)  # noqa: B023
-            await server.pause("keep")
+            with generating_below_the_test([server]):  # until the pause has landed
+                reader = asyncio.create_task(read(PROMPTS[i], tokens, f"across-{i}"))
+                await eventually(lambda: len(tokens) >= 50 or reader.done(), within_s=120)  # noqa: B023
+                await server.pause("keep")
             await server.update_weights(path, version="step-2")  # paused by the caller: stays
             await server.resume()
             await asyncio.wait_for(reader, 300)
@@ -369,9 +372,10 @@ async def test_pause_abort_ends_the_calls_in_flight_retryably(nodes: Nodes) -> N
             async for chunk in server.generate(Submission(rid, tuple(PROMPTS[0]), n, GREEDY)):
                 tokens.extend(chunk.token_ids)
 
-        reader = asyncio.create_task(read(tokens, f"to-abort-{attempt}"))
-        await eventually(lambda: len(tokens) >= 5 or reader.done(), within_s=120)  # noqa: B023
-        await server.pause("abort")
+        with generating_below_the_test([server]):  # until the abort has landed
+            reader = asyncio.create_task(read(tokens, f"to-abort-{attempt}"))
+            await eventually(lambda: len(tokens) >= 5 or reader.done(), within_s=120)  # noqa: B023
+            await server.pause("abort")
         try:
             (outcome,) = await asyncio.gather(asyncio.wait_for(reader, 60), return_exceptions=True)
         finally:
