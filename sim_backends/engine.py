@@ -135,15 +135,18 @@ class SimulatedEngine:
         relayout_delay_s: float = 0.0,
         request_prefix: str | None = None,
         weight_version: str = "0",
+        relayout_hold: asyncio.Event | None = None,
     ) -> None:
         """``request_prefix`` starts every request id (default: random, so ids are unique
-        across nodes and requests can migrate between them)."""
+        across nodes and requests can migrate between them). ``relayout_hold``: while it
+        is not set, a reshard stays in its relayout stage (a test observes it there)."""
         if gpus < 1:
             raise errors.field_error("gpus", gpus, "a node has at least one GPU")
         self._gpus = gpus
         self._config = config or SimEngineConfig()
         self._clock = clock
         self._relayout_delay_s = relayout_delay_s
+        self.relayout_hold = relayout_hold
         self._rng = random.Random(seed)
         self._state = EngineState.RUNNING
         self._instances = self._build(validate_layout(tp_layout, gpus))
@@ -306,6 +309,8 @@ class SimulatedEngine:
         try:
             if self._relayout_delay_s > 0:
                 await asyncio.sleep(self._relayout_delay_s)
+            if self.relayout_hold is not None:
+                await self.relayout_hold.wait()
             self._advance()  # the pause is simulated as time without decoding
             self._relayout(layout)
         finally:

@@ -68,7 +68,16 @@ Knobs of the stand-in itself (environment variables; SGLang has none of them):
 ``ORL_FAKE_SGLANG_TOKENS_PER_S`` (decode steps per second of a TP1 instance, default 100;
 TP k is k times faster), ``ORL_FAKE_SGLANG_START_S`` (seconds before it listens, 0),
 ``ORL_FAKE_SGLANG_HEALTH_POLL_S`` (1), ``ORL_FAKE_SGLANG_DRAIN_POLL_S`` (5),
-``ORL_FAKE_SGLANG_VERSION`` (0.5.23).
+``ORL_FAKE_SGLANG_VERSION`` (0.5.23), ``ORL_FAKE_SGLANG_HOLD_AT`` (none; see the hold).
+
+The hold, a control of the stand-in itself (SGLang has none), so that a test observes
+calls that run and cannot finish while it looks: a call stops before generating the
+token at sequence position ``at`` (input and output so far: the same point of a request
+wherever it runs) and stays in the running batch, counted by the gauges, until the hold
+is moved or released; a call being aborted and the health check's are never held.
+``POST /orl_fake/hold {"at": N | null}`` sets it (answered once the scheduler has taken
+it, between two steps), ``GET /orl_fake/hold`` says ``{"at", "held": [rids held now]}``,
+and ``ORL_FAKE_SGLANG_HOLD_AT`` sets it from the start (instances a reshard starts).
 """
 
 from __future__ import annotations
@@ -202,6 +211,7 @@ class Options:
     health_generates: bool = True
     drain_poll_s: float = 5.0
     version: str = VERSION
+    hold_at: int | None = None
 
     @property
     def max_req_input_len(self) -> int:
@@ -346,6 +356,7 @@ class FakeSglang:
         self.engine_paused = False
         self.forward_ct_decode = 0
         self.logged_running = 0
+        self.hold_at = opts.hold_at
         self.metrics = Metrics(opts.served_model_name) if opts.enable_metrics else None
         self.sigterm_received = asyncio.Event()
         self.exited = asyncio.Event()
@@ -369,6 +380,8 @@ class FakeSglang:
         app.router.add_get("/get_server_info", self.http_server_info)
         if self.metrics is not None:
             app.router.add_get("/metrics", self.http_metrics)
+        app.router.add_post("/orl_fake/hold", self.http_set_hold)
+        app.router.add_get("/orl_fake/hold", self.http_get_hold)
         return app
 
     async def http_generate(self, request: web.Request) -> web.StreamResponse:
@@ -475,6 +488,22 @@ class FakeSglang:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, ValueError):
                 await task
+
+    async def http_set_hold(self, request: web.Request) -> web.Response:
+        """The stand-in's hold (see the module docstring)."""
+        body = await json_body(request)
+        at = body.get("at")
+        if at is not None and (type(at) is not int or at < 1):
+            return web.json_response(
+                {"error": f"at={at!r}: a sequence position >= 1, or null to release"},
+                status=400,
+            )
+        await self._call("hold", at)
+        return web.json_response({"at": self.hold_at})
+
+    async def http_get_hold(self, request: web.Request) -> web.Response:
+        held = sorted(r.rid for r in self.running if self._held(r))
+        return web.json_response({"at": self.hold_at, "held": held})
 
     async def http_metrics(self, request: web.Request) -> web.Response:
         assert self.metrics is not None
@@ -724,6 +753,8 @@ class FakeSglang:
                 self.engine_paused = False
             elif kind == "weights":
                 self._update_weights(*payload)
+            elif kind == "hold":
+                self.hold_at = payload
             if done is not None and not done.done():
                 done.set_result(None)
 
@@ -767,6 +798,16 @@ class FakeSglang:
             self.running = []
             self._log_stats(len(self.running))
 
+    def _held(self, req: Req) -> bool:
+        """The stand-in's hold stops ``req`` before its next token (module docstring)."""
+        return (
+            self.hold_at is not None
+            and req.to_finish is None
+            and req.finished_reason is None
+            and not req.rid.startswith(HEALTH_CHECK_RID_PREFIX)
+            and len(req.input_ids) + len(req.output_ids) >= self.hold_at
+        )
+
     def _used_tokens(self) -> int:
         return sum(len(r.input_ids) + len(r.output_ids) for r in self.running)
 
@@ -791,11 +832,14 @@ class FakeSglang:
                         req.stale = False
                 self._log_stats(len(self.running))  # the running batch before the merge
                 self.running += batch
-            elif self.running:  # a decode batch
-                batch = list(self.running)
+            elif any(not self._held(r) for r in self.running):  # a decode batch
+                batch = [r for r in self.running if not self._held(r)]
                 self.forward_ct_decode += 1
                 if self.forward_ct_decode % self.opts.decode_log_interval == 0:
                     self._log_stats(len(self.running))
+            elif self.running:  # every running call is held: nothing to step
+                await self._wait_for_messages()
+                continue
             else:  # idle: refresh stale gauges (``_maybe_log_idle_metrics``)
                 if self.logged_running != 0:
                     self._log_stats(0)
@@ -811,6 +855,8 @@ class FakeSglang:
 
     def _process_batch_result(self, batch: list[Req]) -> None:
         for req in batch:
+            if self._held(req):  # held when it came in (a prefill), or meanwhile
+                continue
             token = req.next_token(self.opts.vocab_size)
             req.output_logprobs.append(logprob_of(req.h))
             req.output_ids.append(token)
@@ -960,6 +1006,7 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> Options:
         not in ("0", "false", "no", "off"),
         drain_poll_s=number("ORL_FAKE_SGLANG_DRAIN_POLL_S", 5.0),
         version=env.get("ORL_FAKE_SGLANG_VERSION", VERSION),
+        hold_at=int(env["ORL_FAKE_SGLANG_HOLD_AT"]) if env.get("ORL_FAKE_SGLANG_HOLD_AT") else None,
     )
 
 

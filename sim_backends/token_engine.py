@@ -6,7 +6,9 @@ continues the same way, on any instance of any TP degree. So a request that is c
 and resubmitted with its output so far continues exactly as an uninterrupted run,
 which is what the gateway's tests check, fast and without an engine process. Faults are
 injected by hand: :meth:`ScriptedEngine.crash` (the process dies), ``fail_starts``
-(the next starts fail), ``fail_calls`` (calls answer with an error).
+(the next starts fail), ``fail_calls`` (calls answer with an error). A :class:`Hold`
+stops its instances' calls at a position of their sequences until the test releases
+them, so a test observes a running request that cannot finish while it looks.
 
 :class:`LocalPeers` lets gateways in one process follow each other's requests (what the
 agents do over gRPC).
@@ -87,6 +89,43 @@ def weights_of(model: str) -> int:
     return int(tail) if head.endswith("scripted") and tail.isdigit() else 0
 
 
+class Hold:
+    """Calls of the instances that share it stop before generating the token at sequence
+    position ``at`` (prompt and output so far: the same point of a request on any
+    instance it runs on) until :meth:`release`, or until ``at`` is moved on. A held call
+    still counts as running, and the gateway can still cancel it (an abort, an export)."""
+
+    def __init__(self, at: int | None = None) -> None:
+        self.at = at
+        self.held: set[str] = set()  # the engine request ids of the calls it holds now
+        self._changed = asyncio.Event()
+
+    def holds(self, position: int) -> bool:
+        return self.at is not None and position >= self.at
+
+    def until(self, at: int | None) -> None:
+        """Hold calls at position ``at`` from now on (None: hold nothing)."""
+        self.at = at
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def release(self) -> None:
+        self.until(None)
+
+    async def wait(self, call: str) -> None:
+        """Until something changed (the hold moved, or :meth:`poke`); the caller looks again."""
+        changed = self._changed
+        self.held.add(call)
+        try:
+            await changed.wait()
+        finally:
+            self.held.discard(call)
+
+    def poke(self) -> None:
+        """Wake the held calls to look again (their instance crashed, a call was aborted)."""
+        self.until(self.at)
+
+
 @dataclass
 class EngineRecord:
     """What the stand-ins of one test did (shared by every instance a factory made)."""
@@ -114,6 +153,7 @@ class ScriptedEngine:
         fail_starts: int = 0,
         model: str = "scripted-0",
         in_place_updates: bool = False,
+        hold: Hold | None = None,
     ) -> None:
         self.placement = placement
         self.record = record or EngineRecord()
@@ -122,6 +162,7 @@ class ScriptedEngine:
         self.start_delay_s = start_delay_s
         self.eos = eos
         self.fail_starts = fail_starts
+        self.hold = hold
         self.fail_calls = 0  # the next calls answer with an error (the process stays up)
         self.hung = False  # calls cannot connect and health checks fail, the process runs
         self.bug: Exception | None = None  # the next call raises this (not an EngineFailed)
@@ -162,11 +203,15 @@ class ScriptedEngine:
             assert self._exit is not None
             self._exit.set_result(0)
             self.record.stopped.append(self.placement)
+            if self.hold is not None:
+                self.hold.poke()
 
     def crash(self, status: int = -9) -> None:
         """The process dies: every call fails, wait_exit returns ``status``."""
         if self._exit is not None and not self._exit.done():
             self._exit.set_result(status)
+        if self.hold is not None:
+            self.hold.poke()
 
     async def generate(self, submission: Submission) -> AsyncGenerator[Chunk, None]:
         if not self.alive:
@@ -190,6 +235,13 @@ class ScriptedEngine:
         try:
             for n in range(submission.max_tokens):
                 await asyncio.sleep(self.token_delay_s)
+                while (
+                    self.hold is not None
+                    and self.hold.holds(len(seq))
+                    and self.alive
+                    and not abort.is_set()
+                ):
+                    await self.hold.wait(submission.engine_request_id)
                 if not self.alive:
                     raise EngineFailed(f"instance {self.placement.index} exited", instance=True)
                 if abort.is_set():
@@ -212,6 +264,8 @@ class ScriptedEngine:
             call = self._calls.get(rid)
             if call is not None:
                 call.set()
+        if self.hold is not None:
+            self.hold.poke()
 
     async def load(self) -> InstanceLoad:
         return InstanceLoad(

@@ -808,6 +808,12 @@ class GatewayEngine:
             return
         log.info("instance_restarted", instance=inst.index, restarts=inst.restarts)
         self._watch(inst)
+        self._started(inst)
+
+    def _started(self, inst: Instance) -> None:
+        # what an adapter can do is known once it runs (SGLang's pause in place depends
+        # on the version the server reports)
+        inst.can_pause = CAP_PAUSE in self._servers[inst.key].capabilities
         self._act(self.core.started(inst))
 
     async def _check(self, key: int) -> None:
@@ -894,7 +900,7 @@ class GatewayEngine:
         )
         for inst, result in zip(insts, results, strict=True):
             if result is None:
-                self._act(self.core.started(inst))
+                self._started(inst)
         for result in results:
             if isinstance(result, BaseException):
                 raise result

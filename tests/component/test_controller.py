@@ -20,6 +20,7 @@ from orchestrrl.v1 import fabric_controller_pb2 as pb
 from orchestrrl.v1 import fabric_controller_pb2_grpc as pb_grpc
 from scheduler.network import PhaseDemand
 from sim_backends.harness import Fabric, start_fabric
+from tests.helpers import FakeClock
 
 pytestmark = pytest.mark.component
 
@@ -160,8 +161,11 @@ async def test_state_survives_a_controller_restart(fabric: Fabric, client: Async
 
 
 async def test_registration_heartbeat_and_liveness(example_wiring: Wiring, tmp_path: Path) -> None:
+    # liveness on a fake clock: the node is up until the test moves the clock past its
+    # deadline, however long the calls in between take
+    clock = FakeClock(100.0)
     f = await start_fabric(example_wiring, tmp_path / "s.db", heartbeat_interval_s=0.05,
-                           deadline_s=0.2)  # fmt: skip
+                           deadline_s=0.2, monotonic=clock)  # fmt: skip
     try:
         async with grpc.aio.insecure_channel(f.address) as ch, AsyncClient(f.address) as c:
             stub = pb_grpc.FabricControllerStub(ch)
@@ -193,7 +197,9 @@ async def test_registration_heartbeat_and_liveness(example_wiring: Wiring, tmp_p
             nodes = {n.node: n for n in await c.nodes()}
             assert nodes["gen0-n0"].telemetry["tokens_per_s"] == 1234.0
 
-            # no heartbeats: the node goes down (an event says so), then comes back
+            # no heartbeats past the deadline: the node goes down (an event says so), then
+            # comes back
+            clock.now += 0.2 + 0.01
             kinds = []
             async with asyncio.timeout(5):
                 async for e in events:

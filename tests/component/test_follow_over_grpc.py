@@ -31,7 +31,7 @@ from orchestrrl.tls import Authorizer
 from orchestrrl.v1 import node_agent_pb2 as pb
 from orchestrrl.v1 import node_agent_pb2_grpc as pb_grpc
 from sim_backends.gpus import SimulatedGpus
-from sim_backends.token_engine import ScriptedEngine, greedy
+from sim_backends.token_engine import Hold, ScriptedEngine, greedy
 from tests.helpers import eventually, tls
 
 pytestmark = pytest.mark.component
@@ -40,10 +40,10 @@ GREEDY = Sampling(temperature=0.0)
 CONTROLLER = "orl-fabric-controller"
 
 
-def gateway(name: str, peers: GrpcPeers) -> GatewayEngine:
+def gateway(name: str, peers: GrpcPeers, hold: Hold) -> GatewayEngine:
     return GatewayEngine(
         "scripted", 1, (1,),
-        lambda p: ScriptedEngine(p, max_num_seqs=4, token_delay_s=0.003),
+        lambda p: ScriptedEngine(p, max_num_seqs=4, token_delay_s=0.003, hold=hold),
         lambda p: 9000 + p.devices[0], peers=peers, node=name,
         config=GatewayConfig(restart_backoff_s=(0.01,)),
     )  # fmt: skip
@@ -55,14 +55,17 @@ class Pair:
     destination: GatewayEngine
     address: str  # the destination agent's gRPC address
     pki: dict[str, CertFiles]
+    source_hold: Hold
+    destination_hold: Hold
 
 
 @pytest.fixture
 async def pair(tmp_path: Path) -> AsyncIterator[Pair]:
     pki = make_dev_pki(tmp_path / "pki", [CONTROLLER, "gen0-n0", "gen0-n1", "gen0-n2"])
     source_peers = GrpcPeers(tls(pki["gen0-n0"]))
-    source = gateway("gen0-n0", source_peers)
-    destination = gateway("gen0-n1", GrpcPeers(tls(pki["gen0-n1"])))
+    source_hold, destination_hold = Hold(), Hold()
+    source = gateway("gen0-n0", source_peers, source_hold)
+    destination = gateway("gen0-n1", GrpcPeers(tls(pki["gen0-n1"])), destination_hold)
     await source.start()
     await destination.start()
     collector = Collector("gen0-n1", SimulatedGpus(1, seed=1), SysfsNics([]), destination)
@@ -80,7 +83,7 @@ async def pair(tmp_path: Path) -> AsyncIterator[Pair]:
         tls=me,
     )
     try:
-        yield Pair(source, destination, server.address, pki)
+        yield Pair(source, destination, server.address, pki, source_hold, destination_hold)
     finally:
         await source.close()
         await destination.close()
@@ -96,11 +99,12 @@ async def read_all(req: Request) -> list[int]:
 async def moved(
     pair: Pair, prompt: tuple[int, ...], n: int
 ) -> tuple[Request, asyncio.Task[list[int]]]:
+    pair.source_hold.until(len(prompt) + 10)  # it moves at 10 tokens
     req = pair.source.submit(prompt, n, GREEDY)
     reader = asyncio.create_task(read_all(req))
-    await eventually(lambda: len(req.output) >= 10)
+    await eventually(lambda: len(pair.source_hold.held) == 1)
     exported, missing = await pair.source.export_requests([req.id])
-    assert not missing
+    assert not missing and [e.generated_tokens for e in exported] == [10]
     result = await pair.destination.import_requests(exported, 0, recompute=True)
     assert result.admitted == (req.id,)
     await pair.source.release_requests(exported, Destination("gen0-n1", pair.address))
@@ -114,6 +118,7 @@ async def test_the_source_follows_a_migrated_request_over_grpc(pair: Pair) -> No
 
 
 async def test_only_the_exporting_node_or_the_controller_may_follow(pair: Pair) -> None:
+    pair.destination_hold.until(3 + 100)  # it cannot finish while the followers look
     req, reader = await moved(pair, (7, 8, 9), 400)
     for who, allowed in (("gen0-n2", False), (CONTROLLER, True), ("gen0-n0", True)):
         async with grpcutil.channel(pair.address, tls(pair.pki[who])) as ch:
@@ -129,6 +134,7 @@ async def test_only_the_exporting_node_or_the_controller_may_follow(pair: Pair) 
                     await call.read()
                 assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
                 assert "gen0-n2" in info.value.details()
+    pair.destination_hold.release()
     assert await asyncio.wait_for(reader, 30) == greedy((7, 8, 9), 400)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -19,8 +20,8 @@ from node_agent.engines.base import Placement, Sampling
 from node_agent.gateway.engine import GatewayConfig, GatewayEngine
 from node_agent.gateway.requests import Request, RequestFailed, Where
 from orchestrrl import errors
-from sim_backends.token_engine import EngineRecord, LocalPeers, ScriptedEngine, greedy
-from tests.helpers import eventually
+from sim_backends.token_engine import EngineRecord, Hold, LocalPeers, ScriptedEngine, greedy
+from tests.helpers import FakeClock, eventually
 
 pytestmark = pytest.mark.component
 
@@ -52,12 +53,14 @@ class Cluster:
         delay: float = 0.002,
         tune: Callable[[ScriptedEngine], None] | None = None,
         config: GatewayConfig | None = None,
+        hold: Hold | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> Node:
         record = EngineRecord()
         node = Node(name, None, record)  # type: ignore[arg-type]
 
         def make(p: Placement) -> ScriptedEngine:
-            s = ScriptedEngine(p, record, max_num_seqs=seats, token_delay_s=delay)
+            s = ScriptedEngine(p, record, max_num_seqs=seats, token_delay_s=delay, hold=hold)
             if tune is not None:
                 tune(s)
             node.servers.append(s)
@@ -72,6 +75,7 @@ class Cluster:
             peers=self.peers,
             node=name,
             config=config or GatewayConfig(restart_backoff_s=(0.01, 0.01)),
+            clock=clock,
         )
         await node.engine.start()
         self.nodes[name] = node
@@ -176,13 +180,12 @@ async def migrate(
 async def test_migration_mid_response_splices_into_one_uninterrupted_stream(
     cluster: Cluster, cut: int
 ) -> None:
-    a = await cluster.add("a", (1, 1))
+    hold = Hold(len(prompt(0)) + cut)  # the request stops at ``cut`` tokens on ``a``
+    a = await cluster.add("a", (1, 1), hold=hold)
     b = await cluster.add("b", (2,))
     req = a.engine.submit(prompt(0), 30, GREEDY)
     reader = asyncio.create_task(read_all(req))
-    await eventually(lambda: len(req.output) >= cut)
-    if cut == 0:
-        await a.engine.drain()  # keep it queued: a queued request migrates too
+    await eventually(lambda: len(req.output) == cut and len(hold.held) == 1)
     admitted = await migrate(a, b, [req.id])
     assert admitted == (req.id,)
     assert await reader == greedy(prompt(0), 30)
@@ -190,22 +193,44 @@ async def test_migration_mid_response_splices_into_one_uninterrupted_stream(
     # the destination counts the completion; the imported record is gone once followed
     assert b.engine.progress().completed_lengths == (30,)
     await eventually(lambda: b.engine.request(req.id) is None)
-    # the destination's calls carried the source's output as prompt
-    _, sub = b.record.submissions[-1]
-    assert sub.prompt[:3] == prompt(0) and len(sub.prompt) - 3 + sub.max_tokens == 30
+    # the destination's one call carried the source's ``cut`` tokens as prompt
+    [(_, sub)] = b.record.submissions
+    assert sub.prompt == prompt(0) + tuple(greedy(prompt(0), cut)) and sub.max_tokens == 30 - cut
+
+
+async def test_a_queued_request_migrates_too(cluster: Cluster) -> None:
+    a = await cluster.add("a", (1,), seats=1, hold=Hold(len(prompt(0)) + 1))
+    b = await cluster.add("b", (2,))
+    first = a.engine.submit(prompt(0), 30, GREEDY)  # takes the seat
+    req = a.engine.submit(prompt(1), 30, GREEDY)
+    assert req.where is Where.QUEUED
+    reader = asyncio.create_task(read_all(req))
+    assert await migrate(a, b, [req.id]) == (req.id,)
+    assert await reader == greedy(prompt(1), 30)
+    assert req.hops == ["a", "b"] and first.where is Where.RUNNING
+    [(_, sub)] = b.record.submissions
+    assert sub.prompt == prompt(1) and sub.max_tokens == 30
 
 
 async def test_a_request_moves_on_and_comes_home(cluster: Cluster) -> None:
-    a = await cluster.add("a", (1, 1), delay=0.004)
-    b = await cluster.add("b", (1, 1), delay=0.004)
-    c = await cluster.add("c", (2,), delay=0.004)
+    # each node holds the request at the point where it moves on
+    at = {name: Hold(len(prompt(3)) + n) for name, n in (("a", 5), ("b", 20), ("c", 35))}
+    a = await cluster.add("a", (1, 1), hold=at["a"])
+    b = await cluster.add("b", (1, 1), hold=at["b"])
+    c = await cluster.add("c", (2,), hold=at["c"])
+
+    def held_at(node: Node, n: int) -> bool:
+        r = node.engine.request(req.id)
+        return r is not None and len(r.output) == n and len(at[node.name].held) == 1
+
     req = a.engine.submit(prompt(3), 60, GREEDY)
     reader = asyncio.create_task(read_all(req))
-    await eventually(lambda: len(req.output) >= 5)
+    await eventually(lambda: held_at(a, 5))
     await migrate(a, b, [req.id], 1)
-    await eventually(lambda: (r := b.engine.request(req.id)) is not None and len(r.output) >= 20)
+    at["a"].release()  # it comes home later and finishes there
+    await eventually(lambda: held_at(b, 20))
     await migrate(b, c, [req.id])
-    await eventually(lambda: (r := c.engine.request(req.id)) is not None and len(r.output) >= 35)
+    await eventually(lambda: held_at(c, 35))
     await migrate(c, a, [req.id])  # home: the client's own gateway runs it again
     assert await reader == greedy(prompt(3), 60)
     assert req.hops == ["a", "b", "c", "a"]
@@ -357,15 +382,36 @@ async def test_a_lost_destination_resumes_the_request_at_its_source(cluster: Clu
 
 
 async def test_an_import_nobody_follows_is_aborted_after_the_grace(cluster: Cluster) -> None:
-    b = await cluster.add("b", (1,), delay=0.01, config=GatewayConfig(orphan_grace_s=0.1))
-    a = await cluster.add("a", (1,), delay=0.01)
+    # b's grace runs on a fake clock, and b holds the request at 50 tokens: it runs on
+    # b until the test says otherwise
+    clock = FakeClock()
+    config = GatewayConfig(orphan_grace_s=0.1)
+    b = await cluster.add("b", (1,), config=config, hold=Hold(3 + 50), clock=clock)
+    a = await cluster.add("a", (1,))
     req = a.engine.submit(prompt(0), 1000, GREEDY)
     await eventually(lambda: len(req.output) > 2)
     await migrate(a, b, [req.id])
-    await eventually(lambda: b.engine.request(req.id) is not None)
-    assert a.engine.abort([req.id]) == []  # the client goes away
-    await eventually(lambda: b.engine.request(req.id) is None, within_s=10)
-    assert b.engine.stats().running_requests == 0
+    await eventually(lambda: len(req.output) == 50)  # a follows it on b
+    clock.now += 1.0  # long past the grace: a followed request stays
+    await asyncio.sleep(0.2)  # (the reaper looks every 0.05 s)
+    moved = b.engine.request(req.id)
+    assert moved is not None
+
+    def where() -> Where:
+        assert moved is not None
+        return moved.where
+
+    assert where() is Where.RUNNING
+    assert a.engine.abort([req.id]) == []  # the client goes away: a stops following
+    await asyncio.sleep(0.2)
+    assert where() is Where.RUNNING  # not yet: no time has passed on b's clock
+
+    def reaped() -> bool:
+        clock.now += 0.01  # from now on, b's clock moves
+        return b.engine.request(req.id) is None
+
+    await eventually(reaped)
+    assert where() is Where.ABORTED and b.engine.stats().running_requests == 0
 
 
 async def test_client_abort_and_unknown_ids(cluster: Cluster) -> None:

@@ -14,7 +14,7 @@ import pytest
 from node_agent.engines.base import Placement
 from node_agent.gateway.engine import GatewayConfig, GatewayEngine
 from node_agent.gateway.http import GatewayServer, GatewaySettings
-from sim_backends.token_engine import ScriptedEngine, greedy
+from sim_backends.token_engine import Hold, ScriptedEngine, greedy
 from tests.helpers import eventually
 
 pytestmark = pytest.mark.component
@@ -28,6 +28,7 @@ class Gateway:
     engine: GatewayEngine
     http: aiohttp.ClientSession
     servers: list[ScriptedEngine]
+    hold: Hold  # holds nothing until a test says where
 
     async def post(self, path: str, body: Any, **kw: Any) -> tuple[int, Any]:
         data = body if isinstance(body, str | bytes) else json.dumps(body)
@@ -59,10 +60,13 @@ async def open_gateway(
     in_place: bool = False,
 ) -> AsyncIterator[Gateway]:
     servers: list[ScriptedEngine] = []
+    hold = Hold()
 
     def make(p: Placement) -> ScriptedEngine:
         servers.append(
-            ScriptedEngine(p, max_num_seqs=2, token_delay_s=delay, in_place_updates=in_place)
+            ScriptedEngine(
+                p, max_num_seqs=2, token_delay_s=delay, in_place_updates=in_place, hold=hold
+            )
         )
         return servers[-1]
 
@@ -79,7 +83,7 @@ async def open_gateway(
     server = GatewayServer(engine, GatewaySettings("tiny", max_context=512, api_key=api_key))
     address = await server.start("127.0.0.1:0")
     async with aiohttp.ClientSession() as http:
-        yield Gateway(f"http://{address}", engine, http, servers)
+        yield Gateway(f"http://{address}", engine, http, servers, hold)
     await server.stop()
     await engine.close()
 
@@ -188,9 +192,10 @@ async def test_bad_requests_get_an_openai_error_and_touch_nothing_else(
 
 
 async def test_abort_by_id_is_all_or_nothing(gw: Gateway) -> None:
+    gw.hold.until(len(PROMPT) + 10)  # the victim runs, held at 10 tokens, until aborted
     body = {"prompt": PROMPT, "max_tokens": 500, "stream": True, "temperature": 0}
     task = asyncio.create_task(gw.stream({**body, "request_id": "victim"}))
-    await asyncio.sleep(0.05)
+    await eventually(lambda: len(gw.hold.held) == 1)
     status, answer = await gw.post("/orl/v1/abort", {"request_ids": ["victim", "ghost"]})
     assert status == 404 and "'ghost'" in answer["error"]["message"]
     assert gw.engine.request("victim") is not None  # untouched
@@ -201,7 +206,7 @@ async def test_abort_by_id_is_all_or_nothing(gw: Gateway) -> None:
     events = await task
     assert events[-1] == {"done": True}
     assert events[-2]["error"]["type"] == "request_aborted"
-    assert 0 < len(tokens_of(events)) < 500
+    assert tokens_of(events) == greedy(PROMPT, 10)
 
 
 async def test_a_client_that_goes_away_aborts_its_request(gw: Gateway) -> None:
@@ -238,10 +243,13 @@ async def test_api_key_models_health_request_and_weight_version() -> None:
 
 
 async def test_a_full_queue_answers_429() -> None:
-    async for gw in open_gateway(max_queue=1, delay=0.05):
+    async for gw in open_gateway(max_queue=1):
+        gw.hold.until(len(PROMPT) + 1)  # the seated requests run on, held at one token
         body = {"prompt": PROMPT, "max_tokens": 500, "stream": True}
         tasks = [asyncio.create_task(gw.stream(body)) for _ in range(5)]  # 4 seats + 1 queued
-        await asyncio.sleep(0.2)
+        await eventually(
+            lambda: len(gw.hold.held) == 4 and gw.engine.stats().queued_requests == 1  # noqa: B023
+        )
         status, answer = await gw.post("/v1/completions", {"prompt": PROMPT})
         assert status == 429 and "queue is full" in answer["error"]["message"]
         for t in tasks:

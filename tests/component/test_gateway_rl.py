@@ -101,11 +101,13 @@ async def test_an_update_lets_running_requests_finish_on_the_old_weights(
     gw_in_place: Gateway,
 ) -> None:
     gw = gw_in_place
+    gw.hold.until(len(PROMPT) + 50)  # the old request runs, held, until the update waits
     body = {"prompt": PROMPT, "max_tokens": 300, "temperature": 0, "logprobs": 0}
     old = asyncio.create_task(gw.post("/v1/completions", body))
-    await eventually(lambda: gw.engine.stats().tokens_per_s > 0 or gw.engine.core.seats_taken())
+    await eventually(lambda: len(gw.hold.held) == 1)
     upd = asyncio.create_task(update(gw, path="/ckpt/scripted-1", version="v1"))
     await eventually(lambda: gw.engine.core.updating == "v1")
+    gw.hold.release()
     new = asyncio.create_task(
         gw.post("/v1/completions", {**body, "prompt": OTHER, "max_tokens": 10})
     )
@@ -131,18 +133,20 @@ async def test_an_update_resumes_running_requests_on_the_new_weights(gw: Gateway
     body: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "logprobs": 0}
     if how == "per request":
         body["on_weight_update"] = "resume"
+    k = 50  # the request is held at 50 tokens: running when the update comes, and after
+    gw.hold.until(len(PROMPT) + k)
     running = asyncio.create_task(gw.stream({**body, "stream": True}))
-    await eventually(lambda: any(r.output for r in gw.engine.core.requests.values()))
+    await eventually(lambda: len(gw.hold.held) == 1)
     in_flight = "resume" if how == "per call" else "finish"
     status, answer = await update(gw, path="/ckpt/scripted-2", version="v2", in_flight=in_flight)
     assert status == 200, answer
     assert answer["resumed_requests"] == 1 and answer["how"] == "restart"
+    gw.hold.release()
     got = choices(await running)[0]
     runs = got["orl"]["weight_versions"]
-    assert [v for _, v in runs] == ["0", "v2"]
-    k = runs[1][0]
+    assert runs == [[0, "0"], [k, "v2"]]
     out = got["tokens"]
-    assert 0 < k < 400 and len(out) == 400
+    assert len(out) == 400
     assert out[:k] == greedy(PROMPT, k)
     assert out[k:] == greedy([*PROMPT, *out[:k]], 400 - k, weights=2)
     assert got["logprobs"] == greedy_logprobs(PROMPT, out, [0] * k + [2] * (400 - k))
@@ -174,10 +178,11 @@ async def test_weights_that_do_not_start_leave_the_old_ones_serving(gw: Gateway)
 
 
 async def test_one_update_at_a_time_and_a_bounded_wait(gw: Gateway) -> None:
+    gw.hold.until(len(PROMPT) + 20)  # the long request runs, held, until the test is done
     long = asyncio.create_task(
         gw.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 500, "temperature": 0})
     )
-    await eventually(lambda: any(r.output for r in gw.engine.core.requests.values()))
+    await eventually(lambda: len(gw.hold.held) == 1)
     status, answer = await update(gw, path="scripted-4", version="v4", drain_timeout_s=0.05)
     assert status == 504 and "still running on the old weights" in answer["error"]["message"]
     assert gw.engine.weight_version == "0" and not gw.engine.core.updating
@@ -185,6 +190,7 @@ async def test_one_update_at_a_time_and_a_bounded_wait(gw: Gateway) -> None:
     await eventually(lambda: gw.engine.core.updating == "v4")
     status, answer = await update(gw, path="scripted-5", version="v5")
     assert status == 409 and "'v4' are being loaded" in answer["error"]["message"]
+    gw.hold.release()
     assert (await first)[0] == 200
     _, done = await long
     assert done["choices"][0]["token_ids"] == greedy(PROMPT, 500)  # untouched by the wait

@@ -48,7 +48,9 @@ def write_nic(root: Path, name: str, rx: int, tx: int) -> None:
 @pytest.fixture
 async def agent(tmp_path: Path) -> AsyncIterator[Agent]:
     write_nic(tmp_path, "eth0", 1000, 2000)
-    engine = SimulatedEngine(8, (2, 2, 2, 2), seed=1, relayout_delay_s=0.2)
+    released = asyncio.Event()
+    released.set()  # a test clears it to hold a reshard in its relayout stage
+    engine = SimulatedEngine(8, (2, 2, 2, 2), seed=1, relayout_delay_s=0.2, relayout_hold=released)
     gpus = SimulatedGpus(8, seed=1)
     nics = SysfsNics([("eth0", 400.0), ("eth9", None)], root=tmp_path)
     collector = Collector("gen0-n0", gpus, nics, engine)
@@ -195,6 +197,9 @@ async def test_reshard_rejects_a_bad_layout(agent: Agent) -> None:
 
 
 async def test_commands_during_a_reshard_are_aborted(agent: Agent) -> None:
+    hold = agent.engine.relayout_hold
+    assert hold is not None
+    hold.clear()  # the reshard stays in progress until the commands have been refused
     reshard = asyncio.ensure_future(
         agent.stub.Reshard(pb.ReshardRequest(command_id="s1", tp_layout=[8]), timeout=TIMEOUT)
     )
@@ -208,6 +213,7 @@ async def test_commands_during_a_reshard_are_aborted(agent: Agent) -> None:
     )
     assert code == grpc.StatusCode.ABORTED
     assert "reshard" in details
+    hold.set()
     assert list((await reshard).new_layout) == [8]
     # The aborted Drain was not remembered: retrying its id works now.
     drained = await agent.stub.Drain(pb.DrainRequest(command_id="d1"), timeout=TIMEOUT)

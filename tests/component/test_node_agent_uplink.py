@@ -25,7 +25,7 @@ from sim_backends.fake_controller import start_fake_controller
 
 pytestmark = pytest.mark.component
 
-TIMEOUT = 10.0
+TIMEOUT = 30.0  # liveness on a busy machine (a subprocess starting, a reconnect)
 FAST = UplinkSettings(rpc_timeout_s=2.0, backoff_initial_s=0.02, backoff_max_s=0.1)
 IDLE = EngineStats(0, 0, 0.0, 0.0)
 

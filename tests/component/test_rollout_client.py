@@ -13,6 +13,7 @@ from orchestrrl import errors
 from orchestrrl.rollout import AsyncRollout, Rollout, RolloutError
 from sim_backends.token_engine import greedy, greedy_logprobs
 from tests.component.test_gateway_http import Gateway, open_gateway
+from tests.helpers import eventually
 
 pytestmark = pytest.mark.component
 
@@ -91,9 +92,10 @@ async def test_bad_input_is_refused_before_anything_is_sent(two: list[Gateway]) 
 
 
 async def test_abort_a_group_in_flight(two: list[Gateway]) -> None:
+    two[0].hold.until(3 + 10)  # both samples run, held at 10 tokens, until aborted
     async with AsyncRollout([two[0].url]) as rollout:
         call = asyncio.create_task(rollout.generate([[1, 2, 3]], n=2, max_tokens=400))
-        await asyncio.sleep(0.05)
+        await eventually(lambda: len(two[0].hold.held) == 2)
         ids = list(rollout._where)
         assert len(ids) == 2
         assert await rollout.abort(ids) == []

@@ -50,23 +50,30 @@ async def test_sighup_reload_and_metrics(tmp_path: Path) -> None:
             # a broken file is rejected; the last good wiring stays
             wiring.write_text(text.replace('role = "gen"', 'role = "rollout"', 1))
             ctl.proc.send_signal(signal.SIGHUP)
-            await asyncio.sleep(0.5)
+            log = tmp_path / "controller.log"
+            async with asyncio.timeout(30):  # handled (a second SIGHUP must not merge with it)
+                while "wiring_reload_rejected" not in log.read_text():  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
             assert len(await c.nodes()) == 8
             # a valid change is adopted: drop the last node
             cut = text.rindex("[[node]]")
             wiring.write_text(text[:cut])
             ctl.proc.send_signal(signal.SIGHUP)
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(30):
                 while len(await c.nodes()) != 7:  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
-        metrics = await _scrape(f"http://127.0.0.1:{port}/metrics")
-        assert "orl_epoch 0.0" in metrics and 'orl_nodes{health="unknown"}' in metrics
+        # the node gauges are set by the liveness loop (every half heartbeat interval)
+        async with asyncio.timeout(30):
+            while 'orl_nodes{health="unknown"}' not in (  # noqa: ASYNC110 - another process
+                metrics := await _scrape(f"http://127.0.0.1:{port}/metrics")
+            ):
+                await asyncio.sleep(0.05)
+        assert "orl_epoch 0.0" in metrics
     finally:
         assert await ctl.stop() == 0
-    log = (tmp_path / "controller.log").read_text()
-    assert "wiring_reload_rejected" in log
-    assert "role = 'rollout'" in log
-    assert "node 'gen1-n1' removed" in log  # the reload says what changed
+    logged = (tmp_path / "controller.log").read_text()
+    assert "role = 'rollout'" in logged
+    assert "node 'gen1-n1' removed" in logged  # the reload says what changed
 
 
 async def test_mutual_tls_daemon_and_orlctl(tmp_path: Path) -> None:

@@ -8,10 +8,12 @@ the test saying which command installs them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
+import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import pytest
 
 from node_agent.engines import port_picker, server_factory
 from node_agent.engines.base import EngineServer, Placement, Sampling, Submission
-from node_agent.engines.http_engine import EngineSettings
+from node_agent.engines.http_engine import EngineSettings, HttpEngine
 from node_agent.gateway.engine import GatewayConfig, GatewayEngine
 from node_agent.gateway.http import GatewayServer, GatewaySettings
 from node_agent.gateway.requests import Request
@@ -235,6 +237,46 @@ async def freeze_mid_response(
         signal_engine(signal.SIGCONT)
         assert await asyncio.gather(*readers) == expected
     pytest.fail("the engine finished a request before every attempt to freeze it")
+
+
+def generating_tasks(server: EngineServer) -> list[int]:
+    """The thread ids of an instance's processes other than the one that serves its HTTP
+    API: those that generate (vLLM's engine core and its workers)."""
+    assert isinstance(server, HttpEngine) and server.process.pid is not None
+    group = server.process.pid  # the server leads its own process group
+    tids: list[int] = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == group:
+            continue
+        try:
+            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2]) != group:
+                continue
+            tids += [int(t.name) for t in (proc / "task").iterdir()]
+        except (OSError, ValueError, IndexError):
+            continue  # it exited meanwhile
+    return tids
+
+
+@contextlib.contextmanager
+def generating_below_the_test(servers: list[EngineServer]) -> Iterator[None]:
+    """While inside, the instances' generating processes run at the lowest priority (nice
+    19) while this test, the servers' HTTP processes and the gateway keep theirs: however
+    busy the machine, an engine cannot run far ahead of a test that sets up a state to hold
+    (requests started, then paused in place) while the test waits for the CPU. Afterwards
+    their priority comes back where the system allows it (lowering a nice value needs
+    CAP_SYS_NICE; without it they stay at 19: slower on a busy machine, the same tokens)."""
+    before: dict[int, int] = {}
+    for server in servers:
+        for tid in generating_tasks(server):
+            with contextlib.suppress(OSError):
+                before[tid] = os.getpriority(os.PRIO_PROCESS, tid)
+                os.setpriority(os.PRIO_PROCESS, tid, 19)
+    try:
+        yield
+    finally:
+        for tid, nice in before.items():
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
 async def stream_http(url: str, body: dict[str, object]) -> list[int]:

@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 
 from node_agent.engine import Destination
+from node_agent.engines.base import InstanceLoad
 from node_agent.engines.http_engine import HttpEngine
 from node_agent.gateway.requests import RequestFailed, Where
 from tests.engines.conftest import (
@@ -28,12 +29,15 @@ from tests.engines.conftest import (
     settings_for,
     stream_http,
 )
-from tests.helpers import eventually
+from tests.helpers import eventually, until
 
 pytestmark = pytest.mark.engine
 
 PROMPTS = [[5 + i, 17, 3 + 2 * i, 99, 42 + i, 7] for i in range(6)]
 N = 96
+N_FULL = 1000  # most of a slot's context of 1024
+LONG = 900  # outputs to cut off mid-response: several times longer than a cut point
+ENDLESS = 10**9  # with --context-shift, a request that runs until it is aborted
 
 
 @pytest.fixture
@@ -84,36 +88,66 @@ async def test_the_gateway_streams_exactly_the_engines_tokens(
     assert got == [reference[i] for i in range(len(PROMPTS))]
 
 
-async def test_load_and_progress_match_the_engine(nodes: Nodes) -> None:
-    node = await nodes.add("a", (1, 1))
-    before = [await s.load() for s in node.live()]
-    reqs = [node.engine.submit(p, 1000, GREEDY) for p in PROMPTS[:4]]
-    await eventually(lambda: all(len(r.output) > 20 for r in reqs), within_s=60)
-    progress = {r.request_id: r for r in node.engine.progress().requests}
-    assert set(progress) == {r.id for r in reqs}
-    for r in reqs:
-        assert progress[r.id].instance in (0, 1)
-        assert progress[r.id].generated_tokens <= len(r.output)
-        assert progress[r.id].prompt_tokens == len(PROMPTS[0])
-    # llama-server's gauges lag its slots by a loop iteration on a busy machine: the
-    # engine's figures and the gateway's (from the engine's metrics) agree within seconds
-    running = 0
-    for _ in range(100):
-        loads = [await s.load() for s in node.live()]
-        running = sum(load.running or 0 for load in loads)
-        if running == node.engine.stats().running_requests == 4:
-            break
-        await asyncio.sleep(0.1)
-    assert not any(r.done for r in reqs)  # still running, so the figures must say 4
-    assert running == node.engine.stats().running_requests == 4
-    await asyncio.gather(*(read_all(r) for r in reqs))
-    after = [await s.load() for s in node.live()]
-    generated = sum(
-        (a.generation_tokens_total or 0) - (b.generation_tokens_total or 0)
-        for a, b in zip(after, before, strict=True)
-    )
-    assert generated == sum(len(r.output) for r in reqs) == 4 * 1000
-    assert sorted(node.engine.progress().completed_lengths) == [1000] * 4
+async def test_load_and_progress_match_the_engine(
+    llama_binary: Path, gguf_model: Path, tmp_path: Path
+) -> None:
+    # With context shift (a full slot drops the older half of its context and goes on),
+    # a request for ENDLESS tokens runs until it is aborted: the figures are read while
+    # four requests run that cannot finish meanwhile, however fast the engine is.
+    args = ("--context-shift",)
+    nodes = Nodes("llamacpp", settings_for(llama_binary, gguf_model, tmp_path, args=args))
+    try:
+        node = await nodes.add("a", (1, 1))
+        servers = node.live()
+
+        async def generated_since(before: list[InstanceLoad]) -> float:
+            """Tokens the engine counted since ``before`` (a slot counts when it is freed)."""
+            now = [await s.load() for s in servers]
+            return sum(
+                (a.generation_tokens_total or 0) - (b.generation_tokens_total or 0)
+                for a, b in zip(now, before, strict=True)
+            )
+
+        async def running_everywhere(n: int) -> bool:
+            """The engine's gauges and the gateway's figures both say ``n`` running."""
+            gauges = sum([(await s.load()).running or 0 for s in servers])
+            return gauges == node.engine.stats().running_requests == n
+
+        start = [await s.load() for s in servers]
+        endless = [node.engine.submit(p, ENDLESS, GREEDY) for p in PROMPTS[:4]]
+        await eventually(lambda: all(len(r.output) > 20 for r in endless), within_s=60)
+        progress = {r.request_id: r for r in node.engine.progress().requests}
+        assert set(progress) == {r.id for r in endless}
+        for r in endless:
+            assert progress[r.id].instance in (0, 1)
+            assert progress[r.id].generated_tokens <= len(r.output)
+            assert progress[r.id].prompt_tokens == len(PROMPTS[0])
+            assert progress[r.id].max_tokens == ENDLESS
+        # llama-server's gauges lag its slots by a loop iteration on a busy machine: the
+        # engine's figures and the gateway's (from the engine's metrics) come to agree
+        await until(lambda: running_everywhere(4))
+        assert not any(r.done for r in endless)
+
+        # aborted: the engine frees their slots, having made at least what was read
+        assert node.engine.abort([r.id for r in endless]) == []
+        await until(lambda: running_everywhere(0))
+        assert node.engine.progress().requests == ()
+        assert await generated_since(start) >= sum(len(r.output) for r in endless)
+
+        # four requests run to their end: the engine counted exactly the tokens read
+        before = [await s.load() for s in servers]
+        reqs = [node.engine.submit(p, N_FULL, GREEDY) for p in PROMPTS[:4]]
+        await asyncio.gather(*(read_all(r) for r in reqs))
+
+        async def counted() -> bool:
+            return await generated_since(before) >= 4 * N_FULL
+
+        await until(counted)  # (the slots are freed, and counted, right after the last token)
+        generated = await generated_since(before)
+        assert generated == sum(len(r.output) for r in reqs) == 4 * N_FULL
+        assert sorted(node.engine.progress().completed_lengths) == [N_FULL] * 4
+    finally:
+        await nodes.close()
 
 
 async def test_drain_stops_admission(nodes: Nodes, reference: dict[int, list[int]]) -> None:
@@ -128,32 +162,51 @@ async def test_drain_stops_admission(nodes: Nodes, reference: dict[int, list[int
     assert await read_all(req) == reference[0]
 
 
+@pytest.fixture
+async def long_reference(nodes: Nodes) -> dict[int, list[int]]:
+    """Uninterrupted greedy outputs of LONG tokens of PROMPTS[:3], from the engine."""
+    ref = await nodes.add("ref", (1,))
+    server = ref.servers[0]
+    assert isinstance(server, HttpEngine)
+    return {i: await direct(server, p, LONG) for i, p in enumerate(PROMPTS[:3])}
+
+
 @pytest.mark.parametrize("cut", [1, 17, 60])
 async def test_migration_mid_response_gives_the_uninterrupted_output(
-    nodes: Nodes, reference: dict[int, list[int]], cut: int
+    nodes: Nodes, long_reference: dict[int, list[int]], cut: int
 ) -> None:
     a = await nodes.add("a", (1,))
     b = await nodes.add("b", (1,))
-    reqs = [a.engine.submit(p, N, GREEDY) for p in PROMPTS[:3]]
-    readers = [asyncio.create_task(read_all(r)) for r in reqs]
-    await eventually(lambda: len(reqs[0].output) >= cut, within_s=60)
-    await a.engine.pause()  # in place: this tiny model finishes a request in a blink
+    refs = [long_reference[i] for i in range(3)]
+    # Paused (the gateway stops the calls; the requests wait with their output so far)
+    # once the first has ``cut`` tokens: from then on nothing changes. This engine runs
+    # a request's LONG tokens in a blink, so the first may have finished before the
+    # pause: then the attempt runs to its end, checked, and is made again.
+    for _attempt in range(3):
+        reqs = [a.engine.submit(p, LONG, GREEDY) for p in PROMPTS[:3]]
+        readers = [asyncio.create_task(read_all(r)) for r in reqs]
+        await eventually(lambda: len(reqs[0].output) >= cut, within_s=60)  # noqa: B023
+        await a.engine.pause()
+        if not reqs[0].done:
+            break
+        await a.engine.unpause()
+        assert await asyncio.gather(*readers) == refs
+    else:
+        pytest.fail("llama-server finished the first request before every pause")
     try:
         moving = [r for r in reqs if not r.done]
         exported, missing = await a.engine.export_requests([r.id for r in moving])
     finally:
         await a.engine.unpause()
-    # A request the gateway still streams may have finished in the engine (its output
-    # lags by a socket buffer): export names it missing and it completes on ``a``.
-    moved = {e.request_id for e in exported}
-    assert moved | set(missing) == {r.id for r in moving}
-    assert all(e.generated_tokens >= cut for e in exported if e.request_id == reqs[0].id)
+    # stopped and paused, every request not finished is held mid-response at the gateway
+    assert not missing and [e.request_id for e in exported] == [r.id for r in moving]
+    assert exported[0].request_id == reqs[0].id and exported[0].generated_tokens >= cut
     result = await b.engine.import_requests(exported, 0, recompute=True)
-    assert set(result.admitted) == moved
+    assert set(result.admitted) == {r.id for r in moving}
     await a.engine.release_requests(exported, Destination("b", "in-process"))
     outs = await asyncio.gather(*readers)
-    assert outs == [reference[i] for i in range(3)]
-    assert all(r.hops == (["a", "b"] if r.id in moved else ["a"]) for r in reqs)
+    assert outs == refs
+    assert all(r.hops == (["a", "b"] if r in moving else ["a"]) for r in reqs)
 
 
 async def test_reshard_with_requests_in_flight_loses_nothing(
@@ -197,10 +250,12 @@ async def test_an_engine_that_cannot_restart_fails_its_requests_clearly(
 ) -> None:
     model = tmp_path / "doomed.gguf"
     shutil.copyfile(gguf_model, model)
-    nodes = Nodes("llamacpp", settings_for(llama_binary, model, tmp_path))
+    # with context shift, a request for ENDLESS tokens is still running when it is killed
+    settings = settings_for(llama_binary, model, tmp_path, args=("--context-shift",))
+    nodes = Nodes("llamacpp", settings)
     try:
         node = await nodes.add("a", (1,))
-        req = node.engine.submit(PROMPTS[0], 4000, GREEDY)
+        req = node.engine.submit(PROMPTS[0], ENDLESS, GREEDY)
         await eventually(lambda: len(req.output) > 5, within_s=60)
         model.unlink()  # the restart cannot load it
         server = node.live()[0]

@@ -41,7 +41,7 @@ from tests.engines.conftest import (
     settings_for,
     stream_http,
 )
-from tests.helpers import eventually
+from tests.helpers import until
 
 pytestmark = pytest.mark.engine
 
@@ -49,7 +49,8 @@ VOCAB = 1000
 CONTEXT = 1024
 PROMPTS = [[5 + i, 17, 3 + 2 * i, 99, 42 + i, 7] for i in range(6)]
 N = 96
-LONG = 300  # half a second at the stand-in's rate: long enough to act mid-response
+LONG = 300  # half a second at the stand-in's rate; a test acts mid-response on calls
+# that the stand-in's hold (sim_backends/fake_sglang.py) stops at a known point
 FAST = {  # the stand-in's own knobs: a fast model, quick health checks and shutdowns
     "ORL_FAKE_SGLANG_TOKENS_PER_S": "600",
     "ORL_FAKE_SGLANG_HEALTH_POLL_S": "0.05",
@@ -122,6 +123,35 @@ async def until_idle(server: EngineServer, within_s: float = 5) -> None:
             await asyncio.sleep(0.02)
 
 
+async def hold(server: EngineServer, at: int | None) -> None:
+    """The stand-in's calls stop at sequence position ``at`` (None: they run on)."""
+    assert isinstance(server, HttpEngine)
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(server.base + "/orl_fake/hold", json={"at": at}) as r,
+    ):
+        assert r.status == 200, await r.text()
+
+
+async def held(server: EngineServer) -> int:
+    """How many calls the stand-in's hold stops now."""
+    assert isinstance(server, HttpEngine)
+    async with aiohttp.ClientSession() as http, http.get(server.base + "/orl_fake/hold") as r:
+        assert r.status == 200, await r.text()
+        return len((await r.json())["held"])
+
+
+async def until_held(reqs: list[Request], n: int, *servers: EngineServer) -> None:
+    """Until the servers hold every call of ``reqs`` and the gateway has read their ``n``
+    tokens: nothing changes any more until the hold moves."""
+    async with asyncio.timeout(30):
+        while not (  # noqa: ASYNC110 - polls the engine
+            all(len(r.output) == n for r in reqs)
+            and sum([await held(s) for s in servers]) == len(reqs)
+        ):
+            await asyncio.sleep(0.02)
+
+
 def sglang(node: Node, i: int = 0) -> SglangServer:
     server = node.live()[i]
     assert isinstance(server, SglangServer)
@@ -153,18 +183,24 @@ async def test_load_and_progress_match_the_engine(nodes: Nodes) -> None:
     node = await nodes.add("a", (1, 1))
     servers = node.live()
     before = [await s.load() for s in servers]
+    # the calls stop at 60 tokens and run until released: SGLang refreshes its gauges
+    # every 40 decode steps (and at prefills, and when idle), so the gauges have counted
+    # every call by then, and nothing changes while the figures are read
+    n = 60
+    await asyncio.gather(*(hold(s, len(PROMPTS[0]) + n) for s in servers))
     reqs = [node.engine.submit(p, LONG, GREEDY) for p in PROMPTS[:4]]
-    # SGLang refreshes its gauges every 40 decode steps (and at prefills, and when idle)
-    await eventually(lambda: all(len(r.output) > 50 for r in reqs), within_s=10)
+    await until_held(reqs, n, *servers)
     progress = {p.request_id: p for p in node.engine.progress().requests}
     assert set(progress) == {r.id for r in reqs}
     for r in reqs:
         assert progress[r.id].instance in (0, 1)
         assert progress[r.id].prompt_tokens == len(PROMPTS[0])
+        assert progress[r.id].generated_tokens == n
     during = [await s.load() for s in servers]
     assert sum(x.running or 0 for x in during) == node.engine.stats().running_requests == 4
     assert all(x.waiting == 0 for x in during)
     assert all(x.kv_usage is not None and 0 < x.kv_usage < 1 for x in during)
+    await asyncio.gather(*(hold(s, None) for s in servers))
     await asyncio.gather(*(read_all(r) for r in reqs))
     after = [await s.load() for s in servers]
     delta = [
@@ -181,15 +217,21 @@ async def test_pause_in_place_keeps_the_calls_and_their_progress(
     nodes: Nodes, reference: dict[int, list[int]]
 ) -> None:
     node = await nodes.add("a", (1,))
-    assert CAP_PAUSE in sglang(node).capabilities and sglang(node).version == "0.5.23"
+    server = sglang(node)
+    assert CAP_PAUSE in server.capabilities and server.version == "0.5.23"
+    # held at 11 tokens, paused, then released: from then on only the pause stops them
+    await hold(server, len(PROMPTS[0]) + 11)
     reqs = [node.engine.submit(p, LONG, GREEDY) for p in PROMPTS[:3]]
     readers = [asyncio.create_task(read_all(r)) for r in reqs]
-    await eventually(lambda: all(len(r.output) > 10 for r in reqs), within_s=10)
+    await until_held(reqs, 11, server)
     await node.engine.pause()
-    await asyncio.sleep(0.2)  # tokens already on their way when it paused
-    frozen = [len(r.output) for r in reqs]
-    await asyncio.sleep(0.3)
-    assert [len(r.output) for r in reqs] == frozen and all(n < LONG for n in frozen)
+    async with aiohttp.ClientSession() as http:  # (the stand-in's hold refuses nonsense)
+        for bad in (0, "11", 1.5):
+            async with http.post(server.base + "/orl_fake/hold", json={"at": bad}) as r:
+                assert r.status == 400 and f"at={bad!r}" in (await r.json())["error"]
+    await hold(server, None)
+    await asyncio.sleep(0.3)  # 180 decode steps at the stand-in's rate, if it were not paused
+    assert [len(r.output) for r in reqs] == [11] * 3
     assert all(r.where is Where.RUNNING for r in reqs)  # the calls stay on the engine
     await node.engine.unpause()
     assert await asyncio.gather(*readers) == [reference[i] for i in range(3)]
@@ -203,12 +245,15 @@ async def test_an_sglang_without_pause_modes_is_not_paused_in_place(
     nodes = make_nodes(launcher, model, tmp_path, ORL_FAKE_SGLANG_VERSION="0.5.5")
     try:
         node = await nodes.add("old", (1,))
-        assert sglang(node).version == "0.5.5" and CAP_PAUSE not in sglang(node).capabilities
+        server = sglang(node)
+        assert server.version == "0.5.5" and CAP_PAUSE not in server.capabilities
+        await hold(server, len(PROMPTS[0]) + 11)  # mid-response when the pause comes
         reqs = [node.engine.submit(p, LONG, GREEDY) for p in PROMPTS[:2]]
         readers = [asyncio.create_task(read_all(r)) for r in reqs]
-        await eventually(lambda: all(len(r.output) > 10 for r in reqs), within_s=10)
+        await until_held(reqs, 11, server)
         await node.engine.pause()  # the gateway stops the calls itself; requests wait
         assert all(r.where is Where.QUEUED for r in reqs)
+        await hold(server, None)
         await node.engine.unpause()
         assert await asyncio.gather(*readers) == [reference[i] for i in range(2)]
         assert all(r.calls == 2 and r.failures == 0 for r in reqs)
@@ -219,6 +264,8 @@ async def test_an_sglang_without_pause_modes_is_not_paused_in_place(
 async def test_abort_ends_the_call_on_the_engine(nodes: Nodes) -> None:
     node = await nodes.add("a", (1,))
     server = sglang(node)
+    # the calls are held at 20 tokens: an abort is what ends them
+    await hold(server, len(PROMPTS[0]) + 20)
     # the adapter's own abort (/abort_request) while the stream is open: the call ends
     # with finish_reason {"type": "abort"}, which a new call would continue
     sub = Submission("direct-1", tuple(PROMPTS[0]), 900, GREEDY)
@@ -234,10 +281,10 @@ async def test_abort_ends_the_call_on_the_engine(nodes: Nodes) -> None:
     with pytest.raises(EngineFailed, match="Aborted") as failed:
         await abort_after(20)
     assert failed.value.retry and not failed.value.instance
-    assert 20 <= len(got) < 100 and got == greedy(PROMPTS[0], len(got), VOCAB)
+    assert got == greedy(PROMPTS[0], 20, VOCAB)
     # a client's abort through the gateway: the engine stops generating
     req = node.engine.submit(PROMPTS[1], 900, GREEDY)
-    await eventually(lambda: len(req.output) > 50, within_s=10)
+    await until_held([req], 20, server)
     node.engine.abort([req.id])
     with pytest.raises(RequestFailed, match="aborted by the client"):
         await read_all(req)
@@ -267,11 +314,12 @@ async def test_migration_mid_response_gives_the_uninterrupted_output(
     nodes: Nodes, reference: dict[int, list[int]], cut: int
 ) -> None:
     a, b = await asyncio.gather(nodes.add("a", (1,)), nodes.add("b", (1,)))
+    await hold(sglang(a), len(PROMPTS[0]) + cut)  # where they are cut off on ``a``
     reqs = [a.engine.submit(p, LONG, GREEDY) for p in PROMPTS[:3]]
     readers = [asyncio.create_task(read_all(r)) for r in reqs]
-    await eventually(lambda: len(reqs[0].output) >= cut, within_s=10)
+    await until_held(reqs, cut, sglang(a))
     exported, missing = await a.engine.export_requests([r.id for r in reqs])
-    assert not missing and exported[0].generated_tokens >= cut
+    assert not missing and [e.generated_tokens for e in exported] == [cut] * 3
     result = await b.engine.import_requests(exported, 0, recompute=True)
     assert set(result.admitted) == {r.id for r in reqs}
     await a.engine.release_requests(exported, Destination("b", "in-process"))
@@ -280,33 +328,47 @@ async def test_migration_mid_response_gives_the_uninterrupted_output(
 
 
 async def test_reshard_with_requests_in_flight_loses_nothing(
-    nodes: Nodes, reference: dict[int, list[int]]
+    launcher: Path, model: Path, tmp_path: Path, reference: dict[int, list[int]]
 ) -> None:
-    node = await nodes.add("a", (1, 1))
-    reqs = [node.engine.submit(p, LONG, GREEDY) for p in PROMPTS]
-    readers = [asyncio.create_task(read_all(r)) for r in reqs]
-    for layout in [(2,), (1, 1)]:
-        start = total(reqs)
-        await eventually(lambda: total(reqs) > start + 60, within_s=10)  # noqa: B023
-        assert not all(r.done for r in reqs)
-        result = await node.engine.reshard(layout)
-        assert result.new_layout == layout
-        assert {s.stage for s in result.stages} >= {"stop_instances", "start_instances"}
-        assert [p.tp for p in node.engine.instances] == list(layout)
-    tp2 = node.servers[2]  # started for the layout (2,)
-    assert isinstance(tp2, SglangServer) and "--tp-size 2" in " ".join(tp2.process.argv)
-    assert await asyncio.gather(*readers) == [reference[i] for i in range(len(PROMPTS))]
-    assert sorted(node.engine.progress().completed_lengths) == [LONG] * len(PROMPTS)
+    # every instance, the ones a reshard starts too, holds its calls at 100 tokens
+    first = len(PROMPTS[0]) + 100
+    nodes = make_nodes(launcher, model, tmp_path, ORL_FAKE_SGLANG_HOLD_AT=str(first))
+    try:
+        node = await nodes.add("a", (1, 1))
+        reqs = [node.engine.submit(p, LONG, GREEDY) for p in PROMPTS]
+        readers = [asyncio.create_task(read_all(r)) for r in reqs]
+        await until_held(reqs, 100, *node.live())
+        for layout in [(2,), (1, 1)]:
+            if layout == (1, 1):  # the TP2 instance's 4 seats take 4 of them on to 200
+                [tp2] = node.live()
+                await hold(tp2, len(PROMPTS[0]) + 200)
+                seated = [r for r in reqs if r.where is Where.RUNNING]
+                assert len(seated) == 4
+                await until_held(seated, 200, tp2)
+                assert sorted(len(r.output) for r in reqs) == [100] * 2 + [200] * 4
+            result = await node.engine.reshard(layout)
+            assert result.new_layout == layout
+            assert {s.stage for s in result.stages} >= {"stop_instances", "start_instances"}
+            assert [p.tp for p in node.engine.instances] == list(layout)
+            assert not any(r.done for r in reqs)
+        tp2 = node.servers[2]  # started for the layout (2,)
+        assert isinstance(tp2, SglangServer) and "--tp-size 2" in " ".join(tp2.process.argv)
+        await asyncio.gather(*(hold(s, None) for s in node.live()))
+        assert await asyncio.gather(*readers) == [reference[i] for i in range(len(PROMPTS))]
+        assert sorted(node.engine.progress().completed_lengths) == [LONG] * len(PROMPTS)
+    finally:
+        await nodes.close()
 
 
 async def test_a_killed_engine_is_restarted_and_its_requests_resume(
     nodes: Nodes, reference: dict[int, list[int]]
 ) -> None:
     node = await nodes.add("a", (1,))
+    server = sglang(node)
+    await hold(server, len(PROMPTS[0]) + 11)  # killed mid-response; the restart holds nothing
     reqs = [node.engine.submit(p, LONG, GREEDY) for p in PROMPTS[:3]]
     readers = [asyncio.create_task(read_all(r)) for r in reqs]
-    await eventually(lambda: all(len(r.output) > 10 for r in reqs), within_s=10)
-    server = sglang(node)
+    await until_held(reqs, 11, server)
     assert server.process.pid is not None
     os.kill(server.process.pid, signal.SIGKILL)
     assert await asyncio.gather(*readers) == [reference[i] for i in range(3)]
@@ -360,9 +422,15 @@ async def test_logprobs_and_an_update_from_disk_with_a_call_in_flight(
                 got.extend(chunk.token_ids)
                 got_lps.extend(chunk.logprobs)
 
+        await hold(server, len(PROMPTS[1]) + 20)  # mid-response when the pause comes
         reader = asyncio.create_task(read())
-        await eventually(lambda: len(got) >= 20, within_s=60)
+
+        async def held_there() -> bool:  # (with --stream-interval 3 some are not sent yet)
+            return await held(server) == 1
+
+        await until(held_there)
         await server.pause("keep")
+        await hold(server, None)  # only the pause holds it now
         await server.update_weights(path, version="step-2")
         await server.resume()
         await asyncio.wait_for(reader, 60)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import aiohttp
@@ -21,24 +21,25 @@ import pytest
 import pytest_asyncio
 
 from node_agent.engine import Destination
-from node_agent.engines.base import EngineFailed, Submission
+from node_agent.engines.base import EngineFailed, EngineServer, InstanceLoad, Submission
 from node_agent.engines.checkpoint import CheckpointError
 from node_agent.engines.http_engine import HttpEngine
 from node_agent.engines.vllm import VllmServer
-from node_agent.gateway.requests import Where
+from node_agent.gateway.requests import Request, Where
 from tests.engines.conftest import (
     GREEDY,
+    Node,
     Nodes,
     check_logprobs,
     cpu_placement,
-    freeze_mid_response,
     generate,
+    generating_below_the_test,
     read_all,
     settings_for,
     stream_http,
 )
 from tests.engines.reference import Reference, max_abs_diff
-from tests.helpers import eventually
+from tests.helpers import eventually, until
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
 
@@ -100,38 +101,90 @@ async def test_the_gateway_streams_exactly_the_engines_tokens(
     assert len({tuple(r) for r in reference.values()}) == len(PROMPTS)  # varied outputs
 
 
+class Tally:
+    """The tokens a node's engine counted since the tally began, against what its gateway
+    read of the requests submitted since: vLLM counts a token when it hands it to the
+    request's stream, so once the two agree the gateway has read everything the engine
+    produced (while paused, nothing changes any more)."""
+
+    def __init__(self, servers: list[EngineServer], before: list[InstanceLoad]) -> None:
+        self.servers = servers
+        self.before = before
+        self.submitted: list[Request] = []
+
+    @classmethod
+    async def start(cls, servers: list[EngineServer]) -> Tally:
+        return cls(servers, [await s.load() for s in servers])
+
+    async def generated(self) -> float:
+        now = [await s.load() for s in self.servers]
+        return sum(
+            (x.generation_tokens_total or 0) - (y.generation_tokens_total or 0)
+            for x, y in zip(now, self.before, strict=True)
+        )
+
+    async def drained(self) -> bool:
+        return await self.generated() == sum(len(r.output) for r in self.submitted)
+
+
+async def paused_mid_response(
+    a: Node,
+    tally: Tally,
+    submit: Callable[[], list[Request]],
+    started: Callable[[list[Request]], bool],
+    references: list[list[int]] | None,
+) -> tuple[list[Request], list[asyncio.Task[list[int]]]]:
+    """Submit requests, wait until ``started``, pause ``a`` in place and wait until its
+    gateway has read all the engine produced: then nothing changes until it resumes. The
+    pause lands wherever the engine is: when it had finished a request already, the
+    attempt is let run to its end (each output checked against ``references``) and
+    repeated. Returns the requests, every one of them mid-response with ``a`` paused, and
+    their readers."""
+    for _attempt in range(3):
+        with generating_below_the_test(a.live()):  # until the pause has landed
+            reqs = submit()
+            tally.submitted += reqs
+            readers = [asyncio.create_task(read_all(r)) for r in reqs]
+            await eventually(lambda: started(reqs), within_s=120)  # noqa: B023
+            await a.engine.pause()
+        await until(tally.drained)
+        if not any(r.done for r in reqs):
+            return reqs, readers
+        await a.engine.unpause()
+        outputs = await asyncio.gather(*readers)
+        assert references is None or outputs == references
+    pytest.fail("vLLM finished a request before every attempt to pause it mid-response")
+
+
 async def test_load_and_progress_match_the_engine(nodes: Nodes) -> None:
     a = node(nodes, "a")
     servers = a.live()
-    before = [await s.load() for s in servers]
+    tally = await Tally.start(servers)
     n = 1000
-    reqs = [a.engine.submit(p, n, GREEDY) for p in PROMPTS[:4]]
-    await eventually(lambda: all(len(r.output) > 10 for r in reqs), within_s=120)
-    # vLLM paused in place (dev mode): nothing finishes while the gauges catch up
-    await a.engine.pause()
+    reqs, readers = await paused_mid_response(
+        a,
+        tally,
+        lambda: [a.engine.submit(p, n, GREEDY) for p in PROMPTS[:4]],
+        lambda reqs: all(len(r.output) > 10 for r in reqs),
+        None,
+    )
+    # paused in place with all four mid-response: the figures cannot change while read
     try:
-        await asyncio.sleep(1.0)
         progress = {p.request_id: p for p in a.engine.progress().requests}
-        running = [r for r in reqs if not r.done]
-        assert set(progress) == {r.id for r in running}
-        assert all(r.where is Where.RUNNING for r in running)  # kept on the engine
-        for r in running:
+        assert set(progress) == {r.id for r in reqs}
+        assert all(r.where is Where.RUNNING for r in reqs)  # kept on the engine
+        for r in reqs:
             assert progress[r.id].max_tokens == n and progress[r.id].prompt_tokens == 6
             assert progress[r.id].generated_tokens == len(r.output)
         during = [await s.load() for s in servers]
-        assert sum(x.running or 0 for x in during) == a.engine.stats().running_requests
-        assert a.engine.stats().running_requests == len(running)
+        assert sum(x.running or 0 for x in during) == a.engine.stats().running_requests == 4
         assert all(x.kv_usage is not None and 0 <= x.kv_usage <= 1 for x in during)
     finally:
         await a.engine.unpause()
-    await asyncio.gather(*(read_all(r) for r in reqs))
-    await asyncio.sleep(1.0)
-    after = [await s.load() for s in servers]
-    generated = sum(
-        (x.generation_tokens_total or 0) - (y.generation_tokens_total or 0)
-        for x, y in zip(after, before, strict=True)
-    )
-    assert generated == sum(len(r.output) for r in reqs) == 4 * n
+    await asyncio.gather(*readers)
+    await until(tally.drained)
+    generated = await tally.generated()
+    assert generated == sum(len(r.output) for r in tally.submitted) == n * len(tally.submitted)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -146,28 +199,27 @@ async def test_migration_mid_response_gives_the_uninterrupted_output(
     nodes: Nodes, long_reference: dict[int, list[int]], cut: int
 ) -> None:
     a, b = node(nodes, "a"), node(nodes, "b")
-    reqs = [a.engine.submit(p, LONG, GREEDY) for p in PROMPTS[:3]]
-    readers = [asyncio.create_task(read_all(r)) for r in reqs]
-    await eventually(lambda: len(reqs[0].output) >= cut, within_s=120)
-    await a.engine.pause()  # in place: this tiny model finishes a request in a blink
+    refs = [long_reference[i] for i in range(3)]
+    reqs, readers = await paused_mid_response(
+        a,
+        await Tally.start(a.live()),
+        lambda: [a.engine.submit(p, LONG, GREEDY) for p in PROMPTS[:3]],
+        lambda reqs: len(reqs[0].output) >= cut,
+        refs,
+    )
     try:
-        moving = [r for r in reqs if not r.done]  # on a free core one may be done already
-        exported, missing = await a.engine.export_requests([r.id for r in moving])
+        exported, missing = await a.engine.export_requests([r.id for r in reqs])
     finally:
         await a.engine.unpause()
-    # The gateway's output lags the engine by up to a socket buffer of tokens, so a
-    # request it still streams may already be finished in the engine: export names it
-    # missing, and it completes from its own stream on ``a``. The first request has
-    # ``cut`` tokens in the gateway, far fewer than LONG, so it is mid-response.
-    assert reqs[0].id in {e.request_id for e in exported}
-    assert {e.request_id for e in exported} | set(missing) == {r.id for r in moving}
-    assert all(e.generated_tokens >= cut for e in exported if e.request_id == reqs[0].id)
+    # paused with every token the engine made read: all three are mid-response
+    assert not missing and [e.request_id for e in exported] == [r.id for r in reqs]
+    assert exported[0].generated_tokens >= cut
+    assert all(e.generated_tokens == len(r.output) for e, r in zip(exported, reqs, strict=True))
     result = await b.engine.import_requests(exported, 0, recompute=True)
-    assert set(result.admitted) == {e.request_id for e in exported}
+    assert set(result.admitted) == {r.id for r in reqs}
     await a.engine.release_requests(exported, Destination("b", "in-process"))
-    assert await asyncio.gather(*readers) == [long_reference[i] for i in range(3)]
-    moved = {e.request_id for e in exported}
-    assert all(r.hops == (["a", "b"] if r.id in moved else ["a"]) for r in moving)
+    assert await asyncio.gather(*readers) == refs
+    assert all(r.hops == ["a", "b"] for r in reqs)
 
 
 async def test_a_killed_engine_is_restarted_and_its_requests_resume(
@@ -177,16 +229,20 @@ async def test_a_killed_engine_is_restarted_and_its_requests_resume(
     server = b.live()[0]
     assert isinstance(server, HttpEngine) and server.process.pid is not None
     pgid = server.process.pid
-    # The kill must land while both requests are unfinished as the gateway sees them:
-    # the engine (API server and engine core) is frozen first.
-    reqs, readers = await freeze_mid_response(
+    refs = [long_reference[i] for i in range(2)]
+    # The kill lands while both requests are mid-response: paused in place, with every
+    # token the engine made read by the gateway.
+    reqs, readers = await paused_mid_response(
+        b,
+        await Tally.start(b.live()),
         lambda: [b.engine.submit(p, LONG, GREEDY) for p in PROMPTS[:2]],
-        lambda sig: os.killpg(pgid, sig),
-        [long_reference[i] for i in range(2)],
+        lambda reqs: all(r.output for r in reqs),
+        refs,
     )
     os.killpg(pgid, signal.SIGKILL)  # the API server and its engine core
+    await b.engine.unpause()  # the restarted instance runs them
     outs = await asyncio.wait_for(asyncio.gather(*readers), 300)
-    assert outs == [long_reference[i] for i in range(2)]
+    assert outs == refs
     assert b.engine.failures == 1 and b.engine.instance_health() == ("up",)
     assert all(r.calls == 2 for r in reqs)  # cut off once, resumed once
 
@@ -265,9 +321,10 @@ async def test_a_weight_update_in_place_equals_a_fresh_engine(
                 async for chunk in server.generate(sub):
                     tokens += chunk.token_ids
 
-            reader = asyncio.create_task(read(PROMPTS[i], tokens, f"across-{i}"))
-            await eventually(lambda: len(tokens) >= 50 or reader.done(), within_s=120)  # noqa: B023
-            await server.pause("keep")
+            with generating_below_the_test([server]):  # until the pause has landed
+                reader = asyncio.create_task(read(PROMPTS[i], tokens, f"across-{i}"))
+                await eventually(lambda: len(tokens) >= 50 or reader.done(), within_s=120)  # noqa: B023
+                await server.pause("keep")
             await server.update_weights(path, version="step-2")  # paused by the caller: stays
             await server.resume()
             await asyncio.wait_for(reader, 300)
@@ -315,9 +372,10 @@ async def test_pause_abort_ends_the_calls_in_flight_retryably(nodes: Nodes) -> N
             async for chunk in server.generate(Submission(rid, tuple(PROMPTS[0]), n, GREEDY)):
                 tokens.extend(chunk.token_ids)
 
-        reader = asyncio.create_task(read(tokens, f"to-abort-{attempt}"))
-        await eventually(lambda: len(tokens) >= 5 or reader.done(), within_s=120)  # noqa: B023
-        await server.pause("abort")
+        with generating_below_the_test([server]):  # until the abort has landed
+            reader = asyncio.create_task(read(tokens, f"to-abort-{attempt}"))
+            await eventually(lambda: len(tokens) >= 5 or reader.done(), within_s=120)  # noqa: B023
+            await server.pause("abort")
         try:
             (outcome,) = await asyncio.gather(asyncio.wait_for(reader, 60), return_exceptions=True)
         finally:

@@ -96,8 +96,8 @@ async def switch(bench: Bench) -> AsyncIterator[NetnsOcs]:
 
 
 async def settled(switch: NetnsOcs, down: set[int]) -> set[int]:
-    """The DOWN ports once they equal ``down`` (or after 3 s): link state lags."""
-    for _ in range(60):
+    """The DOWN ports once they equal ``down`` (or after 30 s): link state lags."""
+    for _ in range(600):
         await switch.refresh_health()
         now = {s.port for s in switch.ocs.port_states() if not s.up}
         if now == down:
