@@ -51,17 +51,20 @@ ROLLOUTS = ("full",)
 class RLConfig:
     engine: str = "llamacpp"
     command: str = ""  # default: what `make engines` installed
-    steps: int = 12
-    prompts: int = 8  # groups per step (G)
+    steps: int = 10
+    prompts: int = 4  # groups per step (G)
     samples: int = 8  # samples per prompt (n)
-    max_tokens: int = 256
-    vocab: int = 64
-    hidden: int = 64
+    max_tokens: int = 1024
+    # the policy: a random Llama that stops about once in ``vocab`` tokens at first (a long
+    # tail of responses), slow enough on a CPU core (~3 ms a token) for the compute loop
+    # to act while a step's tail runs, small enough to train in seconds a step
+    vocab: int = 256
+    hidden: int = 512
     layers: int = 2
-    target_length: int = 6
-    length_weight: float = 0.5  # the reward's weight on stopping near target_length
+    target_length: int = 48
+    length_weight: float = 0.9  # the reward's weight on stopping near target_length
     ramble: float = 0.0  # the first policy's logit spread (0: as initialised; see build_policy)
-    learning_rate: float = 5e-3
+    learning_rate: float = 2e-4
     seed: int = 0
     seats: int = 4  # sequences per engine instance
     rollout: str = "full"
@@ -102,7 +105,9 @@ class StepRow:
     logprob_max_abs_diff: float
     phase_s: dict[str, float]
     reshards: int
-    migrations: int  # of running requests (their tokens recomputed or moved)
+    migrations: int  # migrate actions of the compute loop during the rollout
+    moved_running: int  # samples moved to another node with tokens already generated
+    moved_tokens: int  # the tokens they had generated before the move
     samples: int
     sync_bytes: int
     versions_seen: list[str]
@@ -125,6 +130,10 @@ class RLResult:
     def migrations(self) -> int:
         return sum(s.migrations for s in self.steps)
 
+    @property
+    def moved_running(self) -> int:
+        return sum(s.moved_running for s in self.steps)
+
     def doc(self) -> dict[str, Any]:
         return {
             "engine": self.engine,
@@ -141,12 +150,14 @@ class RLResult:
                     "phase_s": s.phase_s,
                     "reshards": s.reshards,
                     "migrations": s.migrations,
+                    "moved_running": s.moved_running,
                     "sync_bytes": s.sync_bytes,
                 }
                 for s in self.steps
             ],
             "reshards": self.reshards,
             "migrations": self.migrations,
+            "moved_running": self.moved_running,
             "lost_or_duplicated": self.lost_or_duplicated,
             "cluster_up_s": self.cluster_up_s,
             "run_s": self.run_s,
@@ -351,6 +362,8 @@ async def _step(
         phase_s=phase_s,
         reshards=sum(1 for a in acted if a["kind"] == "reshard"),
         migrations=sum(1 for a in acted if a["kind"] == "migrate"),
+        moved_running=sum(1 for g in groups for s in g.samples if s.moved_running),
+        moved_tokens=sum(s.moved_running for g in groups for s in g.samples),
         samples=sum(len(g.samples) for g in groups) - bad,
         sync_bytes=sum(n.bytes_fetched for n in sync.nodes) if sync is not None else 0,
         versions_seen=sorted({v for g in groups for s in g.samples for v in s.versions}),
@@ -361,7 +374,7 @@ def header() -> str:
     return (
         f"  {'step':>4} {'ver':>4} {'reward':>7} {'len p50':>7} {'p99':>5} {'stop':>5} "
         f"{'gen s':>6} {'train s':>7} {'sync s':>6} {'reshard':>7} {'migrate':>7} "
-        f"{'|dlogp| max':>11}"
+        f"{'moved':>5} {'|dlogp| max':>11}"
     )
 
 
@@ -371,7 +384,7 @@ def format_row(r: StepRow) -> str:
         f"  {r.step:>4} {r.weight_version:>4} {r.reward_mean:>7.3f} {r.length_p50:>7.0f} "
         f"{r.length_p99:>5.0f} {r.stop_fraction:>5.2f} {p['generation']:>6.2f} "
         f"{p['training']:>7.2f} {p['weight-sync']:>6.2f} {r.reshards:>7} {r.migrations:>7} "
-        f"{r.logprob_max_abs_diff:>11.1e}"
+        f"{r.moved_running:>5} {r.logprob_max_abs_diff:>11.1e}"
     )
 
 
@@ -383,7 +396,9 @@ def summary(r: RLResult, window: int = 3) -> str:
     return (
         f"  reward {first:.3f} (first {w} steps) -> {last:.3f} (last {w}); weight version "
         f"{r.steps[0].weight_version} -> {r.steps[-1].weight_version}; {r.reshards} reshard(s) "
-        f"and {r.migrations} migration(s) during rollouts; engines' logprobs within "
+        f"and {r.migrations} migration(s) during rollouts, {r.moved_running} sample(s) moved "
+        f"to another node while running ({sum(s.moved_tokens for s in r.steps)} tokens "
+        f"generated before their moves); engines' logprobs within "
         f"{worst:.1e} of the trainer's; {r.lost_or_duplicated} request(s) lost or duplicated; "
         f"{r.run_s:.0f} s"
     )

@@ -66,6 +66,13 @@ class Sample:
     finish_reason: str  # "length" or "stop"
     nodes: tuple[str, ...]  # the nodes that generated it, in order
     gateway: str
+    node_starts: tuple[int, ...] = ()  # its output length on arriving at each node
+
+    @property
+    def moved_running(self) -> int:
+        """Tokens it had generated when it first moved to another node while running (0:
+        it never did)."""
+        return next((s for s in self.node_starts[1:] if s > 0), 0)
 
     @property
     def weight_versions(self) -> tuple[str, ...]:
@@ -111,6 +118,7 @@ def parse_choice(choice: Mapping[str, Any], gateway: str) -> Sample:
         str(choice.get("finish_reason") or ""),
         tuple(str(n) for n in orl.get("nodes") or ()),
         gateway,
+        tuple(int(i) for i in orl.get("node_starts") or ()),
     )
 
 
