@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,7 @@ def table(
 
 
 async def test_get_info(switch: Switch) -> None:
-    info = await switch.stub.GetInfo(pb.GetInfoRequest(), timeout=TIMEOUT)
+    info = await switch.stub.GetInfo(pb.GetInfoRequest(), timeout=60)
     assert info == pb.SwitchInfo(
         name="ocs-test", port_count=8, switching_time_s=0.0, backend="simulated"
     )
@@ -252,18 +253,19 @@ async def test_daemon_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
             stderr=log_file,
         )
     try:
-        for _ in range(1200):  # up to 60 s (a process starting on a busy machine)
-            if ready.exists() or proc.returncode is not None:
-                break
+        # bounds on failure only: with the machine ~20x oversubscribed (four package
+        # installs beside the suite) this test failed at the old bounds (60 s, 5 s, 10 s)
+        deadline = time.monotonic() + 180
+        while not ready.exists() and proc.returncode is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert ready.exists(), log.read_text()
         address = ready.read_text().strip()
         async with grpcutil.insecure_channel(address) as channel:
-            info = await async_stub(channel).GetInfo(pb.GetInfoRequest(), timeout=TIMEOUT)
+            info = await async_stub(channel).GetInfo(pb.GetInfoRequest(), timeout=60)
         assert info.name == "ocs0"
         assert info.port_count == 32
         proc.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(60):
             code = await proc.wait()
         assert code == 0, log.read_text()
         assert '"event": "ocs_started"' in log.read_text()
