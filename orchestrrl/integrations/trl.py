@@ -24,8 +24,10 @@ What TRL 1.16 does (read in ``trl/trainer/grpo_trainer.py``):
 
 Pieces: :func:`regroup` / :func:`to_trl` (TRL's repeated prompts to groups and back),
 :class:`RolloutFunc` (a ``rollout_func`` around any group generator, with the logprob
-check), :func:`torch_generate` (a generator that samples with plain torch from the
-trainer's model: no engine), :class:`StepEndCallback` and :func:`save_checkpoints`.
+check), :func:`rollout_generate` (a generator over the node agents' gateways through
+:class:`orchestrrl.rollout.Rollout`), :func:`torch_generate` (one that samples with plain
+torch from the trainer's model: no engine), :class:`StepEndCallback` and
+:func:`save_checkpoints`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from orchestrrl import checkpoint, errors
 from orchestrrl.rl import policy
 from orchestrrl.rl.grpo import Sample
 from orchestrrl.rl.trainer import LogprobMismatch
+from orchestrrl.rollout import Group, Rollout
 
 P = TypeVar("P")
 Generate = Callable[[list[tuple[int, ...]], int, Any], Sequence[Sequence[Sample]]]
@@ -191,6 +194,49 @@ class RolloutFunc:
         self.checks.append(check)
         if self.tolerance is not None and check.max > self.tolerance:
             raise LogprobMismatch(step, check.mean, check.max, self.tolerance)
+
+
+def samples_of(groups: Sequence[Group]) -> list[list[Sample]]:
+    """The trainer's samples of a rollout's groups: each with the logprobs the engines
+    reported and its weight version (the distinct versions of its tokens joined by ",",
+    e.g. "3,4" for a sample that spanned an update)."""
+    return [
+        [
+            Sample(
+                g.prompt_ids,
+                s.completion_ids,
+                tuple(s.logprobs or ()),
+                s.finish_reason if s.finish_reason in ("stop", "length") else "length",
+                ",".join(s.weight_versions),
+            )
+            for s in g.samples
+        ]
+        for g in groups
+    ]
+
+
+def rollout_generate(
+    rollout: Rollout, *, max_tokens: int, seed: int = 0, **sampling: Any
+) -> Generate:
+    """A group generator over the gateways of ``rollout`` (:class:`Rollout`): the ``n``
+    samples of each prompt as one group on one gateway, with every token's logprob, at
+    the trainer's ``temperature``, seeded by ``seed`` + 100003 x the step (``sampling``:
+    more keyword arguments of :meth:`Rollout.generate`, e.g. ``top_p``)."""
+
+    def generate(prompts: list[tuple[int, ...]], n: int, trainer: Any) -> list[list[Sample]]:
+        step = int(trainer.state.global_step)
+        groups = rollout.generate(
+            prompts,
+            n=n,
+            max_tokens=max_tokens,
+            temperature=_temperature(trainer),
+            seed=seed + 100_003 * step,
+            logprobs=True,
+            **sampling,
+        )
+        return samples_of(groups)
+
+    return generate
 
 
 def torch_generate(*, max_tokens: int, seed: int = 0) -> Generate:
