@@ -270,3 +270,25 @@ def _copy_truncated(src: Path, dst: Path) -> None:
         if f.name == ck.WEIGHTS:
             data = data[: len(data) // 2]
         (dst / f.name).write_bytes(data)
+
+
+async def test_the_openai_client_gets_the_trainers_logprobs_from_llamacpp(
+    cluster: Cluster,
+) -> None:
+    from tests.component.test_openai_client import n_samples, refused, streamed
+
+    prompt = list(TASK.prompts(1, seed=9)[0])
+    url = cluster.urls[0]
+    samples = await n_samples(url, prompt, n=4, max_tokens=MAX_TOKENS, version="0")
+    samples += [
+        (s["tokens"], s["logprobs"])
+        for s in (await streamed(url, prompt, n=2, max_tokens=MAX_TOKENS)).values()
+    ]
+    with torch.no_grad():
+        now, _ = policy.token_logprobs(
+            cluster.model, [prompt] * len(samples), [t for t, _ in samples]
+        )
+    worst = float((now - torch.tensor([lp for _, lp in samples])).abs().max())
+    print(f"openai client, llama.cpp: {len(samples)} samples, max |diff| {worst:.1e}")
+    assert worst < LOGPROB_TOL
+    await refused(url, prompt)
