@@ -11,7 +11,9 @@ a tiny random-weight model built here, on this host's CPU cores:
   tokens/s of each path and their ratio, time to first token of each and the difference,
   and the difference in wall time spread over the tokens streamed (the gateway's cost per
   token). Targets: tokens/s within 5 % of the engine's own, time to first token within
-  5 ms.
+  5 ms. Measured twice: without logprobs, and with each sampled token's logprob on (as
+  an RL rollout asks; the engine's own API with logprobs against the gateway's
+  ``"logprobs": 0``), with the largest difference between the two paths' logprobs.
 * **migration**: requests cut mid-response on node ``a`` and moved to node ``b`` (export,
   import with recomputation, release; the source follows the destination, as the agents
   do over gRPC): time of each stage, the time from import to the destination's first new
@@ -67,6 +69,7 @@ class Timed:
     """One streamed request as its client saw it."""
 
     tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
     first_s: float = 0.0  # from sending to the first token
     total_s: float = 0.0
     max_gap_s: float = 0.0  # the longest wait between two tokens
@@ -75,8 +78,10 @@ class Timed:
 async def timed(chunks: Any, t0: float) -> Timed:
     out = Timed()
     last = t0
-    async for ids in chunks:
+    async for item in chunks:
+        ids, logprobs = item  # each chunk's token ids and their logprobs (or none)
         now = time.perf_counter()
+        out.logprobs.extend(logprobs)
         if ids:
             if not out.tokens:
                 out.first_s = now - t0
@@ -88,17 +93,21 @@ async def timed(chunks: Any, t0: float) -> Timed:
     return out
 
 
-async def direct(server: EngineServer, p: list[int], n: int, tag: str) -> Timed:
+async def direct(
+    server: EngineServer, p: list[int], n: int, tag: str, logprobs: bool = False
+) -> Timed:
     async def chunks() -> Any:
-        async for c in server.generate(Submission(tag, tuple(p), n, GREEDY)):
-            yield c.token_ids
+        async for c in server.generate(Submission(tag, tuple(p), n, GREEDY, logprobs=logprobs)):
+            yield c.token_ids, list(c.logprobs)
 
     return await timed(chunks(), time.perf_counter())
 
 
-async def via_gateway(http: aiohttp.ClientSession, url: str, p: list[int], n: int) -> Timed:
+async def via_gateway(
+    http: aiohttp.ClientSession, url: str, p: list[int], n: int, logprobs: bool = False
+) -> Timed:
     body = {"model": "tiny", "prompt": p, "max_tokens": n, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+            "ignore_eos": True, "stream": True, "logprobs": 0 if logprobs else None}  # fmt: skip
     t0 = time.perf_counter()
 
     async def chunks() -> Any:
@@ -111,7 +120,9 @@ async def via_gateway(http: aiohttp.ClientSession, url: str, p: list[int], n: in
                     event = json.loads(text[6:])
                     if "error" in event:
                         raise RuntimeError(f"gateway stream error: {event['error']}")
-                    yield event["choices"][0]["token_ids"]
+                    choice = event["choices"][0]
+                    lp = choice.get("logprobs") or {}
+                    yield choice["token_ids"], list(lp.get("token_logprobs") or [])
 
     return await timed(chunks(), t0)
 
@@ -119,7 +130,7 @@ async def via_gateway(http: aiohttp.ClientSession, url: str, p: list[int], n: in
 async def from_request(req: Request) -> Timed:
     async def chunks() -> Any:
         async for ids in req.tokens():
-            yield ids
+            yield ids, []
 
     return await timed(chunks(), time.perf_counter())
 
@@ -160,9 +171,12 @@ async def generated(req: Request, n: int) -> None:
         await asyncio.sleep(0.0005)
 
 
-async def overhead(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
-    engine = await bench.node("o", (1,), 0)
-    server = bench.servers["o"][0]
+async def overhead(
+    bench: Bench, args: argparse.Namespace, *, logprobs: bool = False
+) -> dict[str, Any]:
+    name = "ol" if logprobs else "o"
+    engine = await bench.node(name, (1,), 0)
+    server = bench.servers[name][0]
     http_server = GatewayServer(engine, GatewaySettings("tiny", bench.settings.context))
     await http_server.start("127.0.0.1:0")
     url = f"http://{http_server.address}"
@@ -173,13 +187,13 @@ async def overhead(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
 
             async def engine_round(k: int) -> list[Timed]:
                 return list(await asyncio.gather(*(
-                    direct(server, prompt(i), args.tokens, f"bench-{k}-{i}")
+                    direct(server, prompt(i), args.tokens, f"bench-{name}-{k}-{i}", logprobs)
                     for i in range(args.concurrency)
                 )))  # fmt: skip
 
             async def gateway_round(k: int) -> list[Timed]:
                 return list(await asyncio.gather(*(
-                    via_gateway(http, url, prompt(i), args.tokens)
+                    via_gateway(http, url, prompt(i), args.tokens, logprobs)
                     for i in range(args.concurrency)
                 )))  # fmt: skip
 
@@ -199,6 +213,15 @@ async def overhead(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
         same = all(
             t.tokens == paths["engine"][j % c].tokens for j, t in enumerate(paths["gateway"])
         )
+        # with logprobs on: one per token on both paths, and how far apart they are
+        lp_diff = 0.0
+        for j, t in enumerate(paths["gateway"]):
+            e = paths["engine"][j % c]
+            want = len(t.tokens) if logprobs else 0
+            if len(t.logprobs) != want or len(e.logprobs) != len(e.tokens if logprobs else []):
+                same = False
+            elif t.tokens == e.tokens:
+                lp_diff = max([lp_diff, *(abs(a - b) for a, b in zip(t.logprobs, e.logprobs))])
     finally:
         await http_server.stop()
         await engine.close()
@@ -220,6 +243,8 @@ async def overhead(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
         "ttft_added_ms": ttft["gateway"] - ttft["engine"],
         "wall_added_per_token_us": per_token_us,
         "outputs_equal": same,
+        "logprobs": logprobs,
+        "logprob_max_abs_diff": lp_diff,
     }
 
 
@@ -324,6 +349,7 @@ async def reshard(bench: Bench, args: argparse.Namespace, refs: list[list[int]])
 
 def table(r: dict[str, Any]) -> str:
     o, m, s = r["overhead"], r["migration"], r["reshard"]
+    ol = r["overhead_logprobs"]
     lines = [
         f"gateway bench: {r['engine']} on the CPU, tiny random model "
         f"({o['concurrency']} streams x {o['tokens_per_request']} tokens, {o['rounds']} "
@@ -336,6 +362,15 @@ def table(r: dict[str, Any]) -> str:
         f"{o['gateway_ttft_ms']:>10.2f} {o['ttft_added_ms']:>+13.2f}ms",
         f"{'wall time added per token':<34} {'':>10} {'':>10} "
         f"{o['wall_added_per_token_us']:>+13.1f}us",
+        f"{'logprobs on: tokens/s':<34} {ol['engine_tokens_per_s']:>10.0f} "
+        f"{ol['gateway_tokens_per_s']:>10.0f} {ol['tokens_per_s_ratio']:>15.3f}",
+        f"{'logprobs on: first token, ms':<34} {ol['engine_ttft_ms']:>10.2f} "
+        f"{ol['gateway_ttft_ms']:>10.2f} {ol['ttft_added_ms']:>+13.2f}ms",
+        f"{'logprobs on: wall added per token':<34} {'':>10} {'':>10} "
+        f"{ol['wall_added_per_token_us']:>+13.1f}us",
+        f"{'logprobs on: max |engine - gateway|':<34} {'':>10} {'':>10} "
+        f"{ol['logprob_max_abs_diff']:>15.1e}",
+        f"  outputs equal on both paths: {o['outputs_equal'] and ol['outputs_equal']}",
         "",
         f"{'migration a -> b (' + str(m['trials']) + ' trials x 2)':<34} {'p50 ms':>10} "
         f"{'max ms':>10}",
@@ -375,6 +410,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             result: dict[str, Any] = {"engine": args.engine}
             result["overhead"] = await overhead(bench, args)
+            result["overhead_logprobs"] = await overhead(bench, args, logprobs=True)
             refs = await uninterrupted(bench, args.long, 2)
             result["migration"] = await migration(bench, args, refs)
             result["reshard"] = await reshard(bench, args, refs)

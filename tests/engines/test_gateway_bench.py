@@ -29,6 +29,10 @@ def test_the_gateway_bench_runs_and_checks_its_outputs(llama_binary: Path, tmp_p
     assert (
         doc["overhead"]["engine_tokens_per_s"] > 0 and doc["overhead"]["gateway_tokens_per_s"] > 0
     )
+    lp = doc["overhead_logprobs"]  # the same requests with each token's logprob on
+    assert lp["logprobs"] is True and lp["outputs_equal"] is True
+    assert lp["gateway_tokens_per_s"] > 0 and 0 <= lp["logprob_max_abs_diff"] < 1e-3
+    assert "logprobs on: tokens/s" in run.stdout
     assert doc["migration"]["outputs_equal"] == doc["migration"]["outputs"] == 2
     assert set(doc["migration"]["stages_ms_p50"]) >= {"export", "import", "release"}
     runs = doc["reshard"]["runs"]
