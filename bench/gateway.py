@@ -221,7 +221,8 @@ async def overhead(
             if len(t.logprobs) != want or len(e.logprobs) != len(e.tokens if logprobs else []):
                 same = False
             elif t.tokens == e.tokens:
-                lp_diff = max([lp_diff, *(abs(a - b) for a, b in zip(t.logprobs, e.logprobs))])
+                pairs = zip(t.logprobs, e.logprobs, strict=True)
+                lp_diff = max([lp_diff, *(abs(a - b) for a, b in pairs)])
     finally:
         await http_server.stop()
         await engine.close()

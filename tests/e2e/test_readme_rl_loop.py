@@ -69,7 +69,7 @@ def test_the_readmes_rl_loop_runs_on_a_local_cluster(
             "checkpoint_dir": store,
         }
         assert code.count('Client("127.0.0.1:50051")') == 1
-        exec(code.replace("127.0.0.1:50051", controller), scope)  # noqa: S102
+        exec(code.replace("127.0.0.1:50051", controller), scope)
         scope["orl"].close()
         # the last rollout ran on the weights of the step before; every token says so
         groups = scope["groups"]

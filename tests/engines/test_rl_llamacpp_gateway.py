@@ -147,9 +147,7 @@ async def test_trls_grpo_trainer_generates_through_the_gateways_and_pushes_each_
                 processing_class=tokenizer,
                 rollout_func=func,
                 callbacks=[
-                    orl_trl.StepEndCallback(
-                        orl_trl.save_checkpoints(cluster.root, CONFIG, push)
-                    )
+                    orl_trl.StepEndCallback(orl_trl.save_checkpoints(cluster.root, CONFIG, push))
                 ],
             )
             trainer.train()
