@@ -42,7 +42,7 @@ from transformers import PreTrainedTokenizerFast, TrainerCallback
 
 from orchestrrl import checkpoint, errors
 from orchestrrl.rl import policy
-from orchestrrl.rl.grpo import Sample
+from orchestrrl.rl.grpo import FINISH, Sample
 from orchestrrl.rl.trainer import LogprobMismatch
 from orchestrrl.rollout import Group, Rollout
 
@@ -206,7 +206,7 @@ def samples_of(groups: Sequence[Group]) -> list[list[Sample]]:
                 g.prompt_ids,
                 s.completion_ids,
                 tuple(s.logprobs or ()),
-                s.finish_reason if s.finish_reason in ("stop", "length") else "length",
+                s.finish_reason if s.finish_reason in FINISH else "length",
                 ",".join(s.weight_versions),
             )
             for s in g.samples

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from orchestrrl import errors
-from orchestrrl.integrations.trl import id_tokenizer, prompt_ids, regroup, to_trl
+from orchestrrl.integrations.trl import (
+    id_tokenizer,
+    prompt_ids,
+    regroup,
+    rollout_generate,
+    samples_of,
+    to_trl,
+)
 from orchestrrl.rl.grpo import Sample
 
 pytestmark = pytest.mark.unit
@@ -64,3 +75,48 @@ def test_the_id_tokenizer_spells_each_id_and_reads_it_back() -> None:
         prompt_ids("t3", None)
     with pytest.raises(errors.InvalidArgument, match="eos_id=0"):
         id_tokenizer(16, eos_id=0)
+
+
+def rollout_sample(tokens: tuple[int, ...], versions: tuple[str, ...], finish: str) -> Any:
+    from orchestrrl.rollout import Sample as Got
+
+    return Got("r", tokens, tuple(-0.1 * (i + 1) for i in range(len(tokens))), versions,
+               finish, ("n0",), "http://g")  # fmt: skip
+
+
+def test_a_rollouts_groups_become_the_trainers_samples() -> None:
+    from orchestrrl.rollout import Group
+
+    groups = [
+        Group((5, 6), "g0", (rollout_sample((7, 8, 63), ("2", "2", "2"), "stop"),
+                             rollout_sample((9, 9, 9), ("2", "3", "3"), "length"))),
+        Group((4,), "g1", (rollout_sample((1,), ("3",), "abort"),
+                           rollout_sample((2, 2), ("3", "3"), "error"))),
+    ]  # fmt: skip
+    out = samples_of(groups)
+    assert [[(x.prompt_ids, x.completion_ids, x.finish, x.version) for x in g] for g in out] == [
+        [((5, 6), (7, 8, 63), "stop", "2"), ((5, 6), (9, 9, 9), "length", "2,3")],
+        [((4,), (1,), "abort", "3"), ((4,), (2, 2), "length", "3")],
+    ]
+    assert out[0][1].logprobs == pytest.approx((-0.1, -0.2, -0.3))
+    # a rollout without logprobs cannot be trained on: refused naming the field
+    bare = Group((4,), "g", (dataclasses.replace(groups[1].samples[0], logprobs=None),))
+    with pytest.raises(errors.InvalidArgument, match="logprobs='0 values'"):
+        samples_of([bare])
+
+
+def test_rollout_generate_asks_for_each_steps_samples_with_logprobs() -> None:
+    calls: list[tuple[Any, dict[str, Any]]] = []
+
+    class Recorder:
+        def generate(self, prompts: Any, **kw: Any) -> list[Any]:
+            calls.append((prompts, kw))
+            return []
+
+    trainer = SimpleNamespace(state=SimpleNamespace(global_step=2), temperature=0.7)
+    generate = rollout_generate(Recorder(), max_tokens=16, seed=5, top_p=0.9)  # type: ignore[arg-type]
+    assert generate([(1, 2)], 4, trainer) == []
+    assert calls == [
+        ([(1, 2)], {"n": 4, "max_tokens": 16, "temperature": 0.7, "seed": 5 + 2 * 100_003,
+                    "logprobs": True, "top_p": 0.9}),
+    ]  # fmt: skip
