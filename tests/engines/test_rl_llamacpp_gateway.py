@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,7 +87,7 @@ async def cluster(llama_binary: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
         await nodes.close()
 
 
-def versions(groups: list[list[Any]]) -> set[str]:
+def versions(groups: Sequence[Sequence[Any]]) -> set[str]:
     return {s.version for g in groups for s in g}
 
 
