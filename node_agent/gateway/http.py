@@ -117,6 +117,15 @@ def bad(param: str, value: object, allowed: str) -> HttpError:
     )
 
 
+def only_fields(body: dict[str, Any], allowed: set[str]) -> None:
+    """Refuse a body with a field not in ``allowed``, naming the first one."""
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise bad(
+            unknown[0], body[unknown[0]], f"not a field; allowed: {', '.join(sorted(allowed))}"
+        )
+
+
 @dataclass(frozen=True)
 class Completion:
     """A validated /v1/completions request."""
@@ -558,6 +567,8 @@ class GatewayServer:
         try:
             self._check_key(request)
             body = await self._json(request)
+            if isinstance(body, dict):
+                only_fields(body, {"request_ids"})
             ids = body.get("request_ids") if isinstance(body, dict) else None
             if (
                 not isinstance(ids, list)
@@ -629,6 +640,8 @@ class GatewayServer:
         try:
             self._check_key(request)
             body = await self._json(request)
+            if isinstance(body, dict):
+                only_fields(body, {"version"})
             version = body.get("version") if isinstance(body, dict) else None
             if not isinstance(version, str) or not 1 <= len(version) <= 128:
                 raise bad("version", version, "a label of 1-128 characters")
@@ -677,12 +690,7 @@ def parse_update(body: object) -> tuple[str, str, str, float | None]:
     """``(path, version, in_flight, drain_timeout_s)`` of an update_weights body."""
     if not isinstance(body, dict):
         raise HttpError(400, "invalid_request_error", "the body must be a JSON object")
-    allowed = {"path", "version", "in_flight", "drain_timeout_s"}
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise bad(
-            unknown[0], body[unknown[0]], f"not a field; allowed: {', '.join(sorted(allowed))}"
-        )
+    only_fields(body, {"path", "version", "in_flight", "drain_timeout_s"})
     path = body.get("path")
     if not isinstance(path, str) or not 1 <= len(path) <= 4096:
         raise bad("path", path, "the path of the new weights on this node (1-4096 characters)")

@@ -201,6 +201,10 @@ async def test_abort_by_id_is_all_or_nothing(gw: Gateway) -> None:
     assert gw.engine.request("victim") is not None  # untouched
     status, answer = await gw.post("/orl/v1/abort", {"request_ids": "victim"})
     assert status == 400 and answer["error"]["param"] == "request_ids"
+    status, answer = await gw.post("/orl/v1/abort", {"request_ids": ["victim"], "all": True})
+    assert status == 400 and answer["error"]["param"] == "all"  # an unknown field
+    assert "not a field; allowed: request_ids" in answer["error"]["message"]
+    assert gw.engine.request("victim") is not None  # untouched
     status, answer = await gw.post("/orl/v1/abort", {"request_ids": ["victim"]})
     assert status == 200 and answer == {"aborted": ["victim"]}
     events = await task
@@ -230,6 +234,12 @@ async def test_api_key_models_health_request_and_weight_version() -> None:
         async with gw.http.get(gw.url + "/health") as r:
             health = await r.json()
             assert r.status == 200 and health["instances"] == ["up", "up"]
+        status, answer = await gw.post(
+            "/orl/v1/weight_version", {"version": "step-7", "path": "/x"}, headers=auth
+        )
+        assert status == 400 and answer["error"]["param"] == "path"  # an unknown field
+        assert "not a field; allowed: version" in answer["error"]["message"]
+        assert gw.engine.weight_version == "0"  # unchanged
         status, answer = await gw.post(
             "/orl/v1/weight_version", {"version": "step-7"}, headers=auth
         )
