@@ -26,8 +26,9 @@ Pieces: :func:`regroup` / :func:`to_trl` (TRL's repeated prompts to groups and b
 :class:`RolloutFunc` (a ``rollout_func`` around any group generator, with the logprob
 check), :func:`rollout_generate` (a generator over the node agents' gateways through
 :class:`orchestrrl.rollout.Rollout`), :func:`torch_generate` (one that samples with plain
-torch from the trainer's model: no engine), :class:`StepEndCallback` and
-:func:`save_checkpoints`.
+torch from the trainer's model: no engine), :class:`StepEndCallback`,
+:func:`save_checkpoints` and :func:`controller_push` (each step's checkpoint to every
+generation node through the controller's ``weight-sync`` phase).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from transformers import PreTrainedTokenizerFast, TrainerCallback
@@ -45,6 +46,9 @@ from orchestrrl.rl import policy
 from orchestrrl.rl.grpo import FINISH, Sample
 from orchestrrl.rl.trainer import LogprobMismatch
 from orchestrrl.rollout import Group, Rollout
+
+if TYPE_CHECKING:
+    from orchestrrl.client import Client, PhaseChange
 
 P = TypeVar("P")
 Generate = Callable[[list[tuple[int, ...]], int, Any], Sequence[Sequence[Sample]]]
@@ -297,7 +301,7 @@ class StepEndCallback(TrainerCallback):
 def save_checkpoints(
     root: Path,
     model_config: Mapping[str, Any],
-    then: Callable[[checkpoint.Checkpoint], None] | None = None,
+    then: Callable[[checkpoint.Checkpoint], object] | None = None,
     *,
     only_before_rollouts: bool = True,
 ) -> Callable[[StepEnd], None]:
@@ -313,3 +317,40 @@ def save_checkpoints(
             then(ckpt)
 
     return hook
+
+
+def controller_push(
+    client: Client,
+    source: str,
+    *,
+    then_phase: str = "generation",
+    in_flight: str = "finish",
+    sync_timeout_s: float = 600.0,
+    changes: list[PhaseChange] | None = None,
+) -> Callable[[checkpoint.Checkpoint], PhaseChange]:
+    """A ``then`` for :func:`save_checkpoints` that pushes each checkpoint through the
+    fabric controller (``client``: :class:`orchestrrl.client.Client`): sets
+    ``weight-sync`` with it (the circuits move, every generation node fetches it from the
+    agent of ``source``, the training node in whose ``checkpoint_dir`` ``root`` is, checks
+    its checksum and loads it into its engines; the call returns when every one runs it
+    and raises :class:`orchestrrl.client.WeightSyncIncomplete` when one did not), then sets
+    ``then_phase`` again (``""``: leave the phase as it is). ``in_flight`` and
+    ``sync_timeout_s`` are :meth:`Client.set_phase`'s; ``changes`` collects the
+    weight-sync answers (bytes fetched, time per node)."""
+
+    def push(ckpt: checkpoint.Checkpoint) -> PhaseChange:
+        change = client.set_phase(
+            "weight-sync",
+            checkpoint=ckpt.version,
+            source=source,
+            checksum=ckpt.checksum,
+            in_flight=in_flight,
+            sync_timeout_s=sync_timeout_s,
+        )
+        if changes is not None:
+            changes.append(change)
+        if then_phase:
+            client.set_phase(then_phase)
+        return change
+
+    return push

@@ -8,19 +8,16 @@ logprob check passed, and the engines end on the last version."""
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fabric_controller import demo_rl, local
-from orchestrrl.client import Client
 from orchestrrl.rl.tasks import TargetStop
 from orchestrrl.rollout import Rollout
+from tests.helpers import local_llamacpp_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engine]
 
@@ -48,15 +45,9 @@ def test_the_readmes_rl_loop_runs_on_a_local_cluster(
     store = local.checkpoint_dir(run_dir, demo_rl.TRAIN_NODE)
     store.mkdir(parents=True)
     trainer, model = demo_rl.build_policy(cfg, store)
-    up = orlctl("local", "up", "--wiring", str(demo_rl.WIRING), "--run-dir", str(run_dir),
-                "--ephemeral-ports", "--engine", "llamacpp", "--engine-model", str(model),
-                "--engine-command", str(llama_binary), "--tp-layout", "1,1",
-                "--engine-max-num-seqs", "8", "--engine-context", "256")  # fmt: skip
-    controller = json.loads(up)["controller"]
     task = TargetStop(cfg.vocab)
-    try:
-        with Client(controller) as client:
-            gateways = sorted(f"http://{n.gateway}" for n in client.nodes() if n.gateway)
+    with local_llamacpp_cluster(run_dir, model, llama_binary) as cluster:
+        gateways, controller = cluster.gateways, cluster.controller
         assert len(gateways) == 2
         scope: dict[str, Any] = {
             "gateways": gateways,
@@ -81,14 +72,3 @@ def test_the_readmes_rl_loop_runs_on_a_local_cluster(
             after = rollout.generate(scope["prompts"], n=2, max_tokens=4)
         assert {s.gateway for g in after for s in g.samples} == set(gateways)
         assert {v for g in after for s in g.samples for v in s.versions} == {str(STEPS)}
-    finally:
-        orlctl("local", "down", "--run-dir", str(run_dir))
-
-
-def orlctl(*args: str) -> str:
-    r = subprocess.run(
-        [sys.executable, "-m", "fabric_controller.cli", "--json", *args],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, f"orlctl {' '.join(args)} exited {r.returncode}:\n{r.stderr}"
-    return r.stdout
