@@ -6,8 +6,11 @@ token-id prompts in, token ids out (``choices[].token_ids``, as vLLM returns the
 tokenizes: ``text`` is always empty. ``n`` samples of one prompt are ``n`` requests of
 one sample group (ids ``<id>-0`` ... ``<id>-<n-1>``, a given seed ``s`` becomes ``s + i``);
 ``logprobs: 0`` reports each sampled token's logprob (OpenAI's ``logprobs`` object, with
-``tokens`` as ``token_id:<id>``); every choice says which weights made which tokens
-(``orl.weight_versions``: runs of ``[first index, version]``). Routes:
+``tokens`` as ``token_id:<id>``, as vLLM's ``return_tokens_as_token_ids`` gives them:
+``true`` or absent is accepted, ``false`` refused); every choice says which weights made
+which tokens (``orl.weight_versions``: runs of ``[first index, version]``). vLLM's
+``use_beam_search`` is accepted at ``false`` only; ``skip_special_tokens`` (any boolean)
+is ignored: it shapes the text, which is always empty. Routes:
 
 - ``POST /v1/completions`` (see :func:`parse_completion` for the accepted fields)
 - ``GET /v1/models``, ``GET /health``
@@ -89,6 +92,10 @@ _FIELDS = frozenset(
         "n",
         "logprobs",
         "on_weight_update",
+        # vLLM's extensions that AReaL's remote vLLM engine sends (areal/engine/vllm_remote.py)
+        "return_tokens_as_token_ids",
+        "use_beam_search",
+        "skip_special_tokens",
         *_IGNORED_DEFAULTS,
     }
 )
@@ -276,6 +283,17 @@ def parse_completion(
     if rid is not None and (not isinstance(rid, str) or not REQUEST_ID_RE.match(rid)):
         raise bad("request_id", rid, "1-128 characters of A-Z a-z 0-9 . _ : -")
     _bool(body, "return_token_ids", True)
+    if not _bool(body, "return_tokens_as_token_ids", True):
+        raise bad(
+            "return_tokens_as_token_ids",
+            False,
+            'true (or null): the gateway does not detokenize; logprobs tokens are "token_id:<id>"',
+        )
+    if _bool(body, "use_beam_search", False):
+        raise bad(
+            "use_beam_search", True, "false: the gateway samples; beam search is not supported"
+        )
+    _bool(body, "skip_special_tokens", True)  # shapes the text only, which is always ""
     group = body.get("group")
     if group is None:  # absent or null: no group
         group = ""

@@ -35,9 +35,11 @@ per-token weight versions underneath. The shapes follow SGLang 0.5.8 (the releas
 
 What the gateway cannot honour is refused, naming the field: ``stop`` strings (use
 ``stop_token_ids``), penalties, constrained decoding, prompt or top-k logprobs, LoRA,
-multimodal inputs. Unknown fields are refused too, except those ``sglang-router`` always
+multimodal inputs (``image_data`` and the like are accepted null or empty), slime's
+``custom_params``. Unknown fields are refused too, except those ``sglang-router`` always
 forwards at their defaults. ``sampling_seed`` with ``n > 1`` gives sample ``j`` the seed
-``s + j`` (as ``/v1/completions`` does with ``seed``).
+``s + j`` (as ``/v1/completions`` does with ``seed``). The bodies slime, AReaL and verl
+build are replayed in tests/component/test_framework_shapes.py.
 """
 
 from __future__ import annotations
@@ -78,9 +80,9 @@ _ABSENT = object()
 _GENERATE_NOOP: dict[str, tuple[object, ...]] = {
     "text": (None,),
     "input_embeds": (None,),
-    "image_data": (None,),
-    "video_data": (None,),
-    "audio_data": (None,),
+    "image_data": (None, []),  # AReaL sends its ModelRequest's default, []
+    "video_data": (None, []),
+    "audio_data": (None, []),
     "logprob_start_len": (None, -1),
     "top_logprobs_num": (None, 0),
     "token_ids_logprob": (None, []),
@@ -157,7 +159,8 @@ _SAMPLING_NOOP: dict[str, tuple[object, ...]] = {
 _SAMPLING_WHY = {
     "stop": "null: the gateway does not tokenize; use stop_token_ids",
     "stop_regex": "null: the gateway does not tokenize; use stop_token_ids",
-    "custom_params": "null: custom logit processors are not supported",
+    "custom_params": "null: custom logit processors' parameters (and slime's "
+    "return_top_p_token_ids, sent with top_p < 1) are not supported",
 }
 # they only change the text, which the gateway does not produce, or the stream's pacing
 _SAMPLING_IGNORED: dict[str, tuple[type, ...]] = {

@@ -25,7 +25,7 @@ from orchestrrl.integrations import trl as orl_trl
 from orchestrrl.rl import policy
 from orchestrrl.rollout import Rollout
 from tests.engines.conftest import LOGPROB_TOL
-from tests.engines.test_rl_llamacpp_gateway import CONFIG, MAX_TOKENS, N, TASK, VOCAB, versions
+from tests.engines.test_rl_llamacpp_gateway import CONFIG, MAX_TOKENS, TASK, VOCAB, N, versions
 from tests.helpers import local_llamacpp_cluster
 
 pytestmark = [

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from orchestrrl import errors
 from orchestrrl.integrations.trl import (
+    controller_push,
     id_tokenizer,
     prompt_ids,
     regroup,
@@ -120,3 +121,46 @@ def test_rollout_generate_asks_for_each_steps_samples_with_logprobs() -> None:
         ([(1, 2)], {"n": 4, "max_tokens": 16, "temperature": 0.7, "seed": 5 + 2 * 100_003,
                     "logprobs": True, "top_p": 0.9}),
     ]  # fmt: skip
+
+
+class PhaseRecorder:
+    """A controller client that records ``set_phase`` calls (and fails weight-sync when told)."""
+
+    def __init__(self, fail_sync: bool = False) -> None:
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.fail_sync = fail_sync
+
+    def set_phase(self, phase: str, **kw: Any) -> Any:
+        self.calls.append((phase, kw))
+        if phase == "weight-sync" and self.fail_sync:
+            raise errors.FailedPrecondition("weight sync of version 3 did not reach gen0-n1")
+        return SimpleNamespace(phase=phase, **kw)
+
+
+def test_controller_push_syncs_the_checkpoint_then_sets_generation_again() -> None:
+    client = PhaseRecorder()
+    changes: list[Any] = []
+    push = controller_push(client, "train0-n0", sync_timeout_s=30.0, changes=changes)  # type: ignore[arg-type]
+    ckpt = SimpleNamespace(version="3", checksum="ab" * 32)
+    change = push(ckpt)  # type: ignore[arg-type]
+    sync = {
+        "checkpoint": "3",
+        "source": "train0-n0",
+        "checksum": "ab" * 32,
+        "in_flight": "finish",
+        "sync_timeout_s": 30.0,
+    }
+    assert client.calls == [("weight-sync", sync), ("generation", {})]
+    assert changes == [change] and change.phase == "weight-sync"
+    client = PhaseRecorder()
+    controller_push(client, "t", then_phase="", in_flight="resume")(ckpt)  # type: ignore[arg-type]
+    assert [(p, kw["in_flight"]) for p, kw in client.calls] == [("weight-sync", "resume")]
+
+
+def test_a_weight_sync_that_failed_stops_the_trainer_before_the_next_rollout() -> None:
+    client = PhaseRecorder(fail_sync=True)
+    changes: list[Any] = []
+    push = controller_push(client, "train0-n0", changes=changes)  # type: ignore[arg-type]
+    with pytest.raises(errors.FailedPrecondition, match="did not reach gen0-n1"):
+        push(SimpleNamespace(version="3", checksum=""))  # type: ignore[arg-type]
+    assert [p for p, _ in client.calls] == ["weight-sync"] and changes == []
