@@ -27,17 +27,19 @@ instead: ``Client.set_phase("weight-sync", ...)``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
+import time
 import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
 import aiohttp
 
-from orchestrrl import errors
+from orchestrrl import errors, partial_rollout
 from orchestrrl.logs import get_logger
 
 log = get_logger("orchestrrl.rollout")
@@ -236,6 +238,103 @@ class AsyncRollout:
 
         return list(await asyncio.gather(*(one(k, p) for k, p in enumerate(checked))))
 
+    def partial(
+        self,
+        groups_per_step: int,
+        *,
+        n: int,
+        over_provision: float = 1.5,
+        max_staleness: int = 1,
+        end: str = "groups",
+        token_budget: int = 0,
+        time_budget_s: float = 0.0,
+        **sampling: Any,
+    ) -> PartialRollout:
+        """A :class:`PartialRollout` over these gateways: steps of ``groups_per_step``
+        complete groups of ``n`` samples, ``over_provision`` x as many started, the
+        unfinished ones carried into the next step (see :class:`PartialRollout`);
+        ``sampling``: ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
+        ``stop_token_ids``, ``ignore_eos``, ``logprobs`` as for :meth:`generate`."""
+        rule = partial_rollout.partial_rule(
+            over_provision=over_provision,
+            max_staleness=max_staleness,
+            end=end,
+            token_budget=token_budget,
+            time_budget_s=time_budget_s,
+        )
+        return PartialRollout(self, rule, groups_per_step, n=n, **sampling)
+
+    async def stream(
+        self,
+        body: dict[str, Any],
+        rid: str,
+        n: int,
+        on_start: Callable[[str, list[str]], None],
+        on_choice: Callable[[Mapping[str, Any]], None],
+    ) -> str:
+        """Stream one completion (``n`` samples, request id ``rid``) from the least-loaded
+        reachable gateway: ``on_start(gateway, request ids)`` when it is sent,
+        ``on_choice(choice)`` for each choice chunk as it arrives; returns the gateway
+        once every sample has ended. A gateway that cannot be reached before anything
+        arrived is left for the others, a full one (429) waited for; a call cut off
+        after its first chunk fails (RolloutError: retrying it would repeat tokens)."""
+        down: set[str] = set()
+        attempt = 0
+        full = 0
+        while True:
+            live = [g for g in self.gateways if g not in down]
+            if not live:
+                raise errors.Unavailable(
+                    f"no gateway could be reached ({', '.join(self.gateways)})"
+                )
+            gateway = min(live, key=lambda g: self._outstanding[g])
+            this_id = rid if attempt == 0 else f"{rid}-r{attempt}"
+            attempt += 1
+            ids = [this_id] if n == 1 else [f"{this_id}-{i}" for i in range(n)]
+            self._outstanding[gateway] += n
+            for i in ids:
+                self._where[i] = gateway
+            started = False
+            try:
+                async with self.session.post(
+                    gateway + "/v1/completions",
+                    json={**body, "n": n, "request_id": this_id, "stream": True},
+                ) as r:
+                    if r.status != 200:
+                        status, message = r.status, _message(_json(await r.text()))
+                    else:
+                        started = True
+                        on_start(gateway, ids)
+                        async for event in _events(r.content):
+                            if "error" in event:
+                                raise RolloutError(
+                                    f"{gateway}: request {this_id!r}: {_message(event)}"
+                                )
+                            for choice in event.get("choices") or ():
+                                on_choice(choice)
+                        return gateway
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+                if started:
+                    raise RolloutError(
+                        f"{gateway}: the stream of request {this_id!r} was cut off: {exc!r}"
+                    ) from exc
+                log.warning("gateway_unreachable", gateway=gateway, error=repr(exc))
+                down.add(gateway)
+                continue
+            except TimeoutError:
+                raise errors.Unavailable(
+                    f"{gateway}: no answer for request {this_id!r} within {self._timeout.total:g} s"
+                ) from None
+            finally:
+                self._outstanding[gateway] -= n
+                for i in ids:
+                    self._where.pop(i, None)
+            if status == 429 and full < len(RETRY_FULL_S):
+                await asyncio.sleep(RETRY_FULL_S[full])
+                full += 1
+                continue
+            raise RolloutError(f"{gateway}: HTTP {status}: {message}", status)
+
     async def _complete(
         self, body: dict[str, Any], rid: str, n: int, down: set[str]
     ) -> tuple[list[dict[str, Any]], str]:
@@ -337,6 +436,21 @@ class AsyncRollout:
         return {g: a for g, _, a in answers}
 
 
+async def _events(content: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of a server-sent event stream (``data: {...}`` lines; ``[DONE]``
+    and other lines skipped), however long a line is."""
+    buffer = b""
+    async for chunk in content.iter_any():
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            text = line.strip()
+            if text.startswith(b"data: {"):
+                event = json.loads(text[6:])
+                if isinstance(event, dict):
+                    yield event
+
+
 def _json(text: str) -> Any:
     try:
         return json.loads(text)
@@ -393,3 +507,404 @@ class Rollout:
 
 async def _make(gateways: Sequence[str], kwargs: dict[str, Any]) -> AsyncRollout:
     return AsyncRollout(gateways, **kwargs)
+
+
+# -- partial rollout -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CarriedResponse:
+    """A response that was in flight at a step's end: its group and its tokens per
+    weight version (oldest first)."""
+
+    request_id: str
+    group_id: str
+    tokens_by_version: tuple[tuple[str, int], ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(t for _, t in self.tokens_by_version)
+
+
+@dataclass(frozen=True)
+class PartialStep:
+    """What one step of a :class:`PartialRollout` gives and keeps.
+
+    ``groups``: the complete groups for the trainer, in training order (oldest first
+    token first); ``started``: fresh groups this step started; ``carried``: the responses
+    still in flight, carried into the next step, with their tokens so far per version
+    (a token counts for the version the rollout was told of when it arrived);
+    ``carried_groups`` their groups; ``waiting``: complete groups kept for the next
+    batch; ``resumed``: the trained responses that had been carried out of an earlier
+    step, with their exact tokens per version; ``dropped``: groups dropped as too stale
+    (their ``dropped_responses`` aborted or discarded, ``dropped_tokens`` generated);
+    ``tokens_by_version``: the trained tokens per version; ``step_tokens``: tokens
+    received during the step."""
+
+    version: str
+    groups: tuple[Group, ...]
+    started: int
+    carried: tuple[CarriedResponse, ...]
+    carried_groups: tuple[str, ...]
+    waiting: tuple[str, ...]
+    resumed: tuple[CarriedResponse, ...]
+    dropped: tuple[str, ...]
+    dropped_responses: int
+    dropped_tokens: int
+    tokens_by_version: tuple[tuple[str, int], ...]
+    step_tokens: int
+    elapsed_s: float
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(t for _, t in self.tokens_by_version)
+
+    @property
+    def offpolicy_tokens(self) -> int:
+        """Trained tokens made by an older version than the step's."""
+        return sum(t for v, t in self.tokens_by_version if v != self.version)
+
+    @property
+    def offpolicy_share(self) -> float:
+        return partial_rollout.offpolicy_share(self.tokens_by_version, self.version)
+
+
+@dataclass
+class _Open:
+    """A group started and not yet handed to the trainer nor dropped (shell state)."""
+
+    group_id: str
+    prompt: tuple[int, ...]
+    order: int
+    n: int
+    logprobs: bool
+    ids: list[str] = field(default_factory=list)
+    gateway: str = ""
+    tokens: list[list[int]] = field(default_factory=list)
+    lps: list[list[float]] = field(default_factory=list)
+    counts: list[dict[int, int]] = field(default_factory=list)  # version index -> tokens
+    finals: list[Mapping[str, Any] | None] = field(default_factory=list)
+    task: asyncio.Task[str] | None = None
+
+    def __post_init__(self) -> None:
+        self.tokens = [[] for _ in range(self.n)]
+        self.lps = [[] for _ in range(self.n)]
+        self.counts = [{} for _ in range(self.n)]
+        self.finals = [None] * self.n
+
+    def rid(self, i: int) -> str:
+        return self.ids[i] if self.ids else f"{self.group_id}#{i}"
+
+    def sample(self, i: int) -> Sample:
+        final = self.finals[i]
+        assert final is not None
+        orl = final.get("orl") or {}
+        tokens = tuple(self.tokens[i])
+        return Sample(
+            str(orl.get("request_id", self.rid(i))),
+            tokens,
+            tuple(self.lps[i]) if self.logprobs else None,
+            _versions(orl.get("weight_versions"), len(tokens)),
+            str(final.get("finish_reason") or ""),
+            tuple(str(x) for x in orl.get("nodes") or ()),
+            self.gateway,
+            tuple(int(x) for x in orl.get("node_starts") or ()),
+        )
+
+
+class PartialRollout:
+    """Partial rollout across RL steps over an :class:`AsyncRollout`'s gateways (Kimi
+    k1.5's partial rollout, APRIL's over-provisioning, AReaL's interruptible rollout).
+
+    Each :meth:`step` runs on one weight version: it starts fresh groups (one streamed
+    ``/v1/completions`` call of ``n`` samples each, every request marked
+    ``on_weight_update: "resume"``) so that the groups open are ``over_provision x
+    groups_per_step`` (:meth:`to_start` says how many prompts it needs), and returns when
+    the rule is met (``end``: ``groups_per_step`` complete groups; a token budget; a time
+    budget; or nothing left in flight), handing over only complete groups. The
+    unfinished calls stay open: the engines go on generating them, and a weight update
+    with ``in_flight="resume"`` (:meth:`AsyncRollout.update_weights`, or the controller's
+    weight-sync phase) continues them on the new weights, so the next step finds them
+    further on, each token tagged with its version. A group that would be trained more
+    than ``max_staleness`` versions after its oldest token is dropped whole (its
+    unfinished responses aborted on their gateways) and counted. The decisions are
+    :mod:`orchestrrl.partial_rollout`'s (the simulator's rule, :mod:`scheduler.rollout`).
+
+    A call that fails fails the step (RolloutError naming the group; the others stay
+    in flight). :meth:`close` aborts everything still in flight."""
+
+    def __init__(
+        self,
+        rollout: AsyncRollout,
+        rule: partial_rollout.RolloutRule,
+        groups_per_step: int,
+        *,
+        n: int,
+        max_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        logprobs: bool = True,
+    ) -> None:
+        self.rule = partial_rollout.check_rule(rule)
+        if (
+            isinstance(groups_per_step, bool)
+            or not isinstance(groups_per_step, int)
+            or not (1 <= groups_per_step <= 100_000)
+        ):
+            raise errors.field_error("groups_per_step", groups_per_step, "an integer 1..100000")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+            raise errors.field_error("n", n, f"an integer in 1..{MAX_N}")
+        self.rollout = rollout
+        self.groups_per_step = groups_per_step
+        self.n = n
+        self.seed = seed
+        self.logprobs = logprobs
+        self._body: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "stop_token_ids": list(stop_token_ids),
+            "ignore_eos": ignore_eos,
+            "logprobs": 0 if logprobs else None,
+            "on_weight_update": "resume",
+        }
+        self.versions: tuple[str, ...] = ()  # every version stepped on, oldest first
+        self._open: dict[str, _Open] = {}
+        self._started = 0  # groups ever started (their arrival order, and seeds)
+        self._carried: set[str] = set()  # response ids in flight at some step's end
+        self._received = 0  # tokens received in all
+        self._changed = asyncio.Event()
+        self.dropped_responses = 0  # in all steps
+        self.dropped_groups = 0
+
+    @property
+    def open_groups(self) -> int:
+        """Groups started and neither trained nor dropped (in flight, or complete and
+        waiting for a batch)."""
+        return len(self._open)
+
+    def to_start(self) -> int:
+        """Fresh prompts the next step starts: up to ``over_provision x groups_per_step``
+        groups open."""
+        return partial_rollout.groups_to_start(self.rule, self.groups_per_step, len(self._open))
+
+    def in_flight(self) -> list[str]:
+        """The request ids still generating."""
+        return [g.rid(i) for g in self._open.values() for i in range(g.n) if g.finals[i] is None]
+
+    async def step(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        version: str,
+        group_ids: Sequence[str] | None = None,
+        now: Callable[[], float] = time.monotonic,
+    ) -> PartialStep:
+        """Run one step on weight ``version`` (the version the gateways serve now:
+        the first step's, or the one just pushed), starting ``prompts`` (exactly
+        :meth:`to_start` of them; ``group_ids`` name them, distinct from the groups open)."""
+        checked = _check_prompts(prompts)
+        need = self.to_start()
+        if len(checked) != need:
+            raise errors.field_error(
+                "prompts",
+                f"{len(checked)} prompts",
+                f"{need} (to_start(): {self.rule.over_provision:g} x {self.groups_per_step} "
+                f"groups open, {len(self._open)} open now)",
+            )
+        ids = (
+            list(group_ids)
+            if group_ids is not None
+            else [f"g{self._started + k}-{uuid.uuid4().hex[:8]}" for k in range(need)]
+        )
+        if len(ids) != need or len(set(ids)) != need or set(ids) & set(self._open):
+            raise errors.field_error(
+                "group_ids", ids, f"{need} distinct ids, none of a group open ({len(self._open)})"
+            )
+        order = partial_rollout.version_order(self.versions, version)
+        self.versions = order
+        current = len(order) - 1
+        t0 = now()
+        tokens0 = self._received
+        for gid, prompt in zip(ids, checked, strict=True):
+            self._start(gid, prompt)
+        while True:
+            self._changed.clear()
+            self._raise_failed()
+            states = self._states()
+            elapsed = max(0.0, now() - t0)
+            p = partial_rollout.progress(
+                self.rule, current, states, elapsed_s=elapsed, tokens=self._received - tokens0
+            )
+            if partial_rollout.step_done(self.rule, self.groups_per_step, p):
+                break
+            timeout = None
+            if self.rule.end is partial_rollout.StepEnd.TIME:
+                timeout = max(0.0, self.rule.time_budget_s - elapsed)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._changed.wait()
+        closed = partial_rollout.close_step(self.rule, current, self.groups_per_step, states)
+        return await self._close_step(closed, need, version, now() - t0, tokens0)
+
+    async def close(self) -> list[str]:
+        """Abort every response still in flight and forget the open groups; the ids
+        aborted."""
+        groups = list(self._open.values())
+        self._open.clear()
+        return await self._drop(groups)
+
+    # -- the shell's bookkeeping --
+
+    def _start(self, gid: str, prompt: tuple[int, ...]) -> None:
+        k = self._started
+        self._started += 1
+        g = _Open(gid, prompt, k, self.n, self.logprobs)
+        body = {**self._body, "prompt": list(prompt), "group": gid}
+        if self.seed is not None:
+            body["seed"] = self.seed + k * self.n
+
+        def on_start(gateway: str, ids: list[str]) -> None:
+            g.gateway, g.ids = gateway, list(ids)
+
+        def on_choice(choice: Mapping[str, Any]) -> None:
+            i = int(choice["index"])
+            tokens = [int(t) for t in choice.get("token_ids") or ()]
+            if tokens:
+                g.tokens[i] += tokens
+                lp = choice.get("logprobs")
+                if lp is not None:
+                    g.lps[i] += [float(x) for x in lp["token_logprobs"]]
+                v = len(self.versions) - 1
+                g.counts[i][v] = g.counts[i].get(v, 0) + len(tokens)
+                self._received += len(tokens)
+            if choice.get("finish_reason") is not None:
+                g.finals[i] = choice
+            self._changed.set()
+
+        g.task = asyncio.get_running_loop().create_task(
+            self.rollout.stream(body, f"{gid}-{uuid.uuid4().hex[:6]}", self.n, on_start, on_choice)
+        )
+        g.task.add_done_callback(lambda _: self._changed.set())
+        self._open[gid] = g
+
+    def _states(self) -> list[partial_rollout.GroupState]:
+        out = []
+        for g in self._open.values():
+            responses = []
+            for i in range(g.n):
+                final = g.finals[i]
+                if final is not None:
+                    orl = final.get("orl") or {}
+                    labels = _versions(orl.get("weight_versions"), len(g.tokens[i]))
+                    pieces = partial_rollout.pieces_of(labels, self.versions)
+                else:
+                    pieces = partial_rollout.pieces_from_counts(g.counts[i])
+                responses.append((g.rid(i), final is not None, pieces))
+            out.append(partial_rollout.group_state(g.group_id, g.n, g.order, responses))
+        return out
+
+    def _raise_failed(self) -> None:
+        for gid, g in list(self._open.items()):
+            if g.task is None or not g.task.done():
+                continue
+            exc = None if g.task.cancelled() else g.task.exception()
+            if exc is None and all(f is not None for f in g.finals):
+                continue
+            del self._open[gid]
+            if exc is None:
+                exc = RolloutError(f"the call ended before {g.n - sum(1 for f in g.finals if f)} "
+                                   "of its samples did")  # fmt: skip
+            raise RolloutError(f"group {gid!r} failed: {exc}") from exc
+
+    async def _drop(self, groups: Sequence[_Open]) -> list[str]:
+        """Abort the unfinished responses of ``groups`` on their gateways and end their
+        calls; the ids aborted."""
+        aborted: list[str] = []
+        for g in groups:
+            ids = [g.rid(i) for i in range(g.n) if g.finals[i] is None and g.ids]
+            if ids and not await self.rollout.abort(ids):  # all or none
+                aborted += ids
+                continue
+            for rid in ids:  # some ended meanwhile: the others one by one
+                if not await self.rollout.abort([rid]):
+                    aborted.append(rid)
+        for g in groups:
+            if g.task is not None and not g.task.done():
+                g.task.cancel()
+        await asyncio.gather(
+            *(g.task for g in groups if g.task is not None), return_exceptions=True
+        )
+        return aborted
+
+    async def _close_step(
+        self,
+        closed: partial_rollout.StepClose,
+        started: int,
+        version: str,
+        elapsed_s: float,
+        tokens0: int,
+    ) -> PartialStep:
+        dropped = [self._open.pop(gid) for gid in closed.dropped]
+        await self._drop(dropped)
+        self.dropped_groups += len(dropped)
+        self.dropped_responses += closed.dropped_responses
+        trained = [self._open.pop(gid) for gid in closed.trained]
+        groups = tuple(
+            Group(g.prompt, g.group_id, tuple(g.sample(i) for i in range(g.n))) for g in trained
+        )
+        # their calls end (every sample had its final event)
+        await asyncio.gather(*(g.task for g in trained if g.task), return_exceptions=True)
+        resumed = tuple(
+            CarriedResponse(s.request_id, grp.group_id, _runs(s.versions))
+            for grp in groups
+            for s in grp.samples
+            if s.request_id in self._carried
+        )
+        self._carried -= {s.request_id for grp in groups for s in grp.samples}
+        carried: list[CarriedResponse] = []
+        for gid in closed.carried_groups:
+            g = self._open[gid]
+            for i in range(g.n):
+                if g.finals[i] is None:
+                    rid = g.rid(i)
+                    self._carried.add(rid)
+                    counts = sorted(g.counts[i].items())
+                    carried.append(
+                        CarriedResponse(rid, gid, tuple((self.versions[v], t) for v, t in counts))
+                    )
+        for g in dropped:
+            self._carried -= {g.rid(i) for i in range(g.n)}
+        return PartialStep(
+            version=version,
+            groups=groups,
+            started=started,
+            carried=tuple(carried),
+            carried_groups=closed.carried_groups,
+            waiting=closed.waiting,
+            resumed=resumed,
+            dropped=closed.dropped,
+            dropped_responses=closed.dropped_responses,
+            dropped_tokens=closed.dropped_tokens,
+            tokens_by_version=partial_rollout.tokens_by_version(
+                s.versions for grp in groups for s in grp.samples
+            ),
+            step_tokens=self._received - tokens0,
+            elapsed_s=elapsed_s,
+        )
+
+
+def _runs(versions: Sequence[str]) -> tuple[tuple[str, int], ...]:
+    """Per-token labels as (version, tokens) runs."""
+    out: list[tuple[str, int]] = []
+    for v in versions:
+        if out and out[-1][0] == v:
+            out[-1] = (v, out[-1][1] + 1)
+        else:
+            out.append((v, 1))
+    return tuple(out)

@@ -58,6 +58,7 @@ async def open_gateway(
     max_queue: int = 1000,
     delay: float = 0.001,
     in_place: bool = False,
+    seqs: int = 2,
 ) -> AsyncIterator[Gateway]:
     servers: list[ScriptedEngine] = []
     hold = Hold()
@@ -65,7 +66,7 @@ async def open_gateway(
     def make(p: Placement) -> ScriptedEngine:
         servers.append(
             ScriptedEngine(
-                p, max_num_seqs=2, token_delay_s=delay, in_place_updates=in_place, hold=hold
+                p, max_num_seqs=seqs, token_delay_s=delay, in_place_updates=in_place, hold=hold
             )
         )
         return servers[-1]
