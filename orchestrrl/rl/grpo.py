@@ -24,13 +24,16 @@ FINISH = ("stop", "length", "abort")
 class Sample:
     """One sampled response: token ids in and out, and the behaviour policy's logprob of
     each output token (what the engine reported), the reason it ended and the weight
-    version that produced it (``""``: not known)."""
+    version that produced it (``""``: not known). ``versions``: the version of each
+    output token, for a response that spans several (partial rollout carries responses
+    across weight updates); empty: every token is ``version``'s."""
 
     prompt_ids: tuple[int, ...]
     completion_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish: str = "length"
     version: str = ""
+    versions: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):
@@ -39,6 +42,16 @@ class Sample:
                 f"{len(self.logprobs)} values",
                 f"one per completion token ({len(self.completion_ids)})",
             )
+        if self.versions and len(self.versions) != len(self.completion_ids):
+            raise errors.field_error(
+                "versions",
+                f"{len(self.versions)} values",
+                f"none, or one per completion token ({len(self.completion_ids)})",
+            )
+
+    def token_versions(self) -> tuple[str, ...]:
+        """The version of each output token."""
+        return self.versions or (self.version,) * len(self.completion_ids)
         if not self.prompt_ids:
             raise errors.field_error("prompt_ids", self.prompt_ids, "at least one token")
         if self.finish not in FINISH:

@@ -17,6 +17,7 @@ checkpoint of that version.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -93,6 +94,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     temperature: float = 1.0  # the rollout's sampling temperature
     logprob_tolerance: float | None = None  # raise LogprobMismatch above it
+    # earlier weight versions kept to check the tokens they sampled (partial rollout's
+    # carried responses: its max_staleness); 0: every token is checked under the current
+    keep_versions: int = 0
     micro_batch: int = 64
     weight_decay: float = 0.0
 
@@ -110,6 +114,9 @@ class TrainConfig:
             p.add(str(errors.field_error("aggregation", self.aggregation, "token-mean | seq-mean")))
         if self.scale not in ("group", "batch", "none"):
             p.add(str(errors.field_error("scale", self.scale, "group | batch | none")))
+        kv = self.keep_versions
+        if not isinstance(kv, int) or isinstance(kv, bool) or not 0 <= kv <= 16:
+            p.add(str(errors.field_error("keep_versions", kv, "an integer 0..16")))
         for name in ("minibatches", "micro_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 4096:
@@ -141,6 +148,8 @@ class StepReport:
     clip_fraction: float
     grad_norm: float
     seconds: float
+    # tokens of an earlier version than ``version`` (checked under the weights kept for it)
+    offpolicy_tokens: int = 0
 
     def row(self) -> dict[str, float | int]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -162,6 +171,8 @@ class PolicyTrainer:
         self.model_config = dict(model_config)
         self.config = config or TrainConfig()
         self.version = version
+        self._kept: dict[int, dict[str, torch.Tensor]] = {}  # version -> its weights
+        self._scratch: LlamaForCausalLM | None = None  # a model to load kept weights into
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=self.config.learning_rate,
@@ -206,6 +217,7 @@ class PolicyTrainer:
         self.model.train()
         with torch.no_grad():
             now, mask = self.logprobs(flat)
+            offpolicy = self._under_kept_versions(flat, now)
         diff = (now - old).abs()[mask]
         diff_mean = float(diff.mean()) if diff.numel() else 0.0
         diff_max = float(diff.max()) if diff.numel() else 0.0
@@ -216,6 +228,11 @@ class PolicyTrainer:
         )
         order = torch.randperm(len(flat), generator=torch.Generator().manual_seed(self.version))
         chunks = [c for c in order.chunk(cfg.minibatches) if c.numel()]
+        before = (
+            {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            if cfg.keep_versions
+            else None
+        )
         losses, clips, norms = [], [], []
         for chunk in chunks:
             idx = chunk.tolist()
@@ -238,6 +255,10 @@ class PolicyTrainer:
             norms.append(float(norm))
         trained_from = self.version
         self.version += 1
+        if before is not None:
+            self._kept[trained_from] = before
+            for v in sorted(self._kept)[: -cfg.keep_versions]:
+                del self._kept[v]
         flat_rewards = [r for g in rewards for r in g]
         mean = sum(flat_rewards) / len(flat_rewards)
         lengths = [float(len(s.completion_ids)) for s in flat]
@@ -258,4 +279,43 @@ class PolicyTrainer:
             clip_fraction=sum(clips) / len(clips),
             grad_norm=max(norms),
             seconds=time.perf_counter() - started,
+            offpolicy_tokens=offpolicy,
         )
+
+    @property
+    def kept_versions(self) -> tuple[int, ...]:
+        """The earlier weight versions held to check the tokens they sampled."""
+        return tuple(sorted(self._kept))
+
+    def _under_kept_versions(self, flat: Sequence[Sample], now: torch.Tensor) -> int:
+        """Replace, in ``now``, the logprob of every token sampled by a kept earlier
+        version with its recomputation under that version's weights; the number of such
+        tokens. Tokens labelled otherwise stay checked under the current weights."""
+        by_version: dict[int, list[int]] = {}
+        labels = [s.token_versions() for s in flat]
+        for i, versions in enumerate(labels):
+            for label in set(versions):
+                if label.isdigit() and int(label) in self._kept:
+                    by_version.setdefault(int(label), []).append(i)
+        count = 0
+        for v, rows in sorted(by_version.items()):
+            scratch = self._scratch_model()
+            scratch.load_state_dict(self._kept[v])
+            recomputed, _ = policy.token_logprobs(
+                scratch,
+                [flat[i].prompt_ids for i in rows],
+                [flat[i].completion_ids for i in rows],
+                temperature=self.config.temperature,
+                micro_batch=self.config.micro_batch,
+            )
+            for r, i in enumerate(rows):
+                at = torch.tensor([label == str(v) for label in labels[i]], dtype=torch.bool)
+                now[i, : len(at)][at] = recomputed[r, : len(at)][at]
+                count += int(at.sum())
+        return count
+
+    def _scratch_model(self) -> LlamaForCausalLM:
+        if self._scratch is None:
+            self._scratch = copy.deepcopy(self.model)
+            self._scratch.train(False)
+        return self._scratch

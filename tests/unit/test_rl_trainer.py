@@ -114,3 +114,46 @@ def test_a_tiny_random_policy_learns_the_toy_task_in_a_few_steps() -> None:
     assert last > first + 0.2, [round(r.reward_mean, 3) for r in reports]
     assert long_after < long_before - 5, [round(r.length_mean, 1) for r in reports]
     assert max(r.logprob_diff_max for r in reports) < 1e-4
+
+
+def test_tokens_of_a_kept_earlier_version_are_checked_under_its_weights() -> None:
+    """Partial rollout: a response carried across an update has tokens of the previous
+    version; with keep_versions the trainer checks each token under the weights that
+    sampled it, and counts them off-policy."""
+    strict = TrainConfig(learning_rate=1e-2, logprob_tolerance=1e-3, keep_versions=1)
+    trainer = PolicyTrainer(policy.new_policy(CONFIG, 0), CONFIG, strict)
+    groups, rewards = rollout(trainer.model, 0)
+    trainer.step(groups, rewards)
+    assert trainer.version == 1 and trainer.kept_versions == (0,)
+
+    def carried(labels: tuple[str, str]) -> list[list[Sample]]:
+        """The same responses, their first half made by version 0, the rest by 1."""
+        out = []
+        for g in groups:
+            batch = []
+            for s in g:
+                n = len(s.completion_ids)
+                k = n // 2
+                with torch.no_grad():
+                    now, _ = policy.token_logprobs(
+                        trainer.model, [s.prompt_ids], [s.completion_ids]
+                    )
+                lps = (*s.logprobs[:k], *now[0, k:n].tolist())
+                versions = (labels[0],) * k + (labels[1],) * (n - k)
+                batch.append(Sample(s.prompt_ids, s.completion_ids, lps, s.finish, "", versions))
+            out.append(batch)
+        return out
+
+    with pytest.raises(LogprobMismatch):
+        trainer.step(carried(("1", "1")), rewards)  # mislabelled: version 1 did not make them
+    assert trainer.version == 1
+    report = trainer.step(carried(("0", "1")), rewards)
+    assert report.offpolicy_tokens == sum(len(s.completion_ids) // 2 for g in groups for s in g)
+    assert report.logprob_diff_max < 1e-3
+    assert trainer.kept_versions == (1,)  # one kept: version 0 is gone
+    with pytest.raises(LogprobMismatch):
+        trainer.step(carried(("0", "1")), rewards)  # version 0 is no longer held
+    with pytest.raises(errors.InvalidArgument, match="keep_versions=17"):
+        TrainConfig(keep_versions=17)
+    with pytest.raises(errors.InvalidArgument, match="versions='3 values'"):
+        Sample((1,), (2, 3), (-1.0, -1.0), "stop", "", ("0", "0", "1"))
