@@ -273,7 +273,8 @@ class AsyncRollout:
         on_choice: Callable[[Mapping[str, Any]], None],
     ) -> str:
         """Stream one completion (``n`` samples, request id ``rid``) from the least-loaded
-        reachable gateway: ``on_start(gateway, request ids)`` when it is sent,
+        reachable gateway: ``on_start(gateway, request ids)`` as it is sent (again on a
+        retry, with other ids),
         ``on_choice(choice)`` for each choice chunk as it arrives; returns the gateway
         once every sample has ended. A gateway that cannot be reached before anything
         arrived is left for the others, a full one (429) waited for; a call cut off
@@ -295,6 +296,7 @@ class AsyncRollout:
             for i in ids:
                 self._where[i] = gateway
             started = False
+            on_start(gateway, ids)
             try:
                 async with self.session.post(
                     gateway + "/v1/completions",
@@ -304,7 +306,6 @@ class AsyncRollout:
                         status, message = r.status, _message(_json(await r.text()))
                     else:
                         started = True
-                        on_start(gateway, ids)
                         async for event in _events(r.content):
                             if "error" in event:
                                 raise RolloutError(
@@ -593,7 +594,7 @@ class _Open:
         self.finals = [None] * self.n
 
     def rid(self, i: int) -> str:
-        return self.ids[i] if self.ids else f"{self.group_id}#{i}"
+        return self.ids[i] if self.ids else f"{self.group_id}#{i}"  # (not sent yet)
 
     def sample(self, i: int) -> Sample:
         final = self.finals[i]

