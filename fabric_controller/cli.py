@@ -276,7 +276,21 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--prompts", type=int, help="groups per step (default 8)")
     rl.add_argument("--samples", type=int, help="samples per prompt (default 8)")
     rl.add_argument("--max-tokens", type=int, help="tokens per response at most")
-    rl.add_argument("--rollout", help="full (default) or partial")
+    rl.add_argument(
+        "--rollout",
+        help="full (default), or partial: a step ends when --prompts groups are complete "
+        "and the unfinished responses go on into the next step, on the new weights",
+    )
+    rl.add_argument(
+        "--over-provision",
+        type=float,
+        help="partial: groups in flight per group trained, 1.0-2.0 (default 1.5)",
+    )
+    rl.add_argument(
+        "--max-staleness",
+        type=int,
+        help="partial: weight versions a response may span beyond the current (default 1)",
+    )
     rl.add_argument("--seed", type=int)
     rl.add_argument("--lr", type=float, help="the trainer's learning rate")
     rl.add_argument("--vocab", type=int, help="the policy's vocabulary size")
@@ -760,6 +774,8 @@ def cmd_demo_rl(args: argparse.Namespace) -> int:
         "learning_rate": args.lr,
         "seed": args.seed,
         "rollout": args.rollout,
+        "over_provision": args.over_provision,
+        "max_staleness": args.max_staleness,
         "vocab": args.vocab,
         "hidden": args.hidden,
         "layers": args.layers,

@@ -39,12 +39,12 @@ from fabric_controller import local
 from orchestrrl import errors
 from orchestrrl.client import AsyncClient
 from orchestrrl.logs import setup_logging
-from orchestrrl.rollout import AsyncRollout, Group
+from orchestrrl.rollout import AsyncRollout, Group, PartialRollout
 
 WIRING = Path(__file__).resolve().parents[1] / "examples" / "local-engines.toml"
 TRAIN_NODE = "train0-n0"
 ENGINES = ("llamacpp", "vllm")
-ROLLOUTS = ("full",)
+ROLLOUTS = ("full", "partial")
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,8 @@ class RLConfig:
     seed: int = 0
     seats: int = 4  # sequences per engine instance
     rollout: str = "full"
+    over_provision: float = 1.5  # partial: groups started per group trained (1.0-2.0)
+    max_staleness: int = 1  # partial: weight versions a response may span
     run_dir: Path | None = None
     plot: Path | None = None
 
@@ -86,6 +88,12 @@ class RLConfig:
         ):
             if isinstance(value, bool) or not lo <= value <= hi:
                 p.add(str(errors.field_error(name, value, f"an integer in {lo}..{hi}")))
+        op = self.over_provision
+        if isinstance(op, bool) or not isinstance(op, int | float) or not 1.0 <= op <= 2.0:
+            p.add(str(errors.field_error("--over-provision", op, "a number from 1.0 to 2.0")))
+        st = self.max_staleness
+        if isinstance(st, bool) or not isinstance(st, int) or not 0 <= st <= 16:
+            p.add(str(errors.field_error("--max-staleness", st, "an integer in 0..16")))
         if not math.isfinite(self.learning_rate) or not 0 < self.learning_rate <= 1:
             p.add(str(errors.field_error("--lr", self.learning_rate, "a number in (0, 1]")))
         if p:
@@ -111,16 +119,26 @@ class StepRow:
     samples: int
     sync_bytes: int
     versions_seen: list[str]
+    # partial rollout: responses carried into the next step, trained responses carried in
+    # from the previous one, the trained tokens of an older version, groups dropped as too
+    # stale, and requests lost or trained twice
+    carried: int = 0
+    resumed: int = 0
+    offpolicy_share: float = 0.0
+    dropped: int = 0
+    lost: int = 0
 
 
 @dataclass
 class RLResult:
     engine: str
+    rollout: str = "full"
     steps: list[StepRow] = field(default_factory=list)
     actions: list[dict[str, Any]] = field(default_factory=list)
     cluster_up_s: float = 0.0
     run_s: float = 0.0
     lost_or_duplicated: int = 0
+    aborted_at_end: int = 0  # partial: responses still in flight after the last step
 
     @property
     def reshards(self) -> int:
@@ -137,6 +155,7 @@ class RLResult:
     def doc(self) -> dict[str, Any]:
         return {
             "engine": self.engine,
+            "rollout": self.rollout,
             "steps": [
                 {
                     "step": s.step,
@@ -152,6 +171,10 @@ class RLResult:
                     "migrations": s.migrations,
                     "moved_running": s.moved_running,
                     "sync_bytes": s.sync_bytes,
+                    "carried": s.carried,
+                    "resumed": s.resumed,
+                    "offpolicy_share": s.offpolicy_share,
+                    "dropped": s.dropped,
                 }
                 for s in self.steps
             ],
@@ -159,6 +182,7 @@ class RLResult:
             "migrations": self.migrations,
             "moved_running": self.moved_running,
             "lost_or_duplicated": self.lost_or_duplicated,
+            "aborted_at_end": self.aborted_at_end,
             "cluster_up_s": self.cluster_up_s,
             "run_s": self.run_s,
         }
@@ -175,6 +199,25 @@ def check_rollout(groups: Sequence[Group], prompts: int, n: int, version: str) -
         raise errors.FailedPrecondition(
             f"samples {errors.listed(stale)} carry tokens of another weight version than "
             f"{version!r}: the weight sync did not reach their engine"
+        )
+    return bad
+
+
+def check_partial(
+    groups: Sequence[Group], n: int, versions: Sequence[str], trained: set[str]
+) -> int:
+    """Requests lost or duplicated in a partial step's batch (0: every group has its ``n``
+    samples, no request trained before), and every token made by one of ``versions``
+    (the step's and the ``max_staleness`` before it). Adds the batch's ids to ``trained``."""
+    ids = [s.request_id for g in groups for s in g.samples]
+    bad = sum(abs(len(g.samples) - n) for g in groups) + len(ids) - len(set(ids))
+    bad += sum(1 for i in set(ids) if i in trained)
+    trained.update(ids)
+    stale = [s.request_id for g in groups for s in g.samples if set(s.versions) - set(versions)]
+    if stale:
+        raise errors.FailedPrecondition(
+            f"samples {errors.listed(stale)} carry tokens of a weight version other than "
+            f"{errors.listed(versions)}: a carried response outlived max_staleness"
         )
     return bad
 
@@ -219,6 +262,7 @@ def _to_samples(groups: Sequence[Group]) -> list[list[Any]]:
                 tuple(s.logprobs or ()),
                 s.finish_reason if s.finish_reason in ("stop", "length") else "length",
                 s.versions[0] if s.versions else "",
+                s.versions,
             )
             for s in g.samples
         ]
@@ -248,8 +292,13 @@ def build_policy(cfg: RLConfig, root: Path) -> tuple[Any, Path]:
             w = model.lm_head.weight
             w.mul_(cfg.ramble / (float(w.std()) * cfg.hidden**0.5))
             w[policy.eos_id(model)] = 0.0
+    # partial rollout: the weights of the last max_staleness versions are kept, so that a
+    # carried response's tokens are checked against the weights that sampled each
+    keep = cfg.max_staleness if cfg.rollout == "partial" else 0
     trainer = PolicyTrainer(
-        model, config, TrainConfig(learning_rate=cfg.learning_rate, logprob_tolerance=1e-3)
+        model,
+        config,
+        TrainConfig(learning_rate=cfg.learning_rate, logprob_tolerance=1e-3, keep_versions=keep),
     )
     ckpt = trainer.save(root)
     if cfg.engine == "llamacpp":
@@ -260,7 +309,7 @@ def build_policy(cfg: RLConfig, root: Path) -> tuple[Any, Path]:
 async def _run(cfg: RLConfig, run_dir: Path, say: Any) -> RLResult:
     from orchestrrl.rl.tasks import TargetStop
 
-    result = RLResult(cfg.engine)
+    result = RLResult(cfg.engine, cfg.rollout)
     command = cfg.command or local.installed_engine(cfg.engine)
     if command is None:
         raise errors.FailedPrecondition(
@@ -273,6 +322,9 @@ async def _run(cfg: RLConfig, run_dir: Path, say: Any) -> RLResult:
     trainer, model = await asyncio.to_thread(build_policy, cfg, store)
     say(f"demo-rl: GRPO on a {cfg.layers}-layer Llama (vocab {cfg.vocab}, hidden {cfg.hidden}) "
         f"on {cfg.engine}, {cfg.prompts} prompts x {cfg.samples} samples per step")  # fmt: skip
+    if cfg.rollout == "partial":
+        say(f"  partial rollout: {cfg.over_provision:g}x the prompts in flight, unfinished "
+            f"ones carried into the next step (max staleness {cfg.max_staleness})")  # fmt: skip
     args = (
         ("--dtype=float32", "--enforce-eager", "--skip-tokenizer-init")
         if cfg.engine == "vllm"
@@ -294,12 +346,35 @@ async def _run(cfg: RLConfig, run_dir: Path, say: Any) -> RLResult:
             t0 = time.perf_counter()
             with ActionWatch(cluster.controller) as watch:
                 async with AsyncRollout(gateways) as rollout:
-                    say(header())
-                    for step in range(cfg.steps):
-                        row = await _step(cfg, step, task, trainer, client, rollout, watch, store)
-                        result.steps.append(row)
-                        result.lost_or_duplicated += row.samples - cfg.prompts * cfg.samples
-                        say(format_row(row))
+                    partial = None
+                    if cfg.rollout == "partial":
+                        partial = rollout.partial(
+                            cfg.prompts,
+                            n=cfg.samples,
+                            over_provision=cfg.over_provision,
+                            max_staleness=cfg.max_staleness,
+                            max_tokens=cfg.max_tokens,
+                            temperature=1.0,
+                            seed=cfg.seed * 1_000_003,
+                            logprobs=True,
+                        )
+                    say(header(partial is not None))
+                    trained: set[str] = set()
+                    try:
+                        for step in range(cfg.steps):
+                            row = await _step(
+                                cfg, step, task, trainer, client, rollout, watch, store,
+                                partial, trained,
+                            )  # fmt: skip
+                            result.steps.append(row)
+                            if partial is None:
+                                result.lost_or_duplicated += row.samples - cfg.prompts * cfg.samples
+                            else:
+                                result.lost_or_duplicated += row.lost
+                            say(format_row(row, partial is not None))
+                    finally:
+                        if partial is not None:
+                            result.aborted_at_end = len(await partial.close())
             result.actions = watch.seen
             result.run_s = time.perf_counter() - t0
     finally:
@@ -316,26 +391,46 @@ async def _step(
     rollout: AsyncRollout,
     watch: ActionWatch,
     store: Path,
+    partial: PartialRollout | None = None,
+    trained: set[str] | None = None,
 ) -> StepRow:
     phase_s: dict[str, float] = {}
     version = str(trainer.version)
     t = time.perf_counter()
     await client.set_phase("generation")
     mark = len(watch.seen)
-    prompts = task.prompts(cfg.prompts, seed=cfg.seed * 100_003 + step)
-    groups = await rollout.generate(
-        prompts,
-        n=cfg.samples,
-        max_tokens=cfg.max_tokens,
-        temperature=1.0,
-        seed=cfg.seed * 1_000_003 + step * 7919,
-        logprobs=True,
-        group_ids=[f"s{step}-p{k}" for k in range(len(prompts))],
-    )
+    carried = resumed = dropped = lost = 0
+    offpolicy = 0.0
+    if partial is None:
+        prompts = task.prompts(cfg.prompts, seed=cfg.seed * 100_003 + step)
+        groups = await rollout.generate(
+            prompts,
+            n=cfg.samples,
+            max_tokens=cfg.max_tokens,
+            temperature=1.0,
+            seed=cfg.seed * 1_000_003 + step * 7919,
+            logprobs=True,
+            group_ids=[f"s{step}-p{k}" for k in range(len(prompts))],
+        )
+    else:
+        need = partial.to_start()
+        prompts = task.prompts(need, seed=cfg.seed * 100_003 + step) if need else []
+        done = await partial.step(
+            prompts, version=version, group_ids=[f"s{step}-p{k}" for k in range(need)]
+        )
+        groups = list(done.groups)
+        carried, resumed = len(done.carried), len(done.resumed)
+        dropped, offpolicy = done.dropped_responses, done.offpolicy_share
     phase_s["generation"] = time.perf_counter() - t
     await asyncio.sleep(0.3)  # the loop's last records of the step
     acted = watch.since(mark)
-    bad = check_rollout(groups, cfg.prompts, cfg.samples, version)
+    if partial is None:
+        bad = check_rollout(groups, cfg.prompts, cfg.samples, version)
+    else:
+        allowed = [str(trainer.version - k) for k in range(cfg.max_staleness + 1)]
+        bad = lost = check_partial(
+            groups, cfg.samples, allowed, trained if trained is not None else set()
+        )
     t = time.perf_counter()
     await client.set_phase("training")
     samples = _to_samples(groups)
@@ -345,7 +440,12 @@ async def _step(
     phase_s["training"] = time.perf_counter() - t
     t = time.perf_counter()
     change = await client.set_phase(
-        "weight-sync", checkpoint=ckpt.version, source=TRAIN_NODE, checksum=ckpt.checksum
+        "weight-sync",
+        checkpoint=ckpt.version,
+        source=TRAIN_NODE,
+        checksum=ckpt.checksum,
+        # partial rollout: the responses in flight go on from where they are on the new weights
+        in_flight="resume" if partial is not None else "finish",
     )
     phase_s["weight-sync"] = time.perf_counter() - t
     sync = change.weight_sync
@@ -367,24 +467,35 @@ async def _step(
         samples=sum(len(g.samples) for g in groups) - bad,
         sync_bytes=sum(n.bytes_fetched for n in sync.nodes) if sync is not None else 0,
         versions_seen=sorted({v for g in groups for s in g.samples for v in s.versions}),
+        carried=carried,
+        resumed=resumed,
+        offpolicy_share=offpolicy,
+        dropped=dropped,
+        lost=lost,
     )
 
 
-def header() -> str:
+def header(partial: bool = False) -> str:
+    extra = f" {'carried':>7} {'resumed':>7} {'offpol':>6} {'dropped':>7}" if partial else ""
     return (
         f"  {'step':>4} {'ver':>4} {'reward':>7} {'len p50':>7} {'p99':>5} {'stop':>5} "
         f"{'gen s':>6} {'train s':>7} {'sync s':>6} {'reshard':>7} {'migrate':>7} "
-        f"{'moved':>5} {'|dlogp| max':>11}"
+        f"{'moved':>5} {'|dlogp| max':>11}{extra}"
     )
 
 
-def format_row(r: StepRow) -> str:
+def format_row(r: StepRow, partial: bool = False) -> str:
     p = r.phase_s
+    extra = (
+        f" {r.carried:>7} {r.resumed:>7} {r.offpolicy_share:>6.1%} {r.dropped:>7}"
+        if partial
+        else ""
+    )
     return (
         f"  {r.step:>4} {r.weight_version:>4} {r.reward_mean:>7.3f} {r.length_p50:>7.0f} "
         f"{r.length_p99:>5.0f} {r.stop_fraction:>5.2f} {p['generation']:>6.2f} "
         f"{p['training']:>7.2f} {p['weight-sync']:>6.2f} {r.reshards:>7} {r.migrations:>7} "
-        f"{r.moved_running:>5} {r.logprob_max_abs_diff:>11.1e}"
+        f"{r.moved_running:>5} {r.logprob_max_abs_diff:>11.1e}{extra}"
     )
 
 
@@ -401,7 +512,20 @@ def summary(r: RLResult, window: int = 3) -> str:
         f"generated before their moves); engines' logprobs within "
         f"{worst:.1e} of the trainer's; {r.lost_or_duplicated} request(s) lost or duplicated; "
         f"{r.run_s:.0f} s"
+        + (
+            f"; partial rollout: {sum(s.carried for s in r.steps)} response(s) carried "
+            f"across steps, {sum(s.resumed for s in r.steps)} trained after resuming on new "
+            f"weights, off-policy token share {_mean([s.offpolicy_share for s in r.steps]):.1%} "
+            f"(mean per step), {sum(s.dropped for s in r.steps)} dropped as too stale, "
+            f"{r.aborted_at_end} still in flight at the end (aborted)"
+            if r.rollout == "partial"
+            else ""
+        )
     )
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 def plot(r: RLResult, path: Path) -> Path | None:
