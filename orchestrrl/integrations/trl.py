@@ -203,7 +203,7 @@ class RolloutFunc:
 def samples_of(groups: Sequence[Group]) -> list[list[Sample]]:
     """The trainer's samples of a rollout's groups: each with the logprobs the engines
     reported and its weight version (the distinct versions of its tokens joined by ",",
-    e.g. "3,4" for a sample that spanned an update)."""
+    e.g. "3,4" for a sample that spanned an update), and each token's version."""
     return [
         [
             Sample(
@@ -212,6 +212,7 @@ def samples_of(groups: Sequence[Group]) -> list[list[Sample]]:
                 tuple(s.logprobs or ()),
                 s.finish_reason if s.finish_reason in FINISH else "length",
                 ",".join(s.weight_versions),
+                tuple(s.versions),  # per token: the trainer checks each under its weights
             )
             for s in g.samples
         ]

@@ -100,6 +100,7 @@ def test_a_rollouts_groups_become_the_trainers_samples() -> None:
         [((4,), (1,), "abort", "3"), ((4,), (2, 2), "length", "3")],
     ]
     assert out[0][1].logprobs == pytest.approx((-0.1, -0.2, -0.3))
+    assert out[0][1].versions == ("2", "3", "3")  # per token (partial rollout's carried ones)
     # a rollout without logprobs cannot be trained on: refused naming the field
     bare = Group((4,), "g", (dataclasses.replace(groups[1].samples[0], logprobs=None),))
     with pytest.raises(errors.InvalidArgument, match="logprobs='0 values'"):
