@@ -585,6 +585,8 @@ class _Open:
     lps: list[list[float]] = field(default_factory=list)
     counts: list[dict[int, int]] = field(default_factory=list)  # version index -> tokens
     finals: list[Mapping[str, Any] | None] = field(default_factory=list)
+    # of a finished response, once the rollout knows its versions (at the next step)
+    pieces: list[tuple[partial_rollout.Piece, ...] | None] = field(default_factory=list)
     task: asyncio.Task[str] | None = None
 
     def __post_init__(self) -> None:
@@ -592,6 +594,7 @@ class _Open:
         self.lps = [[] for _ in range(self.n)]
         self.counts = [{} for _ in range(self.n)]
         self.finals = [None] * self.n
+        self.pieces = [None] * self.n
 
     def rid(self, i: int) -> str:
         return self.ids[i] if self.ids else f"{self.group_id}#{i}"  # (not sent yet)
@@ -800,12 +803,14 @@ class PartialRollout:
             responses = []
             for i in range(g.n):
                 final = g.finals[i]
-                if final is not None:
+                if final is None:
+                    pieces = partial_rollout.pieces_from_counts(g.counts[i])
+                elif (known := g.pieces[i]) is not None:
+                    pieces = known
+                else:  # exact, from the gateway's version runs (computed once)
                     orl = final.get("orl") or {}
                     labels = _versions(orl.get("weight_versions"), len(g.tokens[i]))
-                    pieces = partial_rollout.pieces_of(labels, self.versions)
-                else:
-                    pieces = partial_rollout.pieces_from_counts(g.counts[i])
+                    pieces = g.pieces[i] = partial_rollout.pieces_of(labels, self.versions)
                 responses.append((g.rid(i), final is not None, pieces))
             out.append(partial_rollout.group_state(g.group_id, g.n, g.order, responses))
         return out
