@@ -124,6 +124,7 @@ class StepRow:
     # stale, and requests lost or trained twice
     carried: int = 0
     resumed: int = 0
+    spanned: int = 0  # trained responses with tokens of two or more weight versions
     offpolicy_share: float = 0.0
     dropped: int = 0
     lost: int = 0
@@ -173,6 +174,7 @@ class RLResult:
                     "sync_bytes": s.sync_bytes,
                     "carried": s.carried,
                     "resumed": s.resumed,
+                    "spanned": s.spanned,
                     "offpolicy_share": s.offpolicy_share,
                     "dropped": s.dropped,
                 }
@@ -399,7 +401,7 @@ async def _step(
     t = time.perf_counter()
     await client.set_phase("generation")
     mark = len(watch.seen)
-    carried = resumed = dropped = lost = 0
+    carried = resumed = spanned = dropped = lost = 0
     offpolicy = 0.0
     if partial is None:
         prompts = task.prompts(cfg.prompts, seed=cfg.seed * 100_003 + step)
@@ -420,6 +422,7 @@ async def _step(
         )
         groups = list(done.groups)
         carried, resumed = len(done.carried), len(done.resumed)
+        spanned = sum(1 for c in done.resumed if len(c.tokens_by_version) > 1)
         dropped, offpolicy = done.dropped_responses, done.offpolicy_share
     phase_s["generation"] = time.perf_counter() - t
     await asyncio.sleep(0.3)  # the loop's last records of the step
@@ -469,6 +472,7 @@ async def _step(
         versions_seen=sorted({v for g in groups for s in g.samples for v in s.versions}),
         carried=carried,
         resumed=resumed,
+        spanned=spanned,
         offpolicy_share=offpolicy,
         dropped=dropped,
         lost=lost,
@@ -513,9 +517,10 @@ def summary(r: RLResult, window: int = 3) -> str:
         f"{worst:.1e} of the trainer's; {r.lost_or_duplicated} request(s) lost or duplicated; "
         f"{r.run_s:.0f} s"
         + (
-            f"; partial rollout: {sum(s.carried for s in r.steps)} response(s) carried "
-            f"across steps, {sum(s.resumed for s in r.steps)} trained after resuming on new "
-            f"weights, off-policy token share {_mean([s.offpolicy_share for s in r.steps]):.1%} "
+            f"; partial rollout: {sum(s.carried for s in r.steps)} response(s) carried into "
+            f"the next step, {sum(s.resumed for s in r.steps)} trained there "
+            f"({sum(s.spanned for s in r.steps)} with tokens of two weight versions), "
+            f"off-policy token share {_mean([s.offpolicy_share for s in r.steps]):.1%} "
             f"(mean per step), {sum(s.dropped for s in r.steps)} dropped as too stale, "
             f"{r.aborted_at_end} still in flight at the end (aborted)"
             if r.rollout == "partial"
