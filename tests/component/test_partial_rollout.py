@@ -139,3 +139,16 @@ async def test_bad_values_are_refused_naming_the_field(gw: Gateway) -> None:
         with pytest.raises(errors.InvalidArgument, match="group_ids"):
             await pr.step([SHORT[0]] * 3, version="0", group_ids=["a", "a", "b"])
         assert pr.open_groups == 0  # nothing was started
+
+
+async def test_a_time_budget_ends_a_step_while_nothing_arrives(gw: Gateway) -> None:
+    gw.hold.until(HOLD_AT)  # every call held at 4 tokens: no event comes after those
+    async with AsyncRollout([gw.url]) as rollout:
+        pr = rollout.partial(
+            2, n=2, over_provision=1.0, end="time", time_budget_s=0.2, max_tokens=MAX_TOKENS,
+            temperature=0,
+        )  # fmt: skip
+        step = await pr.step([LONG[0], LONG[1]], version="0")
+        assert step.elapsed_s >= 0.2 and step.groups == ()
+        assert len(step.carried_groups) == pr.open_groups == 2  # both carried
+        assert await pr.close() and not pr.in_flight()
