@@ -272,10 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rl.add_argument("--engine", default="llamacpp", help="llamacpp or vllm")
     rl.add_argument("--engine-command", default="", metavar="PATH", help="default: from .engines/")
-    rl.add_argument("--steps", type=int, help="RL steps (1-1000; default 12)")
-    rl.add_argument("--prompts", type=int, help="groups per step (default 8)")
+    rl.add_argument("--steps", type=int, help="RL steps (1-1000; default 10)")
+    rl.add_argument("--prompts", type=int, help="groups per step (default 4)")
     rl.add_argument("--samples", type=int, help="samples per prompt (default 8)")
-    rl.add_argument("--max-tokens", type=int, help="tokens per response at most")
+    rl.add_argument("--max-tokens", type=int, help="tokens per response at most (default 1024)")
     rl.add_argument(
         "--rollout",
         help="full (default), or partial: a step ends when --prompts groups are complete "
