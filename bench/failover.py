@@ -69,7 +69,7 @@ from orchestrrl import wiring as wiring_mod
 from orchestrrl.client import AsyncClient, PhaseChange
 from orchestrrl.leader import LEADER_METADATA_KEY
 from orchestrrl.logs import setup_logging
-from orchestrrl.model import Circuit, Phase, Wiring
+from orchestrrl.model import SYNC_PHASES, Circuit, Phase, Wiring
 from orchestrrl.v1 import fabric_controller_pb2 as pb
 from orchestrrl.v1 import fabric_controller_pb2_grpc as pb_grpc
 from sim_backends.etcd_cluster import EtcdCluster
@@ -584,7 +584,7 @@ async def latency(w: Wiring, rounds: int, fabric: Any) -> list[float]:
     took: list[float] = []
     async with AsyncClient(fabric.address, timeout_s=60) as client:
         for i in range(rounds):
-            for phase in Phase:
+            for phase in SYNC_PHASES:
                 t0 = time.perf_counter()
                 r = await client.set_phase(phase, request_id=f"bench-{i}-{phase.value}")
                 elapsed = time.perf_counter() - t0

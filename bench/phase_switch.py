@@ -40,7 +40,7 @@ from orchestrrl import errors
 from orchestrrl import wiring as wiring_mod
 from orchestrrl.client import AsyncClient
 from orchestrrl.logs import setup_logging
-from orchestrrl.model import Phase, Wiring
+from orchestrrl.model import SYNC_PHASES, Wiring
 from sim_backends.harness import start_fabric
 from sim_backends.ocs_server import serve as serve_ocs
 from sim_backends.synthetic import synthetic_wiring
@@ -75,7 +75,7 @@ async def run(w: Wiring, rounds: int, switching_s: float, plan_cache: int) -> di
         try:
             async with AsyncClient(fabric.address, timeout_s=60) as client:
                 for i in range(rounds):
-                    for phase in Phase:
+                    for phase in SYNC_PHASES:
                         t0 = time.perf_counter()
                         r = await client.set_phase(phase, request_id=f"bench-{i}-{phase.value}")
                         elapsed = time.perf_counter() - t0
@@ -210,7 +210,7 @@ async def run_netconf(w: Wiring, rounds: int, plan_cache: int) -> dict[str, obje
             moved = 0
             async with AsyncClient(proc.server.address, timeout_s=60) as client:
                 for i in range(rounds):
-                    for phase in Phase:
+                    for phase in SYNC_PHASES:
                         t0 = time.perf_counter()
                         r = await client.set_phase(phase, request_id=f"bench-{i}-{phase.value}")
                         elapsed = time.perf_counter() - t0

@@ -27,6 +27,7 @@ from orchestrrl import wiring as wiring_mod
 from orchestrrl.client import (
     CircuitView,
     Client,
+    ModeState,
     NodeView,
     PhaseChange,
     ScheduleView,
@@ -37,11 +38,11 @@ from orchestrrl.client import (
 )
 from orchestrrl.convert import optional_phase_from_pb
 from orchestrrl.logs import setup_logging
-from orchestrrl.model import Phase
+from orchestrrl.model import SYNC_PHASES, Mode, Phase
 from orchestrrl.tls import TlsConfig
 from orchestrrl.tls import from_args as tls_from_args
 
-PHASES = [p.value for p in Phase]
+PHASES = [p.value for p in SYNC_PHASES]
 
 
 def _common() -> argparse.ArgumentParser:
@@ -155,6 +156,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pplan = add(psub, "plan", "show what `phase set` would change, without changing anything")
     pplan.add_argument("phase", choices=PHASES)
+
+    mode = add(
+        sub,
+        "mode",
+        "show or set the cluster's mode: phased (phase by phase) or async (trainer and "
+        "rollout at once on one standing topology)",
+    )
+    msub = mode.add_subparsers(dest="action", metavar="ACTION")
+    add(msub, "get", "show the mode (the default action)")
+    mset = add(msub, "set", "change the mode: commit the standing topology, or leave it")
+    mset.add_argument("mode", help="phased or async")
+    mset.add_argument(
+        "--phase",
+        choices=PHASES,
+        default=None,
+        help="leaving async mode: the phase to commit (default generation)",
+    )
+    mset.add_argument("--request-id", default="", help="idempotency key, as `phase set`")
 
     add(sub, "nodes", "list the nodes of the wiring with their health and telemetry")
     topo = add(sub, "topology", "show the wiring and the current circuits")
@@ -470,10 +489,12 @@ def cmd_phase(args: argparse.Namespace) -> int:
         if args.action == "get":
             s = c.get_phase()
             when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.committed_at))
+            mode = Mode.ASYNC.value if s.phase == Phase.ASYNC.value else Mode.PHASED.value
             header = (
-                f"epoch {s.epoch}: phase {s.phase}, {len(s.circuits)} circuit(s), committed {when}"
+                f"epoch {s.epoch}: phase {s.phase} (mode {mode}), {len(s.circuits)} "
+                f"circuit(s), committed {when}"
                 if s.epoch
-                else "epoch 0: no phase set yet"
+                else "epoch 0: no phase set yet (mode phased)"
             )
             _print(args, s, lambda: "\n".join([header, *_by_pair(s.circuits)]))
         else:
@@ -503,6 +524,29 @@ def cmd_phase(args: argparse.Namespace) -> int:
                 print(f"orlctl: error: {exc}", file=sys.stderr)
                 return 1
             _print(args, r, lambda: describe_change(r))
+    return 0
+
+
+def describe_mode(m: ModeState) -> str:
+    what = {
+        Mode.ASYNC.value: "trainer and rollout run at once on one standing topology; "
+        "`phase set training|generation` is refused, weight-sync uses the standing circuits",
+        Mode.PHASED.value: "the per-phase API (`orlctl phase set`) moves the circuits",
+    }.get(m.mode, "")
+    line = (
+        f"mode {m.mode}: epoch {m.epoch}, phase {m.phase or 'none'}, {m.circuits} circuit(s)"
+        f"; {what}"
+    )
+    return f"{line}\n{m.message}" if m.message else line
+
+
+def cmd_mode(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        if args.action == "set":
+            m = c.set_mode(Mode.parse(args.mode), args.request_id, phase=args.phase)
+        else:
+            m = c.get_mode()
+    _print(args, m, lambda: describe_mode(m))
     return 0
 
 
@@ -821,6 +865,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "phase": cmd_phase,
+    "mode": cmd_mode,
     "plan": cmd_plan,
     "nodes": cmd_nodes,
     "topology": cmd_topology,

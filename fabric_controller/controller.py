@@ -39,7 +39,7 @@ from fabric_controller.store import EpochRecord, EpochStore
 from fabric_controller.switches import Switches
 from orchestrrl import errors
 from orchestrrl.logs import get_logger
-from orchestrrl.model import Phase, Wiring
+from orchestrrl.model import Mode, Phase, Wiring
 from orchestrrl.v1 import node_agent_pb2
 from orchestrrl.wiring import diff as wiring_diff
 from scheduler.gate import DEFAULT_SETTLING_MARGIN_S
@@ -286,6 +286,17 @@ class Controller:
         the committed phase under its lock (a weight sync); see
         :meth:`fabric_controller.epochs.EpochManager.set_phase`."""
         return await self.epochs.set_phase(phase, request_id, idle_window_s, then, then_what)
+
+    @property
+    def mode(self) -> Mode:
+        """The cluster's mode: the committed epoch's (:mod:`fabric_controller.modes`)."""
+        return Mode.of(self.current.phase)
+
+    async def set_mode(
+        self, mode: Mode, request_id: str = "", leave_to: Phase | None = None
+    ) -> PhaseResult:
+        """Put the cluster in ``mode`` (:meth:`fabric_controller.epochs.EpochManager.set_mode`)."""
+        return await self.epochs.set_mode(mode, request_id, leave_to)
 
     async def reconcile_once(self) -> str | None:
         """One drift check; see :meth:`fabric_controller.epochs.EpochManager.reconcile_once`."""

@@ -54,13 +54,14 @@ import structlog
 from fabric_controller.events import Event, EventHub
 from fabric_controller.leadership import NotLeader, Role
 from fabric_controller.metrics import ControllerMetrics
+from fabric_controller.modes import effective_phase, mode_target
 from fabric_controller.reconcile import converge, describe_shortfall, ours, shortfall, steps
 from fabric_controller.store import EpochRecord, EpochStore, Missing, PendingRecord, RequestOutcome
 from fabric_controller.switches import StageError, Switches
 from fabric_controller.weight_sync import SyncReport
 from orchestrrl import errors
 from orchestrrl.logs import get_logger
-from orchestrrl.model import Circuit, Phase, Wiring
+from orchestrrl.model import Circuit, Mode, Phase, Wiring
 from scheduler.circuits import CircuitPlan
 from scheduler.gate import DEFAULT_SETTLING_MARGIN_S, slack_gate
 from scheduler.network import PhaseCircuits, PhaseDemand, plan_phase_circuits
@@ -476,8 +477,13 @@ class EpochManager:
         idle_window_s: float | None = None,
         then: Callable[[PhaseResult], Awaitable[PhaseResult]] | None = None,
         then_what: str = "",
+        mode_change: bool = False,
     ) -> PhaseResult:
         """Change to ``phase`` (a new epoch), or say why nothing changed.
+
+        In async mode (:mod:`fabric_controller.modes`) training and generation are
+        refused and weight-sync keeps the standing circuits; ``mode_change`` (only
+        :meth:`set_mode`) commits ``phase`` as it is.
 
         ``then``: work that needs the phase's circuits (a weight sync), run on the result
         while the lock is still held, so that no other phase change moves the circuits
@@ -499,16 +505,42 @@ class EpochManager:
                 return replay
         async with self._locked(f"epoch {self.current.epoch + 1} ({phase.value})"):
             async with self._watched():
-                result = await self._set_phase_locked(phase, request_id, idle_window_s)
+                result = await self._set_phase_locked(phase, request_id, idle_window_s, mode_change)
             if then is None:
                 return result
             self._in_progress = then_what or f"work after epoch {result.record.epoch}"
             return await then(result)
 
+    async def set_mode(
+        self, mode: Mode, request_id: str = "", leave_to: Phase | None = None
+    ) -> PhaseResult:
+        """Put the cluster in ``mode``: async commits the standing topology (an epoch of
+        phase async), phased commits ``leave_to`` (generation by default) when the
+        cluster is in async mode; nothing changes when it is in ``mode`` already
+        (:func:`fabric_controller.modes.mode_target`)."""
+        mode_target(self.current.phase, mode, leave_to)  # bad input: refused at once
+        async with self._locked(f"mode {mode.value}"):
+            target = mode_target(self.current.phase, mode, leave_to)
+            if target is None:
+                cur = self.current
+                phase = cur.phase.value if cur.phase is not None else "none"
+                return PhaseResult(
+                    cur, False, f"the cluster is in {mode.value} mode already (epoch "
+                    f"{cur.epoch}, phase {phase}): nothing to change",
+                )  # fmt: skip
+            async with self._watched():
+                return await self._set_phase_locked(target, request_id, None, True)
+
     async def _set_phase_locked(
-        self, phase: Phase, request_id: str, idle_window_s: float | None
+        self,
+        phase: Phase,
+        request_id: str,
+        idle_window_s: float | None,
+        mode_change: bool = False,
     ) -> PhaseResult:
         self.role.check(f"phase change to {phase.value}")
+        if not mode_change:
+            phase = effective_phase(self.current.phase, phase)
         if request_id:  # a caller with this id may have finished while this one waited
             replay = await self._replay(phase, request_id)
             if replay is not None:
@@ -543,7 +575,8 @@ class EpochManager:
         done = await self.store.outcome(request_id)
         if done is None:
             return None
-        if done.phase is not phase:
+        async_sync = done.phase is Phase.ASYNC and phase is Phase.WEIGHT_SYNC
+        if done.phase is not phase and not async_sync:
             raise errors.FailedPrecondition(
                 f"request_id={errors.shown(request_id)} was already used for phase "
                 f"{done.phase.value} (answered at epoch {done.epoch}); not applied to phase "

@@ -20,7 +20,7 @@ from typing import Any, TypeAlias, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from fabric_controller.controller import Controller
+from fabric_controller.controller import Controller, PhaseResult
 from fabric_controller.events import Event
 from fabric_controller.leadership import NotLeader
 from fabric_controller.registry import Health
@@ -32,13 +32,14 @@ from fabric_controller.weight_sync_runner import WeightSync
 from orchestrrl import errors, leader, limits
 from orchestrrl.convert import (
     circuit_to_pb,
+    optional_phase_from_pb,
     phase_from_pb,
     phase_to_pb,
     stages_to_pb,
 )
 from orchestrrl.grpcutil import domain_errors_to_status, parse_address
 from orchestrrl.logs import get_logger
-from orchestrrl.model import Circuit
+from orchestrrl.model import Circuit, Mode
 from orchestrrl.tls import Authorizer
 from orchestrrl.v1 import common_pb2, node_agent_pb2
 from orchestrrl.v1 import fabric_controller_pb2 as pb
@@ -300,6 +301,31 @@ class FabricControllerServicer(pb_grpc.FabricControllerServicer):
         if result.weight_sync is not None:
             reply.weight_sync.CopyFrom(report_to_pb(result.weight_sync))
         return reply
+
+    def _mode_reply(self, result: PhaseResult | None = None) -> pb.GetModeResponse:
+        record = result.record if result is not None else self.c.current
+        return pb.GetModeResponse(
+            mode=Mode.of(record.phase).value,
+            epoch=record.epoch,
+            phase=phase_to_pb(record.phase),
+            circuits=len(record.circuits),
+            changed=result.changed if result is not None else False,
+            message=result.message if result is not None else "",
+        )
+
+    @domain_errors_to_status
+    @leader_only
+    async def SetMode(self, request: pb.SetModeRequest, context: Ctx) -> pb.GetModeResponse:
+        self.auth.operator(context)
+        mode = Mode.parse(request.mode)
+        leave_to = optional_phase_from_pb(request.phase)
+        return self._mode_reply(await self.c.set_mode(mode, request.request_id, leave_to))
+
+    @domain_errors_to_status
+    @leader_only
+    async def GetMode(self, request: pb.GetModeRequest, context: Ctx) -> pb.GetModeResponse:
+        self.auth.operator(context)
+        return self._mode_reply()
 
     @domain_errors_to_status
     @leader_only

@@ -31,7 +31,7 @@ import grpc
 from orchestrrl import errors, leader
 from orchestrrl.convert import optional_phase_from_pb, phase_to_pb, stages_from_pb
 from orchestrrl.logs import get_logger
-from orchestrrl.model import Phase
+from orchestrrl.model import Mode, Phase
 from orchestrrl.tls import TlsConfig
 from orchestrrl.v1 import fabric_controller_pb2 as pb
 from orchestrrl.v1 import fabric_controller_pb2_grpc as pb_grpc
@@ -103,6 +103,23 @@ class PhaseState:
     phase: str | None
     circuits: list[CircuitView]
     committed_at: float
+
+
+@dataclass(frozen=True)
+class ModeState:
+    """The cluster's mode ("phased" or "async") and the committed epoch behind it; from
+    ``set_mode``, whether it committed a new epoch and what the controller said."""
+
+    mode: str
+    epoch: int
+    phase: str | None
+    circuits: int
+    changed: bool = False
+    message: str = ""
+
+
+def _mode(r: pb.GetModeResponse) -> ModeState:
+    return ModeState(r.mode, r.epoch, _phase_name(r.phase), r.circuits, r.changed, r.message)
 
 
 @dataclass(frozen=True)
@@ -568,6 +585,32 @@ class AsyncClient:
         )
         return PhaseState(r.epoch, _phase_name(r.phase), _circuits(r.circuits), r.committed_at)
 
+    async def set_mode(
+        self, mode: Mode | str, request_id: str = "", *, phase: Phase | str | None = None
+    ) -> ModeState:
+        """Put the cluster in ``mode``: "async" (trainer and rollout at once on one
+        standing topology; training and generation phases are refused, weight-sync moves
+        weights over the standing circuits) or "phased" (the per-phase API; ``phase``:
+        the phase to commit on leaving async mode, generation by default)."""
+        m = mode if isinstance(mode, Mode) else Mode.parse(mode)
+        p = None if phase is None else phase if isinstance(phase, Phase) else Phase.parse(phase)
+        request = pb.SetModeRequest(
+            mode=m.value,
+            phase=phase_to_pb(p),
+            request_id=request_id or f"{AUTO_REQUEST_PREFIX}{uuid.uuid4().hex}",
+        )
+        r: pb.GetModeResponse = await self._unary(
+            "SetMode", lambda stub, timeout: stub.SetMode(request, timeout=timeout)
+        )
+        return _mode(r)
+
+    async def get_mode(self) -> ModeState:
+        """The cluster's mode ("phased" or "async") and its committed epoch."""
+        r: pb.GetModeResponse = await self._unary(
+            "GetMode", lambda stub, timeout: stub.GetMode(pb.GetModeRequest(), timeout=timeout)
+        )
+        return _mode(r)
+
     async def plan_phase(self, phase: Phase | str) -> PhasePlan:
         p = phase if isinstance(phase, Phase) else Phase.parse(phase)
         request = pb.PlanPhaseRequest(phase=phase_to_pb(p))
@@ -957,6 +1000,18 @@ class Client:
         result: PhaseState = self._run(self._async.get_phase())
         return result
 
+    def set_mode(
+        self, mode: Mode | str, request_id: str = "", *, phase: Phase | str | None = None
+    ) -> ModeState:
+        """See :meth:`AsyncClient.set_mode`."""
+        result: ModeState = self._run(self._async.set_mode(mode, request_id, phase=phase))
+        return result
+
+    def get_mode(self) -> ModeState:
+        """See :meth:`AsyncClient.get_mode`."""
+        result: ModeState = self._run(self._async.get_mode())
+        return result
+
     @contextlib.contextmanager
     def phase(
         self,
@@ -1034,6 +1089,7 @@ __all__ = [
     "CircuitView",
     "Client",
     "EventView",
+    "ModeState",
     "NodeView",
     "NodeWeightSyncView",
     "PhaseChange",

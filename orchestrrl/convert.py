@@ -12,6 +12,7 @@ _PHASE_TO_PB: dict[Phase, common_pb2.Phase.ValueType] = {
     Phase.GENERATION: common_pb2.PHASE_GENERATION,
     Phase.TRAINING: common_pb2.PHASE_TRAINING,
     Phase.WEIGHT_SYNC: common_pb2.PHASE_WEIGHT_SYNC,
+    Phase.ASYNC: common_pb2.PHASE_ASYNC,
 }
 _PHASE_FROM_PB = {v: k for k, v in _PHASE_TO_PB.items()}
 

@@ -95,6 +95,10 @@ REQUEST_CAPS: dict[str, tuple[Cap, ...]] = {
             Cap("checkpoint.checksum", MAX_CHECKSUM_CHARS, "a SHA-256 in hex"),
             Cap("checkpoint.in_flight", MAX_ID_CHARS, '"finish" or "resume"'),
         ),
+        "SetModeRequest": (
+            Cap("mode", MAX_ID_CHARS, '"phased" or "async"'),
+            Cap("request_id", MAX_ID_CHARS, "an id"),
+        ),
         # NodeAgent
         "ReshardRequest": _command(Cap("tp_layout", MAX_TP_LAYOUT, "instances")),
         "ApplyRoutesRequest": _command(

@@ -17,13 +17,44 @@ class Phase(enum.Enum):
     GENERATION = "generation"
     TRAINING = "training"
     WEIGHT_SYNC = "weight-sync"
+    # the epoch phase of a cluster in asynchronous mode (:class:`Mode`): one standing
+    # topology for both roles; entered and left only by a mode change, never by SetPhase
+    ASYNC = "async"
 
     @classmethod
     def parse(cls, value: str, field: str = "phase") -> Phase:
-        for phase in cls:
+        """One of the synchronous phases (:data:`SYNC_PHASES`) by its CLI spelling."""
+        for phase in SYNC_PHASES:
             if value == phase.value or value.replace("_", "-").lower() == phase.value:
                 return phase
-        raise errors.field_error(field, value, f"expected one of {', '.join(p.value for p in cls)}")
+        allowed = ", ".join(p.value for p in SYNC_PHASES)
+        raise errors.field_error(field, value, f"expected one of {allowed}")
+
+
+# the phases a synchronous job sets one after another (SetPhase; `orlctl phase set`)
+SYNC_PHASES = (Phase.GENERATION, Phase.TRAINING, Phase.WEIGHT_SYNC)
+
+
+class Mode(enum.Enum):
+    """How a cluster runs RL: phase by phase (the per-phase API) or asynchronously
+    (trainer and rollout at once on one standing topology: epochs of phase
+    :attr:`Phase.ASYNC`). The mode is the committed epoch's phase, so it is stored,
+    journaled and replicated with it."""
+
+    PHASED = "phased"
+    ASYNC = "async"
+
+    @classmethod
+    def parse(cls, value: str, field: str = "mode") -> Mode:
+        for mode in cls:
+            if isinstance(value, str) and value.strip().lower() == mode.value:
+                return mode
+        raise errors.field_error(field, value, "phased or async")
+
+    @classmethod
+    def of(cls, phase: Phase | None) -> Mode:
+        """The mode of a cluster whose committed epoch has ``phase``."""
+        return cls.ASYNC if phase is Phase.ASYNC else cls.PHASED
 
 
 class Role(enum.Enum):

@@ -29,15 +29,21 @@ def template_demand(wiring: Wiring, phase: Phase) -> dict[PodPair, float]:
 
     - generation: pods work in isolation (no inter-pod circuits);
     - training: a mesh among the training pods;
-    - weight-sync: every training pod to every generation pod.
+    - weight-sync: every training pod to every generation pod;
+    - async (asynchronous mode's standing topology): both of the last two at once, the
+      training mesh and every training pod to every generation pod.
     """
     train = wiring.pods_with_role(Role.TRAIN)
     gen = wiring.pods_with_role(Role.GEN)
     if phase is Phase.GENERATION:
         return {}
+    mesh = {pair(a, b): 1.0 for a, b in combinations(train, 2)}
     if phase is Phase.TRAINING:
-        return {pair(a, b): 1.0 for a, b in combinations(train, 2)}
-    return {pair(t, g): 1.0 for t in train for g in gen}
+        return mesh
+    broadcast = {pair(t, g): 1.0 for t in train for g in gen}
+    if phase is Phase.ASYNC:
+        return {**mesh, **broadcast}
+    return broadcast
 
 
 @dataclass(frozen=True)

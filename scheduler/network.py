@@ -225,6 +225,12 @@ def workloads_for_phase(
         return (Workload.training(train, grad_bytes),)
     if phase is Phase.GENERATION:
         return tuple(Workload.generation(g) for g in gen)
+    if phase is Phase.ASYNC:  # trainer and rollout at once: all three on one topology
+        return (
+            Workload.training(train, grad_bytes),
+            *(Workload.generation(g) for g in gen),
+            Workload.weight_sync(train, gen, model_bytes),
+        )
     return (Workload.weight_sync(train, gen, model_bytes),)
 
 
@@ -583,12 +589,17 @@ def plan_phase_circuits(
             f"(+{len(plan.add)} -{len(plan.remove)}); {reason}",
         )
 
-    needed = {
-        Phase.TRAINING: ("training_bytes", demand.training_bytes),
-        Phase.WEIGHT_SYNC: ("model_bytes", demand.model_bytes),
-    }.get(phase)
-    if needed is not None and needed[1] <= 0:
-        return template(f"no demand information ({needed[0]} is 0)")
+    needs = {
+        Phase.TRAINING: (("training_bytes", demand.training_bytes),),
+        Phase.WEIGHT_SYNC: (("model_bytes", demand.model_bytes),),
+        Phase.ASYNC: (
+            ("training_bytes", demand.training_bytes),
+            ("model_bytes", demand.model_bytes),
+        ),
+    }.get(phase, ())
+    for name, nbytes in needs:
+        if nbytes <= 0:
+            return template(f"no demand information ({name} is 0)")
     workloads = workloads_for_phase(
         wiring,
         phase,

@@ -89,6 +89,8 @@ POLICY: dict[tuple[str, str], frozenset[str]] = {
     ("FabricController", "ReportTelemetryBatch"): _NODE,
     ("FabricController", "SetPhase"): _OPERATOR,
     ("FabricController", "GetPhase"): _OPERATOR,
+    ("FabricController", "SetMode"): _OPERATOR,
+    ("FabricController", "GetMode"): _OPERATOR,
     ("FabricController", "PlanPhase"): _OPERATOR,
     ("FabricController", "GetTopology"): _OPERATOR,
     ("FabricController", "ListNodes"): _OPERATOR,
@@ -290,6 +292,9 @@ def request(service: str, method: str, caller: str, released: str) -> Message:
         ),
         ("FabricController", "SetPhase"): lambda: fc_pb.SetPhaseRequest(
             phase=common_pb2.PHASE_TRAINING, request_id=tag
+        ),
+        ("FabricController", "SetMode"): lambda: fc_pb.SetModeRequest(
+            mode="phased", request_id=tag
         ),
         ("FabricController", "PlanPhase"): lambda: fc_pb.PlanPhaseRequest(
             phase=common_pb2.PHASE_WEIGHT_SYNC

@@ -235,3 +235,22 @@ async def test_a_sync_may_outlast_the_clients_own_timeout(cluster: Cluster) -> N
         cluster.store.hold.set()
         change = await sync
     assert change.weight_sync is not None and change.weight_sync.complete
+
+
+async def test_in_async_mode_the_bytes_take_the_standing_circuits(cluster: Cluster) -> None:
+    entered = await cluster.client.set_mode("async")
+    write_checkpoint(cluster.train_root, "1", SHAPE, seed=1)
+    change = await cluster.client.set_phase(
+        "weight-sync", request_id="a1", checkpoint="1", source="train0-n0"
+    )
+    ws = change.weight_sync
+    assert ws is not None and ws.complete
+    # no circuit moved: the epoch is the async one, its circuits carried the bytes
+    assert (change.epoch, change.phase, change.changed) == (entered.epoch, "async", False)
+    assert ws.epoch == entered.epoch
+    for n in ws.nodes:
+        assert n.ok and n.version == "1" and n.bytes_fetched == ws.checkpoint_bytes
+        assert n.circuits > 0
+        assert cluster.engines[n.node].weight_version == "1"
+    with pytest.raises(errors.FailedPrecondition, match="async mode"):
+        await cluster.client.set_phase("generation")

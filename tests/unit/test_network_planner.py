@@ -12,13 +12,14 @@ from hypothesis import strategies as st
 
 from orchestrrl import errors
 from orchestrrl import wiring as wiring_mod
-from orchestrrl.model import Circuit, Phase, Role, Wiring
+from orchestrrl.model import SYNC_PHASES, Circuit, Phase, Role, Wiring
 from scheduler.circuits import pair, plan_phase, template_demand
 from scheduler.network import (
     NetworkConfig,
     NetworkPlan,
     PhaseDemand,
     Workload,
+    _pair_counts,
     bottleneck_time,
     demand_matrix,
     plan_network,
@@ -138,7 +139,22 @@ def test_demand_matrix_of_each_workload(fabric: Wiring) -> None:
         demand_matrix(fabric, [Workload.generation("nope")])
 
 
-@pytest.mark.parametrize("phase", list(Phase))
+def test_async_workloads_cover_the_async_template(fabric: Wiring) -> None:
+    """Async mode's standing topology: the planner serves every pod pair of the template
+    (training mesh and trainer -> rollout), weighting them by their bytes."""
+    workloads = workloads_for_phase(fabric, Phase.ASYNC, grad_bytes=4.0, model_bytes=2.0)
+    demand = demand_matrix(fabric, workloads)
+    assert set(demand) == set(template_demand(fabric, Phase.ASYNC))
+    assert set(demand) == set(template_demand(fabric, Phase.TRAINING)) | set(
+        template_demand(fabric, Phase.WEIGHT_SYNC)
+    )
+    plan = plan_network(fabric, workloads, frozenset(), config=NetworkConfig(keep_tolerance=None))
+    assert_valid(fabric, plan)
+    served = set(_pair_counts(fabric, plan.circuits.desired))
+    assert served == set(demand)
+
+
+@pytest.mark.parametrize("phase", SYNC_PHASES)
 def test_default_workloads_reproduce_the_phase_templates(fabric: Wiring, phase: Phase) -> None:
     workloads = workloads_for_phase(fabric, phase)
     demand = demand_matrix(fabric, workloads)
