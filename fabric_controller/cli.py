@@ -320,6 +320,22 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--ramble", type=float, help="the first policy's logit spread (0: off)")
     rl.add_argument("--seats", type=int, help="sequences per engine instance")
     rl.add_argument(
+        "--mode",
+        help="phased (default: generation, training, weight-sync in turn) or async (trainer "
+        "and rollout at once on the cluster's async mode)",
+    )
+    rl.add_argument(
+        "--max-staleness",
+        type=int,
+        help="async: groups start at most (1 + this) batches ahead of the trainer; a group "
+        "more versions behind is dropped (default 1)",
+    )
+    rl.add_argument(
+        "--in-flight",
+        help="async: requests running at a weight update resume on the new weights "
+        "(resume, default) or finish on the old ones (finish)",
+    )
+    rl.add_argument(
         "--plot", type=Path, default=Path("demo-rl-reward.png"), help="the reward curve (PNG)"
     )
     rl.add_argument(
@@ -827,6 +843,9 @@ def cmd_demo_rl(args: argparse.Namespace) -> int:
         "ramble": args.ramble,
         "length_weight": args.length_weight,
         "seats": args.seats,
+        "mode": args.mode,
+        "max_staleness": args.max_staleness,
+        "in_flight": args.in_flight,
         "run_dir": args.run_dir,
         "plot": args.plot,
     }

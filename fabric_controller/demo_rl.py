@@ -45,6 +45,8 @@ WIRING = Path(__file__).resolve().parents[1] / "examples" / "local-engines.toml"
 TRAIN_NODE = "train0-n0"
 ENGINES = ("llamacpp", "vllm")
 ROLLOUTS = ("full", "partial")
+MODES = ("phased", "async")  # async: fabric_controller.demo_rl_async
+IN_FLIGHT = ("resume", "finish")
 
 
 @dataclass(frozen=True)
@@ -72,9 +74,14 @@ class RLConfig:
     max_staleness: int = 1  # partial: weight versions a response may span
     run_dir: Path | None = None
     plot: Path | None = None
+    # --mode async (fabric_controller.demo_rl_async): trainer and rollout at once (and
+    # max_staleness above: groups start at most 1 + max_staleness batches ahead)
+    mode: str = "phased"
+    in_flight: str = "resume"
 
     def check(self) -> None:
         p = errors.Problems()
+        self._check_async(p)
         if self.engine not in ENGINES:
             p.add(str(errors.field_error("--engine", self.engine, " or ".join(ENGINES))))
         if self.rollout not in ROLLOUTS:
@@ -98,6 +105,17 @@ class RLConfig:
             p.add(str(errors.field_error("--lr", self.learning_rate, "a number in (0, 1]")))
         if p:
             raise p.error()
+
+    def _check_async(self, p: errors.Problems) -> None:
+        if self.mode not in MODES:
+            p.add(str(errors.field_error("--mode", self.mode, " or ".join(MODES))))
+        if self.in_flight not in IN_FLIGHT:
+            p.add(str(errors.field_error("--in-flight", self.in_flight, " or ".join(IN_FLIGHT))))
+        if self.mode == "async" and self.rollout != "full":
+            p.add(str(errors.field_error(
+                "--rollout", self.rollout, "full with --mode async (its groups run across "
+                "weight versions already)",
+            )))  # fmt: skip
 
 
 @dataclass
@@ -563,6 +581,10 @@ def run_demo_rl(cfg: RLConfig, *, as_json: bool = False) -> int:
     lost or duplicated, 1 otherwise. ``as_json``: the rows go to stderr and the figures,
     as JSON, to stdout."""
     cfg.check()
+    if cfg.mode == "async":
+        from fabric_controller.demo_rl_async import run_demo_rl_async
+
+        return run_demo_rl_async(cfg, as_json=as_json)
     setup_logging("warning", "console", sys.stderr)
     out = sys.stderr if as_json else sys.stdout
 

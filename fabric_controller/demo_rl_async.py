@@ -1,0 +1,394 @@
+"""`orlctl demo-rl --mode async`: the GRPO demo with trainer and rollout running at once.
+
+The same local cluster, policy and task as :mod:`fabric_controller.demo_rl`, but no phase
+walk: the cluster is put in async mode (the controller commits one standing topology for
+both roles, training mesh and trainer -> rollout circuits; ``orlctl mode`` shows it) and
+
+- a rollout producer (:class:`orchestrrl.rl.async_groups.AsyncGroups`) keeps prompt
+  groups in flight through the gateways, at most ``(1 + max_staleness) x N`` groups ahead
+  of what the trainer consumed (AReaL's bound), every token tagged with the weight version
+  that produced it;
+- the trainer takes the next ``N`` complete groups, dropping (and counting) any whose
+  oldest token is more than ``max_staleness`` versions behind, checks the engines'
+  logprobs per version (each token against the trainer's weights of the version that
+  produced it, kept in memory while a trajectory may still carry them: fp32, < 1e-3 or
+  the step fails), takes one GRPO step (the clipped ratio against the engines' logprobs
+  corrects the off-policy tokens), writes the checkpoint and pushes it with the
+  controller's weight sync over the standing circuits, in the background: the engines
+  load it without a global pause (``--in-flight resume``: running requests stop and
+  resume on the new weights, their later tokens tagged with it; ``finish``: they end on
+  the old ones while the node admits nothing new), while the trainer waits for its next
+  batch; one push at a time;
+- the controller's compute-scheduling loop keeps resharding and migrating meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fabric_controller import local
+from fabric_controller.demo_rl import (
+    TRAIN_NODE,
+    WIRING,
+    ActionWatch,
+    RLConfig,
+    _to_samples,
+    build_policy,
+)
+from orchestrrl import errors
+from orchestrrl.client import AsyncClient, PhaseChange
+from orchestrrl.logs import setup_logging
+from orchestrrl.rl.async_groups import AsyncGroups, Batch
+from orchestrrl.rl.staleness import bad_token_versions, version_number
+from orchestrrl.rollout import AsyncRollout, Group
+
+LOGPROB_TOLERANCE = 1e-3
+
+
+@dataclass
+class AsyncRow:
+    step: int
+    version: int  # the trainer's version the batch trained from
+    reward_mean: float
+    length_p50: float
+    length_p99: float
+    stop_fraction: float
+    lag_max: int
+    versions_seen: list[int]  # versions of the trained tokens
+    mixed: int  # trained samples whose tokens span two versions or more
+    dropped: int  # over-stale groups dropped while taking this batch
+    wait_s: float  # the trainer waited for complete groups
+    train_s: float
+    push_s: float  # the previous version's push, finished during this step (0: none)
+    logprob_max_abs_diff: float
+    reshards: int
+    migrations: int
+    moved_running: int
+    in_flight: int  # groups in flight when the batch was taken
+
+
+@dataclass
+class AsyncResult:
+    engine: str
+    max_staleness: int
+    in_flight: str
+    mode_shown: str = ""
+    steps: list[AsyncRow] = field(default_factory=list)
+    actions: list[dict[str, Any]] = field(default_factory=list)
+    accounting: dict[str, int] = field(default_factory=dict)
+    lost_or_duplicated: int = 0
+    cluster_up_s: float = 0.0
+    run_s: float = 0.0
+    sync_s: list[float] = field(default_factory=list)
+
+    @property
+    def dropped(self) -> int:
+        return sum(s.dropped for s in self.steps)
+
+    def doc(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "mode": "async",
+            "cluster_mode": self.mode_shown,
+            "max_staleness": self.max_staleness,
+            "in_flight": self.in_flight,
+            "steps": [dataclasses.asdict(s) for s in self.steps],
+            "reshards": sum(s.reshards for s in self.steps),
+            "migrations": sum(s.migrations for s in self.steps),
+            "moved_running": sum(s.moved_running for s in self.steps),
+            "dropped": self.dropped,
+            "accounting": self.accounting,
+            "lost_or_duplicated": self.lost_or_duplicated,
+            "weight_push_s": self.sync_s,
+            "cluster_up_s": self.cluster_up_s,
+            "run_s": self.run_s,
+        }
+
+
+def check_versions(groups: Sequence[Group], version: int) -> None:
+    """Every token's version is one the trainer pushed by now (<= ``version``) and never
+    goes back within a sample; FailedPrecondition naming the sample otherwise."""
+    for g in groups:
+        for s in g.samples:
+            if bad_token_versions(s.versions, version):
+                raise errors.FailedPrecondition(
+                    f"sample {s.request_id} carries versions {s.weight_versions}: not a "
+                    f"non-decreasing run of versions <= {version}"
+                )
+
+
+def check_logprobs_by_version(
+    ref: Any, snapshots: dict[int, Any], groups: Sequence[Group]
+) -> tuple[float, float]:
+    """(mean, max) |engine - trainer| over every trained token, each against the
+    trainer's weights of the version that produced it (``snapshots``: version -> state
+    dict; ``ref``: a model to load them into)."""
+    import torch
+
+    from orchestrrl.rl import policy
+
+    samples = [s for g in groups for s in g.samples]
+    prompts = [g.prompt_ids for g in groups for _ in g.samples]
+    total, count, worst = 0.0, 0, 0.0
+    for v in sorted({version_number(x) for s in samples for x in s.versions}):
+        if v not in snapshots:
+            raise errors.FailedPrecondition(f"no weights of version {v} kept for the check")
+        rows = [k for k, s in enumerate(samples) if str(v) in s.versions]
+        ref.load_state_dict(snapshots[v])
+        with torch.no_grad():
+            lp, _ = policy.token_logprobs(
+                ref, [prompts[k] for k in rows], [samples[k].completion_ids for k in rows]
+            )
+        for i, k in enumerate(rows):
+            s = samples[k]
+            for j, label in enumerate(s.versions):
+                if label == str(v) and s.logprobs is not None:
+                    d = abs(float(lp[i, j]) - s.logprobs[j])
+                    total, count, worst = total + d, count + 1, max(worst, d)
+    return (total / count if count else 0.0), worst
+
+
+def _snapshot(model: Any) -> dict[str, Any]:
+    return {k: t.detach().clone() for k, t in model.state_dict().items()}
+
+
+async def _steps(
+    cfg: RLConfig,
+    task: Any,
+    trainer: Any,
+    client: AsyncClient,
+    gateways: list[str],
+    watch: ActionWatch,
+    store: Path,
+    result: AsyncResult,
+    say: Any,
+) -> None:
+    n = cfg.samples
+    ref = copy.deepcopy(trainer.model).eval()
+    snapshots = {trainer.version: _snapshot(trainer.model)}
+    push: asyncio.Task[PhaseChange] | None = None
+    pushed_at = 0.0
+
+    def prompt_of(k: int) -> Sequence[int]:
+        prompt: Sequence[int] = task.prompts(1, seed=cfg.seed * 100_003 + k)[0]
+        return prompt
+
+    async with (
+        AsyncRollout(gateways) as rollout,
+        AsyncGroups(
+            rollout,
+            prompt_of,
+            batch_groups=cfg.prompts,
+            n=n,
+            max_staleness=cfg.max_staleness,
+            max_tokens=cfg.max_tokens,
+            temperature=1.0,
+            seed=cfg.seed * 1_000_003,
+            logprobs=True,
+            on_weight_update=cfg.in_flight,
+        ) as groups,
+    ):
+        for step in range(cfg.steps):
+            mark = len(watch.seen)
+            batch: Batch = await groups.take(trainer.version)
+            in_flight = groups.in_flight
+            check_versions(batch.groups, trainer.version)
+            _, worst = await asyncio.to_thread(
+                check_logprobs_by_version, ref, snapshots, batch.groups
+            )
+            if worst > LOGPROB_TOLERANCE:
+                raise errors.FailedPrecondition(
+                    f"step {step}: the engines' logprobs differ from the trainer's weights of "
+                    f"their versions by up to {worst:.3g} (> {LOGPROB_TOLERANCE:g}): did every "
+                    "engine load each version?"
+                )
+            t = time.perf_counter()
+            samples = _to_samples(batch.groups)
+            rewards = [[task.reward(s.prompt_ids, s.completion_ids) for s in g] for g in samples]
+            version = trainer.version
+            report = await asyncio.to_thread(trainer.step, samples, rewards)
+            ckpt = await asyncio.to_thread(trainer.save, store)
+            snapshots[trainer.version] = _snapshot(trainer.model)
+            for old in [v for v in snapshots if v < trainer.version - cfg.max_staleness - 1]:
+                del snapshots[old]
+            train_s = time.perf_counter() - t
+            push_s = 0.0
+            if push is not None:  # one push at a time: the gateways take one update each
+                await push
+                push_s = time.perf_counter() - pushed_at
+                result.sync_s.append(push_s)
+                groups.set_version(version)  # the engines run it now
+            pushed_at = time.perf_counter()
+            push = asyncio.get_running_loop().create_task(
+                client.set_phase(
+                    "weight-sync",
+                    checkpoint=ckpt.version,
+                    source=TRAIN_NODE,
+                    checksum=ckpt.checksum,
+                    in_flight=cfg.in_flight,
+                )
+            )
+            acted = watch.since(mark)
+            samples_all = [s for g in batch.groups for s in g.samples]
+            row = AsyncRow(
+                step=step,
+                version=version,
+                reward_mean=report.reward_mean,
+                length_p50=report.length_p50,
+                length_p99=report.length_p99,
+                stop_fraction=report.stop_fraction,
+                lag_max=max(batch.lags),
+                versions_seen=sorted({version_number(v) for s in samples_all for v in s.versions}),
+                mixed=sum(1 for s in samples_all if len(set(s.versions)) > 1),
+                dropped=len(batch.dropped),
+                wait_s=batch.waited_s,
+                train_s=train_s,
+                push_s=push_s,
+                logprob_max_abs_diff=worst,
+                reshards=sum(1 for a in acted if a["kind"] == "reshard"),
+                migrations=sum(1 for a in acted if a["kind"] == "migrate"),
+                moved_running=sum(1 for s in samples_all if s.moved_running),
+                in_flight=in_flight,
+            )
+            result.steps.append(row)
+            say(format_row(row))
+        if push is not None:
+            await push
+            result.sync_s.append(time.perf_counter() - pushed_at)
+        result.accounting = groups.accounting()
+        taken = [*groups.trained, *groups.dropped]
+        ids = [s.request_id for g in taken for s in g.samples]
+        result.lost_or_duplicated = (
+            result.accounting["lost"]
+            + sum(abs(len(g.samples) - n) for g in taken)
+            + len(ids) - len(set(ids))
+        )  # fmt: skip
+
+
+def header() -> str:
+    return (
+        f"  {'step':>4} {'ver':>3} {'reward':>7} {'len p50':>7} {'p99':>5} {'stop':>5} "
+        f"{'lag':>3} {'tok vers':>8} {'mixed':>5} {'drop':>4} {'wait s':>6} {'train s':>7} "
+        f"{'push s':>6} {'reshard':>7} {'migrate':>7} {'moved':>5} {'|dlogp| max':>11}"
+    )
+
+
+def format_row(r: AsyncRow) -> str:
+    vers = ",".join(str(v) for v in r.versions_seen)
+    return (
+        f"  {r.step:>4} {r.version:>3} {r.reward_mean:>7.3f} {r.length_p50:>7.0f} "
+        f"{r.length_p99:>5.0f} {r.stop_fraction:>5.2f} {r.lag_max:>3} {vers:>8} {r.mixed:>5} "
+        f"{r.dropped:>4} {r.wait_s:>6.2f} {r.train_s:>7.2f} {r.push_s:>6.2f} {r.reshards:>7} "
+        f"{r.migrations:>7} {r.moved_running:>5} {r.logprob_max_abs_diff:>11.1e}"
+    )
+
+
+def summary(r: AsyncResult, window: int = 3) -> str:
+    w = max(1, min(window, len(r.steps) // 2))
+    first = sum(s.reward_mean for s in r.steps[:w]) / w
+    last = sum(s.reward_mean for s in r.steps[-w:]) / w
+    worst = max((s.logprob_max_abs_diff for s in r.steps), default=0.0)
+    lag = max((s.lag_max for s in r.steps), default=0)
+    push = sorted(r.sync_s)
+    p50 = push[len(push) // 2] if push else 0.0
+    a = r.accounting
+    return (
+        f"  reward {first:.3f} (first {w} steps) -> {last:.3f} (last {w}); "
+        f"{sum(s.reshards for s in r.steps)} reshard(s) and "
+        f"{sum(s.migrations for s in r.steps)} migration(s) while training, "
+        f"{sum(s.moved_running for s in r.steps)} trained sample(s) moved while running; "
+        f"trained lag <= {lag} (bound {r.max_staleness}), {r.dropped} over-stale group(s) "
+        f"dropped; {sum(s.mixed for s in r.steps)} trained sample(s) spanning two versions; "
+        f"weight push p50 {p50:.2f} s without a global pause ({r.in_flight}); logprobs "
+        f"within {worst:.1e} of the trainer's per version; groups: {a.get('started', 0)} "
+        f"started, {a.get('trained', 0)} trained, {a.get('dropped', 0)} dropped, "
+        f"{a.get('waiting', 0) + a.get('in_flight', 0)} unfinished at the end; "
+        f"{r.lost_or_duplicated} request(s) lost or duplicated; {r.run_s:.0f} s"
+    )
+
+
+async def _run(cfg: RLConfig, run_dir: Path, say: Any) -> AsyncResult:
+    from orchestrrl.rl.tasks import TargetStop
+
+    result = AsyncResult(cfg.engine, cfg.max_staleness, cfg.in_flight)
+    command = cfg.command or local.installed_engine(cfg.engine)
+    if command is None:
+        raise errors.FailedPrecondition(
+            f"{cfg.engine} is not installed in .engines/: run `make engines` "
+            "(or pass --engine-command)"
+        )
+    task = TargetStop(cfg.vocab, target_length=cfg.target_length, length_weight=cfg.length_weight)
+    store = local.checkpoint_dir(run_dir, TRAIN_NODE)
+    store.mkdir(parents=True, exist_ok=True)
+    trainer, model = await asyncio.to_thread(build_policy, cfg, store)
+    # stale tokens are checked per version here, not against the current weights only
+    trainer.config = dataclasses.replace(trainer.config, logprob_tolerance=None)
+    say(f"demo-rl --mode async: GRPO on a {cfg.layers}-layer Llama (vocab {cfg.vocab}, "
+        f"hidden {cfg.hidden}) on {cfg.engine}, {cfg.prompts} groups x {cfg.samples} samples "
+        f"a batch, max_staleness {cfg.max_staleness}, in-flight requests at an update: "
+        f"{cfg.in_flight}")  # fmt: skip
+    args = (
+        ("--dtype=float32", "--enforce-eager", "--skip-tokenizer-init")
+        if cfg.engine == "vllm"
+        else ()
+    )
+    context = 64 + cfg.max_tokens
+    engine = local.LocalEngine(cfg.engine, str(model), command, args, "1,1", cfg.seats, context)
+    t = time.perf_counter()
+    cluster = await asyncio.to_thread(
+        local.up, WIRING, run_dir, ephemeral_ports=True, engine=engine,
+        progress=lambda m: say(f"  {m}"),
+    )  # fmt: skip
+    result.cluster_up_s = time.perf_counter() - t
+    try:
+        async with AsyncClient(cluster.controller, timeout_s=60.0) as client:
+            entered = await client.set_mode("async")
+            shown = await client.get_mode()
+            result.mode_shown = shown.mode
+            say(f"  cluster mode: {shown.mode} (epoch {entered.epoch}, phase {shown.phase}, "
+                f"{shown.circuits} standing circuit(s): training mesh and trainer -> "
+                "rollout pods)")  # fmt: skip
+            nodes = await client.nodes()
+            gateways = sorted(f"http://{n.gateway}" for n in nodes if n.gateway)
+            say(f"  gateways: {', '.join(gateways)}")
+            t0 = time.perf_counter()
+            with ActionWatch(cluster.controller) as watch:
+                say(header())
+                await _steps(cfg, task, trainer, client, gateways, watch, store, result, say)
+            result.actions = watch.seen
+            result.run_s = time.perf_counter() - t0
+    finally:
+        await asyncio.to_thread(local.down, Path(cluster.run_dir))
+    return result
+
+
+def run_demo_rl_async(cfg: RLConfig, *, as_json: bool = False) -> int:
+    """Run the async demo; 0 when the reward rose, the logprobs matched per version and
+    no request was lost or duplicated, 1 otherwise."""
+    cfg.check()
+    setup_logging("warning", "console", sys.stderr)
+    out = sys.stderr if as_json else sys.stdout
+
+    def say(message: str) -> None:
+        print(message, file=out, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="orl-demo-rl-async-") as tmp:
+        run_dir = cfg.run_dir or Path(tmp)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        r = asyncio.run(_run(cfg, run_dir, say))
+        say(summary(r))
+    if as_json:
+        print(json.dumps(r.doc(), indent=2), flush=True)
+    w = max(1, min(3, len(r.steps) // 2))
+    learned = sum(s.reward_mean for s in r.steps[-w:]) > sum(s.reward_mean for s in r.steps[:w])
+    return 0 if learned and r.lost_or_duplicated == 0 else 1
