@@ -14,7 +14,7 @@ from fabric_controller.election import Election
 from fabric_controller.etcd_store import LAYOUT_VERSION, Etcd, EtcdStore, NotLeader
 from fabric_controller.store import EpochRecord, PendingRecord, RequestOutcome
 from orchestrrl import errors
-from orchestrrl.model import Circuit, Phase
+from orchestrrl.model import Circuit, Mode, Phase
 from sim_backends.etcd_cluster import EtcdCluster
 
 pytest_plugins = ["tests.etcd_fixtures"]
@@ -226,3 +226,13 @@ async def test_the_schedule_memory_is_one_fenced_key(leader: Leader) -> None:
     assert await reader.schedule_memory() == big[:-1]
     with pytest.raises(errors.FailedPrecondition, match="not fenced"):
         await reader.save_schedule_memory(b"x")
+
+
+async def test_an_async_mode_epoch_is_replicated_like_any_phase(etcd1: EtcdCluster) -> None:
+    """The cluster's mode is its committed epoch's phase: a new leader reads it back."""
+    async with Leader(etcd1, "10.0.0.1:50051") as first:
+        await first.store.commit(replace(record(1), phase=Phase.ASYNC))
+    async with Leader(etcd1, "10.0.0.2:50051") as second:
+        got = await second.store.current()
+        assert (got.epoch, got.phase, got.circuits) == (1, Phase.ASYNC, CIRCUITS)
+        assert Mode.of(got.phase) is Mode.ASYNC
