@@ -312,7 +312,8 @@ def summary(r: AsyncResult, window: int = 3) -> str:
         f"weight push p50 {p50:.2f} s without a global pause ({r.in_flight}); logprobs "
         f"within {worst:.1e} of the trainer's per version; groups: {a.get('started', 0)} "
         f"started, {a.get('trained', 0)} trained, {a.get('dropped', 0)} dropped, "
-        f"{a.get('waiting', 0) + a.get('in_flight', 0)} unfinished at the end; "
+        f"{a.get('waiting', 0) + a.get('in_flight', 0) + a.get('cancelled', 0)} unfinished "
+        "at the end; "
         f"{r.lost_or_duplicated} request(s) lost or duplicated; {r.run_s:.0f} s"
     )
 

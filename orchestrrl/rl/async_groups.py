@@ -33,7 +33,7 @@ from typing import Any
 
 from orchestrrl import errors
 from orchestrrl.logs import get_logger
-from orchestrrl.rl.staleness import complete_group, groups_to_start
+from orchestrrl.rl.staleness import complete_group, groups_to_start, split_stale
 from orchestrrl.rollout import AsyncRollout, Group
 from scheduler.async_rollout import CompleteGroup, take_batch
 
@@ -104,6 +104,7 @@ class AsyncGroups:
         self.version = 0  # the trainer's version, for groups that start now
         self.trained: list[Group] = []  # handed to the trainer
         self.dropped: list[Group] = []  # over-stale, never handed to the trainer
+        self.cancelled = 0  # in flight when closed
         self._queue: list[_Done] = []  # complete, oldest complete first
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
@@ -138,15 +139,23 @@ class AsyncGroups:
         return len(self._queue)
 
     def accounting(self) -> dict[str, int]:
-        """Every group started is in exactly one place: trained, dropped, waiting or in
-        flight (``lost`` counts the others: 0 unless something went wrong)."""
-        placed = len(self.trained) + len(self.dropped) + len(self._queue) + len(self._tasks)
+        """Every group started is in exactly one place: trained, dropped, waiting, in
+        flight or cancelled by :meth:`close` (``lost`` counts the others: 0 unless
+        something went wrong)."""
+        placed = (
+            len(self.trained)
+            + len(self.dropped)
+            + len(self._queue)
+            + len(self._tasks)
+            + self.cancelled
+        )
         return {
             "started": self.started,
             "trained": len(self.trained),
             "dropped": len(self.dropped),
             "waiting": len(self._queue),
             "in_flight": len(self._tasks),
+            "cancelled": self.cancelled,
             "lost": self.started - placed,
         }
 
@@ -186,6 +195,7 @@ class AsyncGroups:
                 )
                 self._queue.append(_Done(group, summary))
             except asyncio.CancelledError:
+                self.cancelled += 1  # closed while in flight: counted, not lost
                 raise
             except Exception as exc:  # reported by take(): nothing is lost silently
                 log.error("async_group_failed", group=gid, error=str(exc))
@@ -208,11 +218,13 @@ class AsyncGroups:
         """The next ``batch_groups`` complete groups to train ``version`` on, oldest
         complete first; over-stale ones met on the way are dropped and counted."""
         t0 = time.perf_counter()
+        dropped: list[Group] = []
         while True:
             if self._failed is not None:
                 raise errors.FailedPrecondition(
                     f"a rollout group failed: {self._failed}"
                 ) from self._failed
+            dropped += self._drop_stale(version)
             took = take_batch(
                 [d.summary for d in self._queue], version, self.batch_groups, self.max_lag
             )
@@ -222,15 +234,24 @@ class AsyncGroups:
             await self._arrived.wait()
         by_name = {d.summary.name: d.group for d in self._queue}
         trained = tuple(by_name[g.name] for g in took.trained)
-        dropped = tuple(by_name[g.name] for g in took.dropped)
-        gone = {g.name for g in (*took.trained, *took.dropped)}
+        gone = {g.name for g in took.trained}
         self._queue = [d for d in self._queue if d.summary.name not in gone]
         self.trained += trained
-        self.dropped += dropped
-        for g in dropped:
-            log.info("async_group_dropped", group=g.group_id, version=version)
-        # a dropped group frees its place under the bound like a trained one (else the
-        # bound, counting it started, could leave fewer than N trainable groups: a stall)
-        self.consumed += len(trained) + len(dropped)
+        self.consumed += len(trained)
         self._wake.set()
-        return Batch(version, trained, took.lags, dropped, time.perf_counter() - t0)
+        return Batch(version, trained, took.lags, tuple(dropped), time.perf_counter() - t0)
+
+    def _drop_stale(self, version: int) -> list[Group]:
+        """Drop (and count) the waiting groups beyond ``max_lag`` at ``version``; each
+        frees its place under the bound like a trained one, so the producer replaces it."""
+        _, stale = split_stale([d.summary for d in self._queue], version, self.max_lag)
+        names = {g.name for g in stale}
+        out = [d.group for d in self._queue if d.summary.name in names]
+        if out:
+            self._queue = [d for d in self._queue if d.summary.name not in names]
+            self.dropped += out
+            self.consumed += len(out)
+            for g in out:
+                log.info("async_group_dropped", group=g.group_id, version=version)
+            self._wake.set()
+        return out

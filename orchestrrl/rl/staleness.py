@@ -20,13 +20,14 @@ import itertools
 from collections.abc import Iterable, Sequence
 
 from orchestrrl import errors
-from scheduler.async_rollout import CompleteGroup, admission_limit
+from scheduler.async_rollout import CompleteGroup, admission_limit, version_lag
 
 __all__ = [
     "bad_token_versions",
     "complete_group",
     "first_version",
     "groups_to_start",
+    "split_stale",
     "tokens_by_version",
     "version_number",
 ]
@@ -104,3 +105,15 @@ def bad_token_versions(versions: Sequence[str], newest: int) -> bool:
     version after a newer one (an engine went back)."""
     vs = [version_number(v) for v in versions]
     return any(b < a for a, b in itertools.pairwise(vs)) or any(v > newest for v in vs)
+
+
+def split_stale(
+    queue: Sequence[CompleteGroup], version: int, max_lag: int
+) -> tuple[tuple[CompleteGroup, ...], tuple[CompleteGroup, ...]]:
+    """``(keep, stale)``: the waiting groups still trainable at ``version`` and those
+    beyond ``max_lag``, each in queue order. A group's lag only grows with the trainer's
+    version, so a stale group is dropped as soon as it is seen: waiting for a full batch
+    first would keep it under the admission bound and could stall the producer."""
+    keep = tuple(g for g in queue if version_lag(version, g.first_version) <= max_lag)
+    stale = tuple(g for g in queue if version_lag(version, g.first_version) > max_lag)
+    return keep, stale

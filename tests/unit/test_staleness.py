@@ -14,6 +14,7 @@ from orchestrrl.rl.staleness import (
     complete_group,
     first_version,
     groups_to_start,
+    split_stale,
     tokens_by_version,
     version_number,
 )
@@ -105,3 +106,17 @@ def test_no_over_stale_group_is_ever_trained(
 def test_bad_token_versions(vs: list[int], newest: int) -> None:
     bad = bad_token_versions([str(v) for v in vs], newest)
     assert bad == (vs != sorted(vs) or any(v > newest for v in vs))
+
+
+@given(st.lists(st.integers(0, 6), max_size=12), st.integers(6, 9), st.integers(0, 3))
+def test_split_stale_partitions_in_order(firsts: list[int], version: int, max_lag: int) -> None:
+    queue = [complete_group(f"g{k}", [(str(v),)], 2, 0) for k, v in enumerate(firsts)]
+    keep, stale = split_stale(queue, version, max_lag)
+    assert [g for g in queue if g in keep] == list(keep)
+    assert [g for g in queue if g in stale] == list(stale)
+    assert len(keep) + len(stale) == len(queue)
+    assert all(version - g.first_version <= max_lag for g in keep)
+    assert all(version - g.first_version > max_lag for g in stale)
+    # what is kept holds no group take_batch would drop
+    took = take_batch(list(keep), version, 1, max_lag)
+    assert took is None or took.dropped == ()
