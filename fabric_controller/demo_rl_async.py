@@ -46,7 +46,7 @@ from fabric_controller.demo_rl import (
     build_policy,
 )
 from orchestrrl import errors
-from orchestrrl.client import AsyncClient, PhaseChange
+from orchestrrl.client import AsyncClient
 from orchestrrl.logs import setup_logging
 from orchestrrl.rl.async_groups import AsyncGroups, Batch
 from orchestrrl.rl.staleness import bad_token_versions, version_number
@@ -69,7 +69,7 @@ class AsyncRow:
     dropped: int  # over-stale groups dropped while taking this batch
     wait_s: float  # the trainer waited for complete groups
     train_s: float
-    push_s: float  # the previous version's push, finished during this step (0: none)
+    push_s: float  # seconds the previous version's push took (0: none)
     logprob_max_abs_diff: float
     reshards: int
     migrations: int
@@ -176,8 +176,7 @@ async def _steps(
     n = cfg.samples
     ref = copy.deepcopy(trainer.model).eval()
     snapshots = {trainer.version: _snapshot(trainer.model)}
-    push: asyncio.Task[PhaseChange] | None = None
-    pushed_at = 0.0
+    push: asyncio.Task[float] | None = None
 
     def prompt_of(k: int) -> Sequence[int]:
         prompt: Sequence[int] = task.prompts(1, seed=cfg.seed * 100_003 + k)[0]
@@ -224,19 +223,11 @@ async def _steps(
             train_s = time.perf_counter() - t
             push_s = 0.0
             if push is not None:  # one push at a time: the gateways take one update each
-                await push
-                push_s = time.perf_counter() - pushed_at
+                push_s = await push
                 result.sync_s.append(push_s)
                 groups.set_version(version)  # the engines run it now
-            pushed_at = time.perf_counter()
             push = asyncio.get_running_loop().create_task(
-                client.set_phase(
-                    "weight-sync",
-                    checkpoint=ckpt.version,
-                    source=TRAIN_NODE,
-                    checksum=ckpt.checksum,
-                    in_flight=cfg.in_flight,
-                )
+                _push(client, ckpt.version, ckpt.checksum, cfg.in_flight)
             )
             acted = watch.since(mark)
             samples_all = [s for g in batch.groups for s in g.samples]
@@ -263,8 +254,7 @@ async def _steps(
             result.steps.append(row)
             say(format_row(row))
         if push is not None:
-            await push
-            result.sync_s.append(time.perf_counter() - pushed_at)
+            result.sync_s.append(await push)
         result.accounting = groups.accounting()
         taken = [*groups.trained, *groups.dropped]
         ids = [s.request_id for g in taken for s in g.samples]
@@ -273,6 +263,26 @@ async def _steps(
             + sum(abs(len(g.samples) - n) for g in taken)
             + len(ids) - len(set(ids))
         )  # fmt: skip
+
+
+async def _push(client: AsyncClient, version: str, checksum: str, in_flight: str) -> float:
+    """The controller's weight sync of ``version`` over the standing circuits; its
+    seconds. The compute loop is paused meanwhile: a migration that exports requests
+    from a node while it loads new weights was seen to leave the update waiting for a
+    seat until its timeout (600 s) in the gateway; the pause lasts the push only."""
+    t = time.perf_counter()
+    await client.pause_schedule(True)
+    try:
+        await client.set_phase(
+            "weight-sync",
+            checkpoint=version,
+            source=TRAIN_NODE,
+            checksum=checksum,
+            in_flight=in_flight,
+        )
+    finally:
+        await client.pause_schedule(False)
+    return time.perf_counter() - t
 
 
 def header() -> str:
