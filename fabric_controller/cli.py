@@ -308,7 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument(
         "--max-staleness",
         type=int,
-        help="partial: weight versions a response may span beyond the current (default 1)",
+        help="partial: weight versions a response may span beyond the current; async: "
+        "groups start at most (1 + this) batches ahead of the trainer and a group more "
+        "versions behind is dropped (default 1)",
     )
     rl.add_argument("--seed", type=int)
     rl.add_argument("--lr", type=float, help="the trainer's learning rate")
@@ -323,12 +325,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode",
         help="phased (default: generation, training, weight-sync in turn) or async (trainer "
         "and rollout at once on the cluster's async mode)",
-    )
-    rl.add_argument(
-        "--max-staleness",
-        type=int,
-        help="async: groups start at most (1 + this) batches ahead of the trainer; a group "
-        "more versions behind is dropped (default 1)",
     )
     rl.add_argument(
         "--in-flight",
@@ -844,7 +840,6 @@ def cmd_demo_rl(args: argparse.Namespace) -> int:
         "length_weight": args.length_weight,
         "seats": args.seats,
         "mode": args.mode,
-        "max_staleness": args.max_staleness,
         "in_flight": args.in_flight,
         "run_dir": args.run_dir,
         "plot": args.plot,

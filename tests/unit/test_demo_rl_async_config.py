@@ -14,13 +14,15 @@ pytestmark = pytest.mark.unit
 def test_async_options_are_checked() -> None:
     RLConfig(mode="async", max_staleness=0, in_flight="finish").check()
     with pytest.raises(errors.InvalidArgument) as info:
-        RLConfig(mode="sideways", max_staleness=9, in_flight="later").check()
+        RLConfig(mode="sideways", max_staleness=17, in_flight="later").check()
     message = str(info.value)
     assert "--mode='sideways' is not valid: phased or async" in message
-    assert "--max-staleness=9 is not valid: an integer in 0..8" in message
+    assert "--max-staleness=17 is not valid: an integer in 0..16" in message
     assert "--in-flight='later' is not valid: resume or finish" in message
+    with pytest.raises(errors.InvalidArgument, match="--rollout='partial' is not valid: full"):
+        RLConfig(mode="async", rollout="partial").check()
 
 
 def test_the_cli_refuses_them_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["demo-rl", "--mode", "async", "--max-staleness", "-1"]) == 2
-    assert "--max-staleness=-1 is not valid: an integer in 0..8" in capsys.readouterr().err
+    assert "--max-staleness=-1 is not valid: an integer in 0..16" in capsys.readouterr().err
