@@ -25,12 +25,13 @@ and, with ``--json``, the same figures.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -314,7 +315,7 @@ def build_policy(cfg: RLConfig, root: Path) -> tuple[Any, Path]:
             w[policy.eos_id(model)] = 0.0
     # partial rollout: the weights of the last max_staleness versions are kept, so that a
     # carried response's tokens are checked against the weights that sampled each
-    keep = cfg.max_staleness if cfg.rollout == "partial" else 0
+    keep = cfg.max_staleness if cfg.rollout == "partial" or cfg.mode == "async" else 0
     trainer = PolicyTrainer(
         model,
         config,
@@ -326,10 +327,23 @@ def build_policy(cfg: RLConfig, root: Path) -> tuple[Any, Path]:
     return trainer, ckpt.path
 
 
-async def _run(cfg: RLConfig, run_dir: Path, say: Any) -> RLResult:
+@dataclass
+class Started:
+    """What :func:`started` set up for a demo's loop."""
+
+    task: Any  # orchestrrl.rl.tasks.TargetStop
+    store: Path  # the training node's checkpoint directory
+    trainer: Any  # orchestrrl.rl.trainer.PolicyTrainer
+    cluster: local.LocalCluster
+    up_s: float  # the time to start the cluster
+
+
+@contextlib.asynccontextmanager
+async def started(cfg: RLConfig, run_dir: Path, say: Any, intro: str) -> AsyncIterator[Started]:
+    """The task, the trainer and its first checkpoint, and a local cluster whose generation
+    agents serve it on ``cfg.engine`` (stopped on exit); the same for both modes."""
     from orchestrrl.rl.tasks import TargetStop
 
-    result = RLResult(cfg.engine, cfg.rollout)
     command = cfg.command or local.installed_engine(cfg.engine)
     if command is None:
         raise errors.FailedPrecondition(
@@ -340,11 +354,8 @@ async def _run(cfg: RLConfig, run_dir: Path, say: Any) -> RLResult:
     store = local.checkpoint_dir(run_dir, TRAIN_NODE)
     store.mkdir(parents=True, exist_ok=True)
     trainer, model = await asyncio.to_thread(build_policy, cfg, store)
-    say(f"demo-rl: GRPO on a {cfg.layers}-layer Llama (vocab {cfg.vocab}, hidden {cfg.hidden}) "
+    say(f"{intro}: GRPO on a {cfg.layers}-layer Llama (vocab {cfg.vocab}, hidden {cfg.hidden}) "
         f"on {cfg.engine}, {cfg.prompts} prompts x {cfg.samples} samples per step")  # fmt: skip
-    if cfg.rollout == "partial":
-        say(f"  partial rollout: {cfg.over_provision:g}x the prompts in flight, unfinished "
-            f"ones carried into the next step (max staleness {cfg.max_staleness})")  # fmt: skip
     args = (
         ("--dtype=float32", "--enforce-eager", "--skip-tokenizer-init")
         if cfg.engine == "vllm"
@@ -357,8 +368,20 @@ async def _run(cfg: RLConfig, run_dir: Path, say: Any) -> RLResult:
         local.up, WIRING, run_dir, ephemeral_ports=True, engine=engine,
         progress=lambda m: say(f"  {m}"),
     )  # fmt: skip
-    result.cluster_up_s = time.perf_counter() - t
     try:
+        yield Started(task, store, trainer, cluster, time.perf_counter() - t)
+    finally:
+        await asyncio.to_thread(local.down, Path(cluster.run_dir))
+
+
+async def _run(cfg: RLConfig, run_dir: Path, say: Any) -> RLResult:
+    result = RLResult(cfg.engine, cfg.rollout)
+    async with started(cfg, run_dir, say, "demo-rl") as s:
+        task, store, trainer, cluster = s.task, s.store, s.trainer, s.cluster
+        result.cluster_up_s = s.up_s
+        if cfg.rollout == "partial":
+            say(f"  partial rollout: {cfg.over_provision:g}x the prompts in flight, unfinished "
+                f"ones carried into the next step (max staleness {cfg.max_staleness})")  # fmt: skip
         async with AsyncClient(cluster.controller, timeout_s=60.0) as client:
             nodes = await client.nodes()
             gateways = sorted(f"http://{n.gateway}" for n in nodes if n.gateway)
@@ -397,8 +420,6 @@ async def _run(cfg: RLConfig, run_dir: Path, say: Any) -> RLResult:
                             result.aborted_at_end = len(await partial.close())
             result.actions = watch.seen
             result.run_s = time.perf_counter() - t0
-    finally:
-        await asyncio.to_thread(local.down, Path(cluster.run_dir))
     return result
 
 

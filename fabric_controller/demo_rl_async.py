@@ -35,14 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fabric_controller import local
 from fabric_controller.demo_rl import (
     TRAIN_NODE,
-    WIRING,
     ActionWatch,
     RLConfig,
     _to_samples,
-    build_policy,
+    started,
 )
 from orchestrrl import errors
 from orchestrrl.client import AsyncClient
@@ -279,40 +277,14 @@ def summary(r: AsyncResult, window: int = 3) -> str:
 
 
 async def _run(cfg: RLConfig, run_dir: Path, say: Any) -> AsyncResult:
-    from orchestrrl.rl.tasks import TargetStop
-
     result = AsyncResult(cfg.engine, cfg.max_staleness, cfg.in_flight)
-    command = cfg.command or local.installed_engine(cfg.engine)
-    if command is None:
-        raise errors.FailedPrecondition(
-            f"{cfg.engine} is not installed in .engines/: run `make engines` "
-            "(or pass --engine-command)"
-        )
-    task = TargetStop(cfg.vocab, target_length=cfg.target_length, length_weight=cfg.length_weight)
-    store = local.checkpoint_dir(run_dir, TRAIN_NODE)
-    store.mkdir(parents=True, exist_ok=True)
-    trainer, model = await asyncio.to_thread(build_policy, cfg, store)
-    # stale tokens are checked under the weights of their own version (kept by the trainer
-    # while a trajectory within the bound may carry them), not the current ones
-    trainer.config = dataclasses.replace(trainer.config, keep_versions=cfg.max_staleness)
-    say(f"demo-rl --mode async: GRPO on a {cfg.layers}-layer Llama (vocab {cfg.vocab}, "
-        f"hidden {cfg.hidden}) on {cfg.engine}, {cfg.prompts} groups x {cfg.samples} samples "
-        f"a batch, max_staleness {cfg.max_staleness}, in-flight requests at an update: "
-        f"{cfg.in_flight}")  # fmt: skip
-    args = (
-        ("--dtype=float32", "--enforce-eager", "--skip-tokenizer-init")
-        if cfg.engine == "vllm"
-        else ()
-    )
-    context = 64 + cfg.max_tokens
-    engine = local.LocalEngine(cfg.engine, str(model), command, args, "1,1", cfg.seats, context)
-    t = time.perf_counter()
-    cluster = await asyncio.to_thread(
-        local.up, WIRING, run_dir, ephemeral_ports=True, engine=engine,
-        progress=lambda m: say(f"  {m}"),
-    )  # fmt: skip
-    result.cluster_up_s = time.perf_counter() - t
-    try:
+    async with started(cfg, run_dir, say, "demo-rl --mode async") as s:
+        task, store, trainer, cluster = s.task, s.store, s.trainer, s.cluster
+        result.cluster_up_s = s.up_s
+        # stale tokens are checked under the weights of their own version (build_policy
+        # keeps max_staleness versions in async mode), not the current ones
+        say(f"  max_staleness {cfg.max_staleness}, in-flight requests at an update: "
+            f"{cfg.in_flight}")  # fmt: skip
         async with AsyncClient(cluster.controller, timeout_s=60.0) as client:
             entered = await client.set_mode("async")
             shown = await client.get_mode()
@@ -329,8 +301,6 @@ async def _run(cfg: RLConfig, run_dir: Path, say: Any) -> AsyncResult:
                 await _steps(cfg, task, trainer, client, gateways, watch, store, result, say)
             result.actions = watch.seen
             result.run_s = time.perf_counter() - t0
-    finally:
-        await asyncio.to_thread(local.down, Path(cluster.run_dir))
     return result
 
 
