@@ -283,18 +283,8 @@ class AsyncRollout:
         attempt = 0
         full = 0
         while True:
-            live = [g for g in self.gateways if g not in down]
-            if not live:
-                raise errors.Unavailable(
-                    f"no gateway could be reached ({', '.join(self.gateways)})"
-                )
-            gateway = min(live, key=lambda g: self._outstanding[g])
-            this_id = rid if attempt == 0 else f"{rid}-r{attempt}"
+            gateway, this_id, ids = self._place(rid, attempt, n, down)
             attempt += 1
-            ids = [this_id] if n == 1 else [f"{this_id}-{i}" for i in range(n)]
-            self._outstanding[gateway] += n
-            for i in ids:
-                self._where[i] = gateway
             started = False
             on_start(gateway, ids)
             try:
@@ -327,14 +317,32 @@ class AsyncRollout:
                     f"{gateway}: no answer for request {this_id!r} within {self._timeout.total:g} s"
                 ) from None
             finally:
-                self._outstanding[gateway] -= n
-                for i in ids:
-                    self._where.pop(i, None)
+                self._unplace(gateway, ids, n)
             if status == 429 and full < len(RETRY_FULL_S):
                 await asyncio.sleep(RETRY_FULL_S[full])
                 full += 1
                 continue
             raise RolloutError(f"{gateway}: HTTP {status}: {message}", status)
+
+    def _place(self, rid: str, attempt: int, n: int, down: set[str]) -> tuple[str, str, list[str]]:
+        """The least-loaded reachable gateway for attempt ``attempt`` of call ``rid``, the
+        attempt's id and its samples' ids, counted as outstanding there until
+        :meth:`_unplace`."""
+        live = [g for g in self.gateways if g not in down]
+        if not live:
+            raise errors.Unavailable(f"no gateway could be reached ({', '.join(self.gateways)})")
+        gateway = min(live, key=lambda g: self._outstanding[g])
+        this_id = rid if attempt == 0 else f"{rid}-r{attempt}"
+        ids = [this_id] if n == 1 else [f"{this_id}-{i}" for i in range(n)]
+        self._outstanding[gateway] += n
+        for i in ids:
+            self._where[i] = gateway
+        return gateway, this_id, ids
+
+    def _unplace(self, gateway: str, ids: list[str], n: int) -> None:
+        self._outstanding[gateway] -= n
+        for i in ids:
+            self._where.pop(i, None)
 
     async def _complete(
         self, body: dict[str, Any], rid: str, n: int, down: set[str]
@@ -343,18 +351,8 @@ class AsyncRollout:
         attempt = 0
         full = 0
         while True:
-            live = [g for g in self.gateways if g not in down]
-            if not live:
-                raise errors.Unavailable(
-                    f"no gateway could be reached ({', '.join(self.gateways)})"
-                )
-            gateway = min(live, key=lambda g: self._outstanding[g])
-            this_id = rid if attempt == 0 else f"{rid}-r{attempt}"
+            gateway, this_id, ids = self._place(rid, attempt, n, down)
             attempt += 1
-            ids = [this_id] if n == 1 else [f"{this_id}-{i}" for i in range(n)]
-            self._outstanding[gateway] += n
-            for i in ids:
-                self._where[i] = gateway
             try:
                 async with self.session.post(
                     gateway + "/v1/completions", json={**body, "request_id": this_id}
@@ -373,9 +371,7 @@ class AsyncRollout:
                 down.add(gateway)
                 continue
             finally:
-                self._outstanding[gateway] -= n
-                for i in ids:
-                    self._where.pop(i, None)
+                self._unplace(gateway, ids, n)
             if status == 200:
                 return list(answer["choices"]), gateway
             message = _message(answer)
