@@ -542,10 +542,15 @@ def format_row(r: StepRow, partial: bool = False) -> str:
     )
 
 
+def reward_ends(rewards: Sequence[float], window: int = 3) -> tuple[int, float, float]:
+    """The window (``window`` steps, at most half the run) and the mean reward of the
+    first and of the last steps: a demo learned when the last beats the first."""
+    w = max(1, min(window, len(rewards) // 2))
+    return w, sum(rewards[:w]) / w, sum(rewards[-w:]) / w
+
+
 def summary(r: RLResult, window: int = 3) -> str:
-    w = max(1, min(window, len(r.steps) // 2))
-    first = sum(s.reward_mean for s in r.steps[:w]) / w
-    last = sum(s.reward_mean for s in r.steps[-w:]) / w
+    w, first, last = reward_ends([s.reward_mean for s in r.steps], window)
     worst = max((s.logprob_max_abs_diff for s in r.steps), default=0.0)
     return (
         f"  reward {first:.3f} (first {w} steps) -> {last:.3f} (last {w}); weight version "
@@ -622,6 +627,6 @@ def run_demo_rl(cfg: RLConfig, *, as_json: bool = False) -> int:
             say(f"  reward curve: {png}")
     if as_json:
         print(json.dumps(r.doc(), indent=2), flush=True)
-    w = max(1, min(3, len(r.steps) // 2))
-    learned = sum(s.reward_mean for s in r.steps[-w:]) > sum(s.reward_mean for s in r.steps[:w])
+    _, first, last = reward_ends([s.reward_mean for s in r.steps])
+    learned = last > first
     return 0 if learned and r.lost_or_duplicated == 0 else 1

@@ -40,6 +40,7 @@ from fabric_controller.demo_rl import (
     ActionWatch,
     RLConfig,
     _to_samples,
+    reward_ends,
     started,
 )
 from orchestrrl import errors
@@ -252,9 +253,7 @@ def format_row(r: AsyncRow) -> str:
 
 
 def summary(r: AsyncResult, window: int = 3) -> str:
-    w = max(1, min(window, len(r.steps) // 2))
-    first = sum(s.reward_mean for s in r.steps[:w]) / w
-    last = sum(s.reward_mean for s in r.steps[-w:]) / w
+    w, first, last = reward_ends([s.reward_mean for s in r.steps], window)
     worst = max((s.logprob_max_abs_diff for s in r.steps), default=0.0)
     lag = max((s.lag_max for s in r.steps), default=0)
     push = sorted(r.sync_s)
@@ -321,6 +320,6 @@ def run_demo_rl_async(cfg: RLConfig, *, as_json: bool = False) -> int:
         say(summary(r))
     if as_json:
         print(json.dumps(r.doc(), indent=2), flush=True)
-    w = max(1, min(3, len(r.steps) // 2))
-    learned = sum(s.reward_mean for s in r.steps[-w:]) > sum(s.reward_mean for s in r.steps[:w])
+    _, first, last = reward_ends([s.reward_mean for s in r.steps])
+    learned = last > first
     return 0 if learned and r.lost_or_duplicated == 0 else 1
