@@ -48,14 +48,14 @@ class Sample:
                 f"{len(self.versions)} values",
                 f"none, or one per completion token ({len(self.completion_ids)})",
             )
-
-    def token_versions(self) -> tuple[str, ...]:
-        """The version of each output token."""
-        return self.versions or (self.version,) * len(self.completion_ids)
         if not self.prompt_ids:
             raise errors.field_error("prompt_ids", self.prompt_ids, "at least one token")
         if self.finish not in FINISH:
             raise errors.field_error("finish", self.finish, " | ".join(FINISH))
+
+    def token_versions(self) -> tuple[str, ...]:
+        """The version of each output token."""
+        return self.versions or (self.version,) * len(self.completion_ids)
 
 
 def check_groups(groups: Sequence[Sequence[Sample]], rewards: Sequence[Sequence[float]]) -> None:
