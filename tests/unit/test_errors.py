@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from orchestrrl import errors
@@ -12,9 +10,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_a_huge_value_is_shown_cut_with_its_length() -> None:
-    started = time.monotonic()
     message = str(errors.field_error("node", "n" * 1_000_000, "a node name"))
-    assert time.monotonic() - started < 0.1
     assert message.startswith("node='nnnn")
     assert message.endswith("nnnn'... (1000000 characters) is not valid: a node name")
     assert len(message) < errors.MAX_VALUE_CHARS + 100
