@@ -323,7 +323,16 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
             )
         )
     reason = _reason(
-        changed, choices, migrations, relaid, len(dispatched), keep_s, planned, allow_reshard, hold
+        changed,
+        choices,
+        migrations,
+        relaid,
+        len(dispatched),
+        keep_s,
+        planned,
+        allow_reshard,
+        hold,
+        switching,
     )
     return ComputePlan(
         now=now,
@@ -377,6 +386,7 @@ def _reason(
     planned: float,
     allow_reshard: bool,
     hold: CostHold | None = None,
+    switching: float = 0.0,
 ) -> str:
     moving = (MoveMethod.KV_NVLINK, MoveMethod.KV_NETWORK, MoveMethod.RECOMPUTE)
     moved = sum(1 for m in migrations if m.method in moving)
@@ -387,7 +397,7 @@ def _reason(
         cur = next(c for c in choices if c.is_current)
         parts.append(
             f"reshard {len(changed)} node(s) to {best.label}: predicted {best.makespan_s:.2f} s "
-            f"+ switching {best.switching_s:.2f} s beats keeping {cur.label} "
+            f"+ switching {max(switching, best.switching_s):.2f} s beats keeping {cur.label} "
             f"({cur.makespan_s:.2f} s) by more than the margin"
         )
     elif allow_reshard and choices:

@@ -112,6 +112,7 @@ def test_a_measured_pause_the_gain_still_beats_is_paid_and_shown() -> None:
     assert pauses["n0"] == pause
     assert pauses["n1"] == pytest.approx(base.prediction.switching_s)
     assert plan.prediction.switching_s == pause
+    assert f"switching {pause:.2f} s beats keeping" in plan.reason
     assert plan.prediction.planned_makespan_s == pytest.approx(
         base.prediction.planned_makespan_s + pause - base.prediction.switching_s
     )
