@@ -71,6 +71,8 @@ class ScheduleView:
     groups_with_prior: int = 0
     replan_interval_s: float = 0.0  # proactive re-plans (reshards allowed); 0: not said
     paused: bool = False  # by an operator (PauseSchedule): observes, plans nothing
+    # per node, its last reshard's pause as its agent measured it (node, seconds), by node
+    reshard_pauses: tuple[tuple[str, float], ...] = ()
 
     def explanation(self) -> str:
         if not self.enabled:
@@ -90,6 +92,13 @@ class ScheduleView:
             )
         if self.skipped:
             lines.append("  left out: " + "; ".join(self.skipped))
+        if self.reshard_pauses:
+            lines.append(
+                "  measured reshard pauses: "
+                + ", ".join(f"{n} {s:.2f} s" for n, s in self.reshard_pauses)
+                + " (a reshard there is planned at no less; other nodes: the perf model's "
+                "estimate)"
+            )
         if not self.acted and not self.plan.empty:
             lines.append("  (not carried out)")
         return "\n".join(lines)
@@ -118,13 +127,21 @@ class ComputeScheduler:
         self._rounds = 0
         self._moved: dict[str, float] = {}  # request id -> when the loop last moved it
         self._actions: collections.deque[ActionRecord] = collections.deque(maxlen=ACTIONS_KEPT)
+        # node -> the pause its last reshard took (the agent's stage timings): the planner
+        # costs a reshard there at no less than this (before one: the perf model's estimate)
+        self._pauses: dict[str, float] = {}
         self._view = ScheduleView(
             enabled, self.config.interval_s, replan_interval_s=self.config.replan.interval_s
         )
         self.paused = False
 
     def view(self) -> ScheduleView:
-        return replace(self._view, actions=tuple(self._actions), paused=self.paused)
+        return replace(
+            self._view,
+            actions=tuple(self._actions),
+            paused=self.paused,
+            reshard_pauses=tuple(sorted(self._pauses.items())),
+        )
 
     def pause(self, paused: bool) -> None:
         """Pause the loop (its rounds observe the step and decide nothing) or resume it:
@@ -251,7 +268,7 @@ class ComputeScheduler:
             nothing = scheduling.Decision("idle", None, "no generation node reports")
             self._note(now, nothing, skipped)
             return nothing
-        snap = scheduling.build_state(views)
+        snap = scheduling.build_state(views, self._pauses)
         decision = await asyncio.to_thread(
             scheduling.decide, self._tracker, snap, self.perf, now, self.config
         )
@@ -261,6 +278,16 @@ class ComputeScheduler:
                 self._note(now, decision, skipped)
             return decision
         plan = decision.plan
+        hold = plan.cost_hold
+        if hold is not None and decision.mode == "replan":
+            log.info(
+                "compute_reshard_skipped_for_cost",
+                layout=hold.label,
+                gain_s=round(hold.gain_s, 3),
+                measured_pause_s=round(hold.pause_s, 3),
+                model_pause_s=round(hold.model_pause_s, 3),
+                nodes=list(hold.nodes),
+            )
         self._rounds += 1
         cooled = now - self.config.move_cooldown_s
         self._moved = {r: t for r, t in self._moved.items() if t > cooled}
@@ -363,6 +390,10 @@ class ComputeScheduler:
             reply = await self.clients(cmd.node, address).reshard(cmd.command_id, cmd.layout)
             stages = ", ".join(f"{x.stage} {x.seconds:.3f} s" for x in reply.stages)
             ok, outcome = True, f": {reply.message}" + (f" (stages: {stages})" if stages else "")
+            pause = scheduling.measured_pause((x.stage, x.seconds) for x in reply.stages)
+            if pause is not None:
+                self._pauses[cmd.node] = pause
+                log.info("reshard_pause_measured", node=cmd.node, pause_s=round(pause, 3))
         except errors.OrlError as exc:
             ok, outcome = False, f" failed: {exc}"
         return self._record(

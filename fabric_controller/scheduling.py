@@ -219,9 +219,14 @@ class Snapshot:
         return {n: v.layout for n, v in self.views.items()}
 
 
-def build_state(views: Iterable[NodeView]) -> Snapshot:
+def build_state(
+    views: Iterable[NodeView], reshard_pauses: Mapping[str, float] | None = None
+) -> Snapshot:
     """The ComputeState of the nodes' reports (sorted by node; a request reported by two
-    nodes, as can happen for one sample during a migration, is kept on the first)."""
+    nodes, as can happen for one sample during a migration, is kept on the first).
+    ``reshard_pauses``: per node, its last reshard's measured pause
+    (:func:`measured_pause`); the planner costs a reshard there at no less."""
+    pauses = reshard_pauses or {}
     ordered = sorted(views, key=lambda v: v.node)
     nodes: list[NodeGpus] = []
     instances: list[Instance] = []
@@ -232,7 +237,9 @@ def build_state(views: Iterable[NodeView]) -> Snapshot:
     caps: list[int] = []
     queued_on: dict[str, str] = {}
     for v in ordered:
-        nodes.append(NodeGpus(v.node, tuple(range(sum(v.layout))), v.kv_import))
+        nodes.append(
+            NodeGpus(v.node, tuple(range(sum(v.layout))), v.kv_import, pauses.get(v.node, 0.0))
+        )
         insts = node_instances(v.node, v.layout)
         instances.extend(insts)
         for k, inst in enumerate(insts):
@@ -270,6 +277,25 @@ def build_state(views: Iterable[NodeView]) -> Snapshot:
         tuple(sorted(dup)),
         queued_on,
     )
+
+
+# a stage timing above this is not a measurement (an agent's clock jumped, or a bug)
+PAUSE_LIMIT_S = 86400.0
+
+
+def measured_pause(stages: Iterable[tuple[str, float]]) -> float | None:
+    """The pause a node's reshard took, from the stage timings its agent reported in the
+    ``ReshardResponse`` (the stages run one after another while the node's requests
+    wait: their sum); None when there are none (nothing was resharded) or one is not a
+    duration in [0, 1 day]."""
+    total = 0.0
+    seen = False
+    for _stage, seconds in stages:
+        if not 0.0 <= seconds <= PAUSE_LIMIT_S:  # NaN too
+            return None
+        total += seconds
+        seen = True
+    return total if seen else None
 
 
 # -- steps and the forecast history ------------------------------------------------------------

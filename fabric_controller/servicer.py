@@ -523,6 +523,7 @@ def schedule_to_pb(v: ScheduleView) -> pb.GetScheduleResponse:
         groups=v.groups,
         groups_with_prior=v.groups_with_prior,
         paused=v.paused,
+        reshard_pause_s=dict(v.reshard_pauses),
         actions=[
             pb.SchedulerAction(
                 timestamp=a.timestamp,

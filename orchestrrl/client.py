@@ -299,6 +299,8 @@ class ScheduleView:
     groups: int = 0  # sample groups among the step's requests (the length signal)
     groups_with_prior: int = 0  # of them, met in an earlier step (their previous epoch)
     paused: bool = False  # by an operator (pause_schedule)
+    # per node, its last reshard's measured pause: a reshard there is planned at no less
+    reshard_pause_s: dict[str, float] = field(default_factory=dict)
 
 
 def _schedule(r: pb.GetScheduleResponse) -> ScheduleView:
@@ -316,6 +318,7 @@ def _schedule(r: pb.GetScheduleResponse) -> ScheduleView:
         groups=r.groups,
         groups_with_prior=r.groups_with_prior,
         paused=r.paused,
+        reshard_pause_s=dict(sorted(r.reshard_pause_s.items())),
         layouts=[
             {"node": x.node, "before": list(x.before), "after": list(x.after)} for x in r.layouts
         ],

@@ -76,6 +76,7 @@ from scheduler.compute_state import (
     Candidate,
     ComputePlan,
     ComputeState,
+    CostHold,
     Migration,
     MoveMethod,
     Prediction,
@@ -83,7 +84,7 @@ from scheduler.compute_state import (
     StepGoal,
 )
 from scheduler.forecast import LengthForecast
-from scheduler.layout import REPORTED, LayoutChoice, choose_layout
+from scheduler.layout import REPORTED, LayoutChoice, choose_layout, switch_margin
 from scheduler.perf_model import PerfModel
 from scheduler.placement import MoveCostFrom, Placement, keep_makespan, place_on_node
 
@@ -157,6 +158,9 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
         target, choices, _ = choose_layout(prob, placeable)
     else:
         target, choices = dict(prob.current_pattern), []
+    hold = None
+    if prob.measured_pause and choices:
+        target, hold = hold_for_cost(prob, target, choices)
     # patterns are sorted (descending) wherever the problem makes them
     changed = {n for n in prob.nodes if target[n] != prob.current_pattern[n]}
 
@@ -252,7 +256,7 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
         pl.balance(cost_fn, max(config.move_margin_s, EPS))
 
     # predicted times, migrations, reshards
-    pauses = {n: prob.node_cost(prob.current_pattern[n], target[n]) for n in changed}
+    pauses = {n: prob.node_pause_at(n, prob.current_pattern[n], target[n]) for n in changed}
     rids = prob.rids
     ids = pl.ids
     node_of_instance = {i.id: i.node for i in prob.state.instances}
@@ -319,7 +323,16 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
             )
         )
     reason = _reason(
-        changed, choices, migrations, relaid, len(dispatched), keep_s, planned, allow_reshard
+        changed,
+        choices,
+        migrations,
+        relaid,
+        len(dispatched),
+        keep_s,
+        planned,
+        allow_reshard,
+        hold,
+        switching,
     )
     return ComputePlan(
         now=now,
@@ -335,7 +348,32 @@ def solve(prob: Problem, now: float, *, allow_reshard: bool = True) -> ComputePl
             Candidate(c.label, c.makespan_s, c.switching_s) for c in choices[:REPORTED]
         ),
         admit_order=admit_order,
+        cost_hold=hold,
     )
+
+
+def hold_for_cost(
+    prob: Problem, target: dict[str, Pattern], choices: Sequence[LayoutChoice]
+) -> tuple[dict[str, Pattern], CostHold | None]:
+    """The layout chosen on the model's pauses (``target``, ``choices[0]``), kept when it
+    still beats the current one by the margin at its nodes' measured pauses
+    (:meth:`Problem.node_pause_at`); else the current layout and why (a
+    :class:`CostHold`)."""
+    changed = [n for n in prob.nodes if target[n] != prob.current_pattern[n]]
+    if not changed:
+        return target, None
+    best = choices[0]
+    real = max(prob.node_pause_at(n, prob.current_pattern[n], target[n]) for n in changed)
+    if real <= best.switching_s:
+        return target, None
+    current = next(c for c in choices if c.is_current)
+    at_cost = max(best.makespan_s + real, best.floor_s)
+    if current.score - at_cost > switch_margin(prob, current.score):
+        return target, None
+    model = {n: prob.node_cost(prob.current_pattern[n], target[n]) for n in changed}
+    slow = tuple(n for n in changed if prob.measured_pause.get(n, 0.0) > model[n])
+    gain = current.score - max(best.makespan_s, best.floor_s)
+    return dict(prob.current_pattern), CostHold(best.label, gain, real, best.switching_s, slow)
 
 
 def _reason(
@@ -347,6 +385,8 @@ def _reason(
     keep: float,
     planned: float,
     allow_reshard: bool,
+    hold: CostHold | None = None,
+    switching: float = 0.0,
 ) -> str:
     moving = (MoveMethod.KV_NVLINK, MoveMethod.KV_NETWORK, MoveMethod.RECOMPUTE)
     moved = sum(1 for m in migrations if m.method in moving)
@@ -357,13 +397,15 @@ def _reason(
         cur = next(c for c in choices if c.is_current)
         parts.append(
             f"reshard {len(changed)} node(s) to {best.label}: predicted {best.makespan_s:.2f} s "
-            f"+ switching {best.switching_s:.2f} s beats keeping {cur.label} "
+            f"+ switching {max(switching, best.switching_s):.2f} s beats keeping {cur.label} "
             f"({cur.makespan_s:.2f} s) by more than the margin"
         )
     elif allow_reshard and choices:
         cur = next(c for c in choices if c.is_current)
         best = choices[0]
-        if best.is_current:
+        if hold is not None:
+            parts.append(f"keep layout {cur.label}: {hold.explain()}")
+        elif best.is_current:
             parts.append(f"keep layout {cur.label}: no candidate predicts a shorter step")
         else:
             parts.append(
@@ -393,7 +435,8 @@ def plan_objective(prob: Problem, plan: ComputePlan) -> float:
     for inst in plan.instances:
         after.setdefault(inst.node, []).append(inst.tp)
     switching = max(
-        (prob.node_cost(prob.current_pattern[n], tuple(after[n])) for n in changed), default=0.0
+        (prob.node_pause_at(n, prob.current_pattern[n], tuple(after[n])) for n in changed),
+        default=0.0,
     )
     worst = 0.0
     for inst in plan.instances:

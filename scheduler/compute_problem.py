@@ -278,6 +278,9 @@ class Problem:
     pauses: dict[tuple[Pattern, Pattern], float] = field(
         default_factory=dict, compare=False, repr=False
     )
+    # per node, the pause its last reshard took as its agent measured it (nodes measured
+    # so far only): see node_pause_at
+    measured_pause: Mapping[str, float] = field(default_factory=dict)
 
     def feasible(self, r: int, tp: int) -> bool:
         cost = self.costs.get(tp)
@@ -290,6 +293,15 @@ class Problem:
             a, b = tuple(sorted(old)), tuple(sorted(new))
             hit = memo[(old, new)] = 0.0 if a == b else node_pause(self.perf, a, b)
         return hit
+
+    def node_pause_at(self, node: str, old: Pattern, new: Pattern) -> float:
+        """The pause of ``node`` going from ``old`` to ``new``: the model's estimate
+        (:meth:`node_cost`), or the node's measured pause when that is longer."""
+        cost = self.node_cost(old, new)
+        if sorted(old) == sorted(new):
+            return cost
+        measured = self.measured_pause.get(node, 0.0)
+        return measured if measured > cost else cost
 
     def instances_for(self, node: str, pattern: Pattern) -> tuple[Instance, ...]:
         """Current instances when the pattern is kept, canonical ones otherwise."""
@@ -669,4 +681,5 @@ def build_problem(
         arrival=tuple(arrival[r.id] for r in reqs),
         horizon_tokens=horizon,
         floor_s=0.0 if goal is None else goal.floor_s,
+        measured_pause={n.name: n.reshard_pause_s for n in state.nodes if n.reshard_pause_s > 0},
     )

@@ -9,6 +9,7 @@ reshard actions per node, a placement per request, predicted times and a reason.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -64,6 +65,15 @@ class NodeGpus:
     # its engine can take a request with its KV cache moved from elsewhere; otherwise a
     # request that moves to it (or stays across its reshard) is recomputed by prefill
     kv_import: bool = True
+    # the pause of its last reshard as its agent measured it (0: none measured yet): a
+    # reshard of this node is planned at no less than this, whatever the perf model says
+    # (restarting a vLLM instance at another TP takes a minute, the model's estimate a
+    # few seconds)
+    reshard_pause_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.reshard_pause_s < math.inf:
+            raise errors.field_error("reshard_pause_s", self.reshard_pause_s, "finite seconds >= 0")
 
 
 @dataclass(frozen=True)
@@ -243,6 +253,26 @@ class Prediction:
 
 
 @dataclass(frozen=True)
+class CostHold:
+    """A layout change the planner left out because its nodes' measured reshard pause
+    (:attr:`NodeGpus.reshard_pause_s`) costs more than it gains: the model's own pause
+    estimate made it pay."""
+
+    label: str  # the layout it would have switched to
+    gain_s: float  # what it gains on the step before its pause (keep - its makespan)
+    pause_s: float  # its pause at the measured figures (the longest node's)
+    model_pause_s: float  # its pause as the perf model estimates it
+    nodes: tuple[str, ...]  # the nodes whose measured pause is above the model's
+
+    def explain(self) -> str:
+        return (
+            f"{self.label} would gain {self.gain_s:.2f} s, not more than its measured reshard "
+            f"pause {self.pause_s:.2f} s on {', '.join(self.nodes)} (the model says "
+            f"{self.model_pause_s:.2f} s) plus the margin"
+        )
+
+
+@dataclass(frozen=True)
 class ComputePlan:
     """What to change: reshards per node and a placement for every request.
 
@@ -267,6 +297,8 @@ class ComputePlan:
     # the placed requests without KV cache in the order engines should admit them
     # (predicted longest first; the rest of the queue keeps its order after them)
     admit_order: tuple[str, ...] = field(default=(), compare=False)
+    # a layout change left out for its measured reshard cost (None: none was)
+    cost_hold: CostHold | None = field(default=None, compare=False)
 
     @property
     def empty(self) -> bool:

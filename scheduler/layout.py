@@ -817,6 +817,20 @@ def choose_layout(
     choices = [x[4] for x in scored]
     current = next(c for c in choices if c.is_current)
     best = choices[0]
+    margin = switch_margin(prob, current.score)
+    if best.is_current or not current.score - best.score > margin:
+        return dict(prob.current_pattern), choices, 0.0
+    pair_cost = prob.node_cost
+    target: dict[str, Pattern] = {}
+    for g, ns in classes.items():
+        demand = dict(dict(best.profile)[g])
+        tau = _bottleneck_transport(supplies[g], demand, pair_cost)
+        target.update(_assign_nodes(ns, prob.current_pattern, demand, pair_cost, tau))
+    return target, choices, best.switching_s
+
+
+def switch_margin(prob: Problem, keep_s: float) -> float:
+    """By how much a layout's score must beat keeping the current one (``keep_s``)."""
     margin = max(prob.config.switch_margin_s, EPS)
     # Under partial rollout (carry_tail) the prediction covers work the step will not
     # wait for (its tail is carried into the next step), so a gain on it overstates what
@@ -828,16 +842,8 @@ def choose_layout(
         # runs) the current layout is what the previous step's tail left, not a choice
         # for this work, and the switch costs only its pause, already in the score: the
         # absolute margin alone (re-plan stability) decides.
-        margin = max(margin, prob.config.switch_margin_rel * current.score)
-    if best.is_current or not current.score - best.score > margin:
-        return dict(prob.current_pattern), choices, 0.0
-    pair_cost = prob.node_cost
-    target: dict[str, Pattern] = {}
-    for g, ns in classes.items():
-        demand = dict(dict(best.profile)[g])
-        tau = _bottleneck_transport(supplies[g], demand, pair_cost)
-        target.update(_assign_nodes(ns, prob.current_pattern, demand, pair_cost, tau))
-    return target, choices, best.switching_s
+        margin = max(margin, prob.config.switch_margin_rel * keep_s)
+    return margin
 
 
 def _fluid_bounds(prob: Problem, s: _Sorted, cands: Sequence[_Candidate]) -> list[float]:

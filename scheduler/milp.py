@@ -82,7 +82,7 @@ def solve_exact(prob: Problem, *, time_limit_s: float = 60.0) -> MilpResult:
         opts = prob.options[n]
         for p in range(len(opts)):
             y[(n, p)] = var(0.0, 1.0, 0.0, True)
-            pause = prob.node_cost(prob.current_pattern[n], opts[p])
+            pause = prob.node_pause_at(n, prob.current_pattern[n], opts[p])
             if pause > 0:
                 rows.append((0.0, inf, [u, y[(n, p)]], [1.0, -pause]))
         rows.append((1.0, 1.0, [y[(n, p)] for p in range(len(opts))], [1.0] * len(opts)))

@@ -871,14 +871,44 @@ class GatewayCore:
 
     def reap(self, now: float) -> list[Action]:
         """Imported requests whose follower went away (it gave up, or the client aborted
-        on the source) are aborted after a grace period, finished ones forgotten."""
+        on the source) are aborted after a grace period, finished ones forgotten. A copy
+        the request moved on from (released to another node: it migrated on, or back to
+        where it came from) is dropped the same way: the request goes on there."""
         actions: list[Action] = []
+        grace = self.config.orphan_grace_s
         for req in self._followers.due(now, self.requests):
             if req.done:
                 self._forget(req)
+            elif req.where is Where.REMOTE:
+                actions += self._drop_copy(req, grace)
             elif req.where is not Where.HELD:
-                why = f"lost its follower ({req.source_node}) for {self.config.orphan_grace_s:g} s"
+                why = (
+                    f"is no longer followed from {req.source_node} (for {grace:g} s): its "
+                    "client went away there, or its source resumed it itself"
+                )
                 actions += self.abort([req.id], why)[1]
+        return actions
+
+    def _drop_copy(self, req: Request, grace: float) -> list[Action]:
+        """Forget this node's copy of a request that moved on to ``req.remote`` and that
+        no node follows here any more (nothing is lost: it is generated there)."""
+        moved_to = req.remote
+        actions = self._stop_generating(req)  # its follow of the node it moved on to
+        req.end(
+            Where.ABORTED,
+            error=f"request {req.id!r} moved on from {self.node!r} to {moved_to!r}; "
+            "this node's copy was dropped",
+        )
+        self._forget(req)
+        log.info(
+            "request_copy_dropped",
+            request=req.id,
+            moved_to=moved_to,
+            source=req.source_node,
+            why=f"the request moved on to {moved_to} and {req.source_node} has not followed "
+            f"it here for {grace:g} s; it goes on at {moved_to}, nothing is lost",
+        )
+        self._maybe_idle()
         return actions
 
     # -- figures ---------------------------------------------------------------------------------

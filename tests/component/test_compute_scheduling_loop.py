@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from fabric_controller.drivers.agents import AgentClients
 from fabric_controller.scheduler_loop import ComputeScheduler
 from fabric_controller.servicer import FabricControllerServicer
 from node_agent.commands import CommandLog
+from node_agent.engine import EngineState
 from node_agent.nics import SysfsNics
 from node_agent.servicer import SERVICE_NAME, NodeAgentService
 from node_agent.telemetry import Collector
@@ -66,8 +68,12 @@ class Cluster:
     agents: dict[str, Agent]
 
 
-async def start_agent(node: str, controller: str, tmp: Path) -> Agent:
-    engine = SimulatedEngine(8, (2, 2, 2, 2), seed=1, config=QUIET, request_prefix=node)
+async def start_agent(
+    node: str, controller: str, tmp: Path, clock: Callable[[], float] = time.monotonic
+) -> Agent:
+    engine = SimulatedEngine(
+        8, (2, 2, 2, 2), seed=1, config=QUIET, request_prefix=node, clock=clock
+    )
     collector = Collector(node, SimulatedGpus(8, seed=1), SysfsNics([], root=tmp), engine)
     await collector.open()
     servicer = NodeAgentService(collector, engine, CommandLog(), default_interval_s=0.05)
@@ -83,7 +89,11 @@ async def start_agent(node: str, controller: str, tmp: Path) -> Agent:
 
 
 @pytest.fixture
-async def cluster(example_wiring: Wiring, tmp_path: Path) -> AsyncIterator[Cluster]:
+async def cluster(
+    example_wiring: Wiring, tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[Cluster]:
+    """``request.param`` (indirect parametrisation), if any: node -> its engine's clock."""
+    clocks: dict[str, Callable[[], float]] = getattr(request, "param", {})
     fabric = await start_fabric(
         example_wiring, tmp_path / "state.db", switching_time_s=0.001, heartbeat_interval_s=0.2,
         deadline_s=2.0,
@@ -101,7 +111,9 @@ async def cluster(example_wiring: Wiring, tmp_path: Path) -> AsyncIterator[Clust
     agents: dict[str, Agent] = {}
     try:
         for node in GEN:
-            agents[node] = await start_agent(node, server.address, tmp_path)
+            agents[node] = await start_agent(
+                node, server.address, tmp_path, clocks.get(node, time.monotonic)
+            )
         yield Cluster(fabric, sched, server.address, agents)
     finally:
         for a in agents.values():
@@ -218,6 +230,91 @@ async def test_long_tail_makes_the_loop_reshard_and_move_requests(cluster: Clust
         again = await settled()
     assert again.plan is not None
     assert not again.plan.reshards, again.plan.explain()
+
+
+class ManualClock:
+    """An engine's clock that moves only when a test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+SLOW = ManualClock()  # gen0-n0's engine clock in the test below
+
+
+@pytest.mark.parametrize("cluster", [{"gen0-n0": SLOW}], indirect=True)
+async def test_a_node_whose_reshard_measured_long_is_not_resharded_for_a_small_gain(
+    cluster: Cluster,
+) -> None:
+    """vLLM reshards by restarting its instances (54-91 s measured) where the perf model
+    says about 2 s. Once the loop has measured a long pause on a node (from the stage
+    timings its agent reports), a reshard there whose gain is below it is left out, the
+    layout stays, and GetSchedule and the log say why. (The same long tail without the
+    measurement is resharded: test_long_tail_makes_the_loop_reshard_and_move_requests.)"""
+    c = cluster
+    n0 = c.agents["gen0-n0"]
+    await until("both agents report telemetry", lambda: registered(c))
+    # the loop's own reshard command, as after a plan: the first measures no pause on the
+    # engine's clock; the second is held in its relayout stage while the clock moves 600 s
+    first = await c.scheduler.reshard(
+        scheduling.ReshardCommand("probe-1", "gen0-n0", (4, 4), (2, 2, 2, 2)), n0.server.address
+    )
+    assert first.ok, first.message
+    assert dict(c.scheduler.view().reshard_pauses) == {"gen0-n0": 0.0}
+    hold = asyncio.Event()
+    n0.engine.relayout_hold = hold
+    second = asyncio.create_task(
+        c.scheduler.reshard(
+            scheduling.ReshardCommand("probe-2", "gen0-n0", (2, 2, 2, 2), (4, 4)),
+            n0.server.address,
+        )
+    )
+    await until(
+        "the reshard is in its relayout stage", lambda: n0.engine.state is EngineState.RESHARDING
+    )
+    SLOW.now += 600.0
+    hold.set()
+    done = await second
+    assert done.ok and "relayout 600.000 s" in done.message, done.message
+    assert dict(c.scheduler.view().reshard_pauses) == {"gen0-n0": 600.0}
+
+    ids = await seed_long_tail(n0)
+    await until(
+        "the controller sees the four requests on TP2 instances",
+        lambda: any(
+            r.name == "gen0-n0"
+            and r.telemetry is not None
+            and len(r.telemetry.engine.requests) == 4
+            and list(r.telemetry.tp_layout) == [2, 2, 2, 2]
+            for r in c.fabric.controller.registry.records()
+        ),
+    )
+    with capture_logs() as logs:
+        decision = await c.scheduler.round()
+    assert decision.mode == "replan" and decision.plan is not None
+    plan = decision.plan
+    assert not plan.reshards, plan.explain()
+    hold_for_cost = plan.cost_hold
+    assert hold_for_cost is not None, plan.explain()
+    assert hold_for_cost.nodes == ("gen0-n0",)
+    assert hold_for_cost.pause_s == 600.0
+    assert hold_for_cost.model_pause_s < hold_for_cost.gain_s < 600.0  # the model would switch
+    skipped = [e for e in logs if e["event"] == "compute_reshard_skipped_for_cost"]
+    assert len(skipped) == 1 and skipped[0]["nodes"] == ["gen0-n0"], logs
+    assert skipped[0]["measured_pause_s"] == 600.0
+    status = await n0.stub.GetStatus(pb.GetStatusRequest(), timeout=5.0)
+    assert tuple(status.tp_layout) == (2, 2, 2, 2)
+    assert set(ids) <= on_node(n0) | on_node(c.agents["gen0-n1"])
+
+    async with AsyncClient(c.controller_address, timeout_s=5.0) as client:
+        s = await client.schedule()
+    assert s.reshard_pause_s == {"gen0-n0": 600.0}
+    assert not s.reshards
+    assert "measured reshard pause 600.00 s on gen0-n0" in s.reason, s.reason
+    assert "measured reshard pauses: gen0-n0 600.00 s" in s.explanation, s.explanation
 
 
 async def test_refused_migration_returns_the_requests_to_the_source(cluster: Cluster) -> None:

@@ -114,6 +114,33 @@ def test_build_state_names_instances_like_the_planner_and_places_requests() -> N
     assert snap.layouts == {"g0": (4, 2, 2), "g1": (8,)}
 
 
+def test_build_state_gives_each_node_its_measured_reshard_pause() -> None:
+    a = view("g0", requests=[("r1", 0, 100)])
+    b = view("g1", requests=[("r2", 0, 100)])
+    snap = s.build_state([a, b], {"g1": 62.5, "gone": 3.0})
+    pauses = {n.name: n.reshard_pause_s for n in snap.state.nodes}
+    assert pauses == {"g0": 0.0, "g1": 62.5}  # g0: none measured (the model's estimate)
+    assert s.build_state([a, b]).state.nodes[1].reshard_pause_s == 0.0
+
+
+@pytest.mark.parametrize(
+    ("stages", "pause"),
+    [
+        ([("export_requests", 0.01), ("stop_instances", 3.0), ("start_instances", 58.5)], 61.51),
+        ([("pause", 0.0)], 0.0),
+        ([], None),  # nothing was resharded (the layout was already the one asked for)
+        ([("pause", -1.0), ("resume", 2.0)], None),  # not a duration: no measurement
+        ([("pause", math.nan)], None),
+        ([("pause", 1e9)], None),
+    ],
+)
+def test_measured_pause_is_the_sum_of_the_reported_stages(
+    stages: list[tuple[str, float]], pause: float | None
+) -> None:
+    got = s.measured_pause(stages)
+    assert got == (pytest.approx(pause) if pause is not None else None)
+
+
 def test_build_state_keeps_a_request_reported_twice_once() -> None:
     a = view("g0", requests=[("r1", 0, 100)])
     b = view("g1", requests=[("r1", 2, 100)])

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from structlog.testing import capture_logs
 
 from node_agent.engine import Destination, EngineState
 from node_agent.engines.base import Placement, Sampling
@@ -530,6 +531,44 @@ def test_an_import_nobody_follows_is_aborted_after_the_grace() -> None:
     actions = dst.core.reap(117.0)
     assert [type(a) for a in actions] == [CancelCall]
     assert rid not in dst.core.requests
+
+
+def test_the_copy_left_behind_by_a_request_that_migrated_back_is_dropped_quietly() -> None:
+    """a -> b -> a: b released its copy to a and follows it there, and a (the origin)
+    runs it again and follows nobody. After the grace b drops its copy: an info line
+    that says the request goes on at a, not an abort."""
+    src = make((1,), seats=1)
+    rid = src.submit(0, 100)
+    src.step(src.live_calls()[0], 2)
+    exported, _, actions = src.core.hold([rid])
+    src.act(actions)
+    src.end_cancelled()
+    dst = Shell(
+        GatewayCore("scripted", 1, (1,), node="b", config=CoreConfig(orphan_grace_s=10.0)), 1
+    )
+    dst.start()
+    dst.act(dst.core.admit(100.0, exported, 0, True)[1])
+    src.act(src.core.release([rid], Destination("b", "b:1"), True)[1])
+    dst.core.follower_attached(rid)  # a follows it on b
+    dst.step(dst.live_calls()[0], 3)
+    back, _, actions = dst.core.hold([rid])  # ... and the controller moves it back to a
+    dst.act(actions)
+    dst.end_cancelled()
+    src.act(src.core.admit(101.0, back, 0, True)[1])
+    dst.act(dst.core.release([rid], Destination("a", "a:1"), True)[1])
+    dst.core.follower_detached(rid, 102.0)  # a runs it itself: its follow of b ends
+    assert dst.core.requests[rid].where is Where.REMOTE
+    assert dst.core.reap(111.0) == []
+    with capture_logs() as logs:
+        actions = dst.core.reap(113.0)
+    assert actions == [CancelFollow(rid)]  # b stops following a
+    assert rid not in dst.core.requests
+    events = [e["event"] for e in logs]
+    assert events == ["request_copy_dropped"], logs
+    assert logs[0]["log_level"] == "info" and logs[0]["moved_to"] == "a"
+    assert "nothing is lost" in logs[0]["why"]
+    mine = src.core.requests[rid]
+    assert mine.where is Where.RUNNING and mine.hops == ["a", "b", "a"]
 
 
 # -- the state machine ---------------------------------------------------------------------------
