@@ -212,6 +212,28 @@ async def test_a_queued_request_migrates_too(cluster: Cluster) -> None:
     assert sub.prompt == prompt(1) and sub.max_tokens == 30
 
 
+async def test_a_call_cancelled_before_its_task_ran_frees_its_seat(cluster: Cluster) -> None:
+    """A request exported in the same event-loop step that dispatched it: its call's task
+    is cancelled before it first runs (so none of its code runs). Its seat must still be
+    freed, else a later weight update waits for it until its drain timeout (seen in the
+    async RL demo: an update stuck 600 s on a node the controller migrated from)."""
+    a = await cluster.add("a", (1,), seats=2)
+    b = await cluster.add("b", (2,))
+    req = a.engine.submit(prompt(0), 30, GREEDY)  # its call's task exists, has not run
+    assert req.where is Where.RUNNING and a.engine.core.seats_taken() == 1
+    reader = asyncio.create_task(read_all(req))
+    assert await migrate(a, b, [req.id]) == (req.id,)  # export: no await before the hold
+    assert a.engine.core.seats_taken() == 0
+    assert await reader == greedy(prompt(0), 30)
+    assert req.hops == ["a", "b"]
+    update = await a.engine.update_weights(
+        "/ckpt/scripted-2", "v2", "resume", drain_timeout_s=60.0
+    )
+    assert update.version == "v2" and a.engine.weight_version == "v2"
+    after = a.engine.submit(prompt(1), 5, GREEDY)
+    assert await read_all(after) == greedy(prompt(1), 5, weights=2)
+
+
 async def test_a_request_moves_on_and_comes_home(cluster: Cluster) -> None:
     # each node holds the request at the point where it moves on
     at = {name: Hold(len(prompt(3)) + n) for name, n in (("a", 5), ("b", 20), ("c", 35))}
