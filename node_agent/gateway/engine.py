@@ -20,6 +20,7 @@ import asyncio
 import bisect
 import contextlib
 import dataclasses
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -705,6 +706,7 @@ class GatewayEngine:
                 task = self._spawn(self._call(a), f"call {a.call_id}")
                 if task is not None:
                     self._calls[a.call_id] = task
+                    task.add_done_callback(functools.partial(self._call_done, a.call_id))
             elif isinstance(a, CancelCall):
                 task = self._calls.get(a.call_id)
                 if task is not None:
@@ -773,11 +775,22 @@ class GatewayEngine:
                     server_alive=server.alive,
                 )
             )
-        finally:
-            if self._calls.get(a.call_id) is asyncio.current_task():
-                del self._calls[a.call_id]
+
+    def _call_done(self, call_id: str, task: asyncio.Task[None]) -> None:
+        """A call's task is over, however it ended: its seat is free. A done callback,
+        not a ``finally`` in :meth:`_call`: a task cancelled before its first step (a call
+        dispatched, then held for export or taken off by an update in the same step of the
+        loop) runs none of its coroutine, and its seat would stay taken for good."""
+        if self._calls.get(call_id) is task:
+            del self._calls[call_id]
+        try:
             if not self.core.closed:
-                self._act(self.core.call_ended(a.call_id))
+                self._act(self.core.call_ended(call_id))
+        except Exception as exc:  # as a task of the group dying would: the gateway fails
+            self._crash(exc)
+            if self._runner is not None:
+                self._runner.cancel()
+        finally:
             self._seats_changed.set()
 
     def _watch(self, inst: Instance) -> None:

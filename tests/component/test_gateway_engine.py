@@ -234,6 +234,23 @@ async def test_a_call_cancelled_before_its_task_ran_frees_its_seat(cluster: Clus
     assert await read_all(after) == greedy(prompt(1), 5, weights=2)
 
 
+async def test_an_update_that_takes_off_a_call_not_yet_started_completes(
+    cluster: Cluster,
+) -> None:
+    """The same from the update's side: the update begins (the scripted engine prepares
+    without waiting) in the step that dispatched a request, and takes its call off before
+    the call's task ran; the update must not wait for that seat, and the request resumes
+    on the new weights, every token tagged with them."""
+    a = await cluster.add("a", (1,), seats=2)
+    req = a.engine.submit(prompt(0), 30, GREEDY)  # its call's task exists, has not run
+    update = await a.engine.update_weights(
+        "/ckpt/scripted-2", "v2", "resume", drain_timeout_s=60.0
+    )
+    assert update.resumed == 1 and a.engine.weight_version == "v2"
+    assert await read_all(req) == greedy(prompt(0), 30, weights=2)
+    assert req.versions == [(0, "v2")]
+
+
 async def test_a_request_moves_on_and_comes_home(cluster: Cluster) -> None:
     # each node holds the request at the point where it moves on
     at = {name: Hold(len(prompt(3)) + n) for name, n in (("a", 5), ("b", 20), ("c", 35))}
