@@ -432,6 +432,15 @@ class GatewayCore:
         """Calls holding a seat on any instance (live or ending)."""
         return sum(len(i.calls) for i in self.instances)
 
+    def seat_holders(self) -> list[str]:
+        """Who holds the seats taken, in words (for an update that waited too long)."""
+        return [
+            f"{c.request!r} on instance {c.instance.index}"
+            + ("" if c.live else " (cancelled, not yet ended)")
+            for inst in self.instances
+            for c in (self._calls[cid] for cid in sorted(inst.calls) if cid in self._calls)
+        ]
+
     def end_update(self, ok: bool) -> list[Action]:
         """The update is over: every instance serves the new version (``ok``) or the old
         one; dispatching goes on."""

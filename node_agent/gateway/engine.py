@@ -691,9 +691,12 @@ class GatewayEngine:
                     self._seats_changed.clear()
                     await self._seats_changed.wait()
         except TimeoutError:
+            holders = self.core.seat_holders()
+            named = ", ".join(holders[:5]) + (", ..." if len(holders) > 5 else "")
             raise errors.DeadlineExceeded(
-                f"weight update to {version!r}: {self.core.seats_taken()} request(s) still "
-                f"running on the old weights after {timeout_s:g} s; nothing was changed"
+                f"weight update to {version!r}: {len(holders)} request(s) still "
+                f"running on the old weights after {timeout_s:g} s ({named}); "
+                "nothing was changed"
             ) from None
 
     # -- performing the core's actions -------------------------------------------------

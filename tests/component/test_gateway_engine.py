@@ -226,9 +226,7 @@ async def test_a_call_cancelled_before_its_task_ran_frees_its_seat(cluster: Clus
     assert a.engine.core.seats_taken() == 0
     assert await reader == greedy(prompt(0), 30)
     assert req.hops == ["a", "b"]
-    update = await a.engine.update_weights(
-        "/ckpt/scripted-2", "v2", "resume", drain_timeout_s=60.0
-    )
+    update = await a.engine.update_weights("/ckpt/scripted-2", "v2", "resume", drain_timeout_s=60.0)
     assert update.version == "v2" and a.engine.weight_version == "v2"
     after = a.engine.submit(prompt(1), 5, GREEDY)
     assert await read_all(after) == greedy(prompt(1), 5, weights=2)
@@ -243,9 +241,7 @@ async def test_an_update_that_takes_off_a_call_not_yet_started_completes(
     on the new weights, every token tagged with them."""
     a = await cluster.add("a", (1,), seats=2)
     req = a.engine.submit(prompt(0), 30, GREEDY)  # its call's task exists, has not run
-    update = await a.engine.update_weights(
-        "/ckpt/scripted-2", "v2", "resume", drain_timeout_s=60.0
-    )
+    update = await a.engine.update_weights("/ckpt/scripted-2", "v2", "resume", drain_timeout_s=60.0)
     assert update.resumed == 1 and a.engine.weight_version == "v2"
     assert await read_all(req) == greedy(prompt(0), 30, weights=2)
     assert req.versions == [(0, "v2")]

@@ -185,6 +185,7 @@ async def test_one_update_at_a_time_and_a_bounded_wait(gw: Gateway) -> None:
     await eventually(lambda: len(gw.hold.held) == 1)
     status, answer = await update(gw, path="scripted-4", version="v4", drain_timeout_s=0.05)
     assert status == 504 and "still running on the old weights" in answer["error"]["message"]
+    assert "on instance " in answer["error"]["message"]  # which request holds the seat
     assert gw.engine.weight_version == "0" and not gw.engine.core.updating
     first = asyncio.create_task(update(gw, path="scripted-4", version="v4"))
     await eventually(lambda: gw.engine.core.updating == "v4")

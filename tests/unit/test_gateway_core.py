@@ -584,6 +584,8 @@ class GatewayMachine(RuleBasedStateMachine):
         self.caps: dict[str, tuple[int, int]] = {}  # request -> (prompt index, max tokens)
         self.gone: set[str] = set()  # aborted, failed, held
         self.layouts = [(1, 1, 2), (2, 2), (4,), (1, 1, 1, 1), (2, 1, 1)]
+        self.versions = ["0"]  # the weights served, in the order they were loaded
+        self.update_began = 0  # the shell's log length when the update began
 
     @property
     def core(self) -> GatewayCore:
@@ -630,7 +632,7 @@ class GatewayMachine(RuleBasedStateMachine):
         elif self.core.wants_restart(inst.key):
             self.shell.act(self.core.started(inst))
 
-    @precondition(lambda self: not self.core.resharding)
+    @precondition(lambda self: not self.core.resharding and not self.core.updating)
     @rule(data=st.data())
     def reshard(self, data: st.DataObject) -> None:
         layout = data.draw(st.sampled_from(self.layouts))
@@ -668,13 +670,22 @@ class GatewayMachine(RuleBasedStateMachine):
         else:
             self.gone.add(rid)
 
-    @precondition(lambda self: not self.core.resharding)
-    @rule(data=st.data(), policy=st.sampled_from(["finish", "resume"]), ok=st.booleans())
-    def weight_update(self, data: st.DataObject, policy: str, ok: bool) -> None:
+    @precondition(lambda self: not self.core.resharding and not self.core.updating)
+    @rule(policy=st.sampled_from(["finish", "resume"]))
+    def update_begins(self, policy: str) -> None:
+        """An update begins; any other event may come before it ends (migrations too)."""
         self.shell.act(self.core.begin_update(f"v{len(self.shell.log)}", policy))
-        check_invariants(self.core)
-        # the finishing requests run to their end (the shell waits for free seats)
+        self.update_began = len(self.shell.log)
+
+    @precondition(lambda self: self.core.updating)
+    @rule(ok=st.booleans())
+    def update_ends(self, ok: bool) -> None:
+        # the shell waits for free seats: the finishing requests run to their end and the
+        # calls taken off end; then no seat may be left taken
         self.shell.run_to_completion()
+        assert self.core.seats_taken() == 0, self.core.seat_holders()
+        if ok:
+            self.versions.append(self.core.updating)
         self.shell.act(self.core.end_update(ok=ok))
 
     @rule()
@@ -692,8 +703,13 @@ class GatewayMachine(RuleBasedStateMachine):
         }
         for cid in self.shell.live_calls():
             assert self.core.has_live_call(self.shell.calls[cid].request_id)
+        if self.core.updating:  # no call starts on the old weights once an update began
+            started = self.shell.log[self.update_began :]
+            assert not [a for a in started if isinstance(a, StartCall)]
 
     def teardown(self) -> None:
+        if self.core.updating:
+            self.update_ends(ok=True)
         # bring every instance back, then run everything to its end
         for inst in self.core.instances:
             if inst.checking:
@@ -711,6 +727,8 @@ class GatewayMachine(RuleBasedStateMachine):
             assert req.output == greedy(prompt(i), n), rid
             starts = [k for k, _ in req.versions]
             assert starts == sorted(set(starts)) and (not req.output or starts[0] == 0)
+            order = [self.versions.index(v) for _, v in req.versions]  # each one loaded
+            assert order == sorted(set(order)), (rid, req.versions, self.versions)
 
 
 TestGatewayMachine = GatewayMachine.TestCase
