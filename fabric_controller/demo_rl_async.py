@@ -216,21 +216,16 @@ async def _steps(
 
 async def _push(client: AsyncClient, version: str, checksum: str, in_flight: str) -> float:
     """The controller's weight sync of ``version`` over the standing circuits; its
-    seconds. The compute loop is paused meanwhile: a migration that exports requests
-    from a node while it loads new weights was seen to leave the update waiting for a
-    seat until its timeout (600 s) in the gateway; the pause lasts the push only."""
+    seconds. The compute loop goes on meanwhile (it migrates requests off and onto
+    nodes that are loading the new weights)."""
     t = time.perf_counter()
-    await client.pause_schedule(True)
-    try:
-        await client.set_phase(
-            "weight-sync",
-            checkpoint=version,
-            source=TRAIN_NODE,
-            checksum=checksum,
-            in_flight=in_flight,
-        )
-    finally:
-        await client.pause_schedule(False)
+    await client.set_phase(
+        "weight-sync",
+        checkpoint=version,
+        source=TRAIN_NODE,
+        checksum=checksum,
+        in_flight=in_flight,
+    )
     return time.perf_counter() - t
 
 
