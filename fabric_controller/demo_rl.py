@@ -34,13 +34,16 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fabric_controller import local
 from orchestrrl import errors
 from orchestrrl.client import AsyncClient
 from orchestrrl.logs import setup_logging
 from orchestrrl.rollout import AsyncRollout, Group, PartialRollout
+
+if TYPE_CHECKING:
+    from fabric_controller.demo_rl_async import AsyncResult
 
 WIRING = Path(__file__).resolve().parents[1] / "examples" / "local-engines.toml"
 TRAIN_NODE = "train0-n0"
@@ -607,24 +610,27 @@ def run_demo_rl(cfg: RLConfig, *, as_json: bool = False) -> int:
     lost or duplicated, 1 otherwise. ``as_json``: the rows go to stderr and the figures,
     as JSON, to stdout."""
     cfg.check()
-    if cfg.mode == "async":
-        from fabric_controller.demo_rl_async import run_demo_rl_async
-
-        return run_demo_rl_async(cfg, as_json=as_json)
     setup_logging("warning", "console", sys.stderr)
     out = sys.stderr if as_json else sys.stdout
 
     def say(message: str) -> None:
         print(message, file=out, flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="orl-demo-rl-") as tmp:
+    r: RLResult | AsyncResult
+    with tempfile.TemporaryDirectory(prefix=f"orl-demo-rl-{cfg.mode}-") as tmp:
         run_dir = cfg.run_dir or Path(tmp)
         run_dir.mkdir(parents=True, exist_ok=True)
-        r = asyncio.run(_run(cfg, run_dir, say))
-        say(summary(r))
-        png = plot(r, cfg.plot or Path("demo-rl-reward.png"))
-        if png is not None:
-            say(f"  reward curve: {png}")
+        if cfg.mode == "async":
+            from fabric_controller import demo_rl_async
+
+            r = asyncio.run(demo_rl_async.run(cfg, run_dir, say))
+            say(demo_rl_async.summary(r))
+        else:
+            r = asyncio.run(_run(cfg, run_dir, say))
+            say(summary(r))
+            png = plot(r, cfg.plot or Path("demo-rl-reward.png"))
+            if png is not None:
+                say(f"  reward curve: {png}")
     if as_json:
         print(json.dumps(r.doc(), indent=2), flush=True)
     _, first, last = reward_ends([s.reward_mean for s in r.steps])

@@ -26,9 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
-import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,7 +42,6 @@ from fabric_controller.demo_rl import (
 )
 from orchestrrl import errors
 from orchestrrl.client import AsyncClient
-from orchestrrl.logs import setup_logging
 from orchestrrl.rl.async_groups import AsyncGroups, Batch
 from orchestrrl.rl.staleness import bad_token_versions, version_number
 from orchestrrl.rollout import AsyncRollout, Group
@@ -270,7 +266,8 @@ def summary(r: AsyncResult, window: int = 3) -> str:
     )
 
 
-async def _run(cfg: RLConfig, run_dir: Path, say: Any) -> AsyncResult:
+async def run(cfg: RLConfig, run_dir: Path, say: Any) -> AsyncResult:
+    """The async loop on a local cluster (what ``demo-rl --mode async`` runs)."""
     result = AsyncResult(cfg.engine, cfg.max_staleness, cfg.in_flight)
     async with started(cfg, run_dir, say, "demo-rl --mode async") as s:
         task, store, trainer, cluster = s.task, s.store, s.trainer, s.cluster
@@ -296,25 +293,3 @@ async def _run(cfg: RLConfig, run_dir: Path, say: Any) -> AsyncResult:
             result.actions = watch.seen
             result.run_s = time.perf_counter() - t0
     return result
-
-
-def run_demo_rl_async(cfg: RLConfig, *, as_json: bool = False) -> int:
-    """Run the async demo; 0 when the reward rose, the logprobs matched per version and
-    no request was lost or duplicated, 1 otherwise."""
-    cfg.check()
-    setup_logging("warning", "console", sys.stderr)
-    out = sys.stderr if as_json else sys.stdout
-
-    def say(message: str) -> None:
-        print(message, file=out, flush=True)
-
-    with tempfile.TemporaryDirectory(prefix="orl-demo-rl-async-") as tmp:
-        run_dir = cfg.run_dir or Path(tmp)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        r = asyncio.run(_run(cfg, run_dir, say))
-        say(summary(r))
-    if as_json:
-        print(json.dumps(r.doc(), indent=2), flush=True)
-    _, first, last = reward_ends([s.reward_mean for s in r.steps])
-    learned = last > first
-    return 0 if learned and r.lost_or_duplicated == 0 else 1
