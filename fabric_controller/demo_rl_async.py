@@ -67,6 +67,7 @@ class AsyncRow:
     migrations: int
     moved_running: int
     in_flight: int  # groups in flight when the batch was taken
+    repacks: int = 0  # tail repacks the compute loop carried out meanwhile
 
 
 @dataclass
@@ -96,6 +97,7 @@ class AsyncResult:
             "in_flight": self.in_flight,
             "steps": [dataclasses.asdict(s) for s in self.steps],
             "reshards": sum(s.reshards for s in self.steps),
+            "repacks": sum(s.repacks for s in self.steps),
             "migrations": sum(s.migrations for s in self.steps),
             "moved_running": sum(s.moved_running for s in self.steps),
             "dropped": self.dropped,
@@ -195,6 +197,7 @@ async def _steps(
                 migrations=sum(1 for a in acted if a["kind"] == "migrate"),
                 moved_running=sum(1 for s in samples_all if s.moved_running),
                 in_flight=in_flight,
+                repacks=sum(1 for a in acted if a["kind"] == "repack"),
             )
             result.steps.append(row)
             say(format_row(row))
@@ -229,7 +232,8 @@ def header() -> str:
     return (
         f"  {'step':>4} {'ver':>3} {'reward':>7} {'len p50':>7} {'p99':>5} {'stop':>5} "
         f"{'lag':>3} {'tok vers':>8} {'mixed':>5} {'drop':>4} {'wait s':>6} {'train s':>7} "
-        f"{'push s':>6} {'reshard':>7} {'migrate':>7} {'moved':>5} {'|dlogp| max':>11}"
+        f"{'push s':>6} {'repack':>6} {'reshard':>7} {'migrate':>7} {'moved':>5} "
+        f"{'|dlogp| max':>11}"
     )
 
 
@@ -238,7 +242,8 @@ def format_row(r: AsyncRow) -> str:
     return (
         f"  {r.step:>4} {r.version:>3} {r.reward_mean:>7.3f} {r.length_p50:>7.0f} "
         f"{r.length_p99:>5.0f} {r.stop_fraction:>5.2f} {r.lag_max:>3} {vers:>8} {r.mixed:>5} "
-        f"{r.dropped:>4} {r.wait_s:>6.2f} {r.train_s:>7.2f} {r.push_s:>6.2f} {r.reshards:>7} "
+        f"{r.dropped:>4} {r.wait_s:>6.2f} {r.train_s:>7.2f} {r.push_s:>6.2f} {r.repacks:>6} "
+        f"{r.reshards:>7} "
         f"{r.migrations:>7} {r.moved_running:>5} {r.logprob_max_abs_diff:>11.1e}"
     )
 
@@ -252,6 +257,7 @@ def summary(r: AsyncResult, window: int = 3) -> str:
     a = r.accounting
     return (
         f"  reward {first:.3f} (first {w} steps) -> {last:.3f} (last {w}); "
+        f"{sum(s.repacks for s in r.steps)} tail repack(s), "
         f"{sum(s.reshards for s in r.steps)} reshard(s) and "
         f"{sum(s.migrations for s in r.steps)} migration(s) while training, "
         f"{sum(s.moved_running for s in r.steps)} trained sample(s) moved while running; "

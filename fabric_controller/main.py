@@ -184,6 +184,17 @@ def _interval(name: str) -> Callable[[str], float]:
     return parse
 
 
+def _tail_fraction(text: str) -> float:
+    try:
+        return scheduling.check_tail_fraction(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--compute-repack-tail={text!r}: expected a number in [0, 1]"
+        ) from None
+    except errors.InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _bytes(name: str) -> Callable[[str], float]:
     """Bytes as a number with an optional SI suffix (29.5e9, 29.5G, 145G, 1T); 0: unknown."""
 
@@ -329,6 +340,16 @@ def build_parser() -> argparse.ArgumentParser:
         "replan_interval_s",
     )
     p.add_argument(
+        "--compute-repack-tail",
+        type=_tail_fraction,
+        default=scheduling.SchedulingConfig.tail_fraction,
+        metavar="FRACTION",
+        help="async mode: when nothing is queued and at least two engine instances hold "
+        "this share of their seats or less, repack their requests onto the fewest nodes and "
+        "reshard a node left holding them to one wide instance when that ends its tail "
+        "sooner (0: never); default %(default)g",
+    )
+    p.add_argument(
         "--model-bytes",
         type=_bytes("--model-bytes"),
         default=DEFAULT_MODEL_BYTES,
@@ -437,6 +458,7 @@ async def serve(args: argparse.Namespace) -> int:
         config=scheduling.SchedulingConfig(
             interval_s=args.compute_interval,
             replan=ReplanSchedule(args.compute_replan_interval),
+            tail_fraction=args.compute_repack_tail,
         ),
         enabled=args.compute_scheduling == "on",
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -29,7 +30,7 @@ from fabric_controller.events import Event
 from fabric_controller.registry import Health
 from orchestrrl import errors
 from orchestrrl.logs import get_logger
-from orchestrrl.model import Role
+from orchestrrl.model import Mode, Role
 from orchestrrl.v1 import node_agent_pb2
 from scheduler.compute_state import ComputePlan, MoveMethod
 from scheduler.perf_model import H800, QWEN25_14B, PerfModel
@@ -42,7 +43,7 @@ ACTIONS_KEPT = 50
 @dataclass(frozen=True)
 class ActionRecord:
     timestamp: float
-    kind: str  # reshard, migrate
+    kind: str  # reshard, migrate, repack (a tail repack's summary: async mode)
     node: str
     command_id: str
     ok: bool
@@ -269,8 +270,19 @@ class ComputeScheduler:
             self._note(now, nothing, skipped)
             return nothing
         snap = scheduling.build_state(views, self._pauses)
+        cooled = now - self.config.move_cooldown_s
+        self._moved = {r: t for r, t in self._moved.items() if t > cooled}
         decision = await asyncio.to_thread(
-            scheduling.decide, self._tracker, snap, self.perf, now, self.config
+            functools.partial(
+                scheduling.decide,
+                tail=self.c.mode is Mode.ASYNC,
+                settled=frozenset(self._moved),
+            ),
+            self._tracker,
+            snap,
+            self.perf,
+            now,
+            self.config,
         )
         self._tracker = scheduling.planned(self._tracker, decision, now)
         if decision.plan is None:
@@ -289,8 +301,6 @@ class ComputeScheduler:
                 nodes=list(hold.nodes),
             )
         self._rounds += 1
-        cooled = now - self.config.move_cooldown_s
-        self._moved = {r: t for r, t in self._moved.items() if t > cooled}
         reshards, migrations = scheduling.commands_for(
             plan,
             snap,
@@ -316,7 +326,9 @@ class ComputeScheduler:
             replan_interval_s=self.config.replan.interval_s,
         )
         if reshards or migrations:
-            await self._act(reshards, migrations, addresses)
+            records = await self._act(reshards, migrations, addresses)
+            if decision.mode == "repack":
+                self._record_repack(plan, records, f"sched-{int(now)}-{self._rounds}")
             self._tracker = scheduling.acted(self._tracker, self._wall())
             self._view = replace(self._view, acted=True)
         return decision
@@ -343,7 +355,8 @@ class ComputeScheduler:
         reshards: tuple[scheduling.ReshardCommand, ...],
         migrations: tuple[scheduling.MigrateCommand, ...],
         addresses: Mapping[str, str],
-    ) -> None:
+    ) -> list[ActionRecord]:
+        """Reshards first (concurrently), then the migrations; their records."""
         results = await asyncio.gather(*(self.reshard(r, addresses[r.node]) for r in reshards))
         failed = {r.node for r, rec in zip(reshards, results, strict=True) if not rec.ok}
         todo = [m for m in migrations if m.source not in failed and m.target not in failed]
@@ -359,6 +372,37 @@ class ComputeScheduler:
                     "reshard failed)",
                 )
             )
+        return [*results, *moved]
+
+    def _record_repack(self, plan: ComputePlan, records: list[ActionRecord], tag: str) -> None:
+        """One ``repack`` action for a tail repack carried out (its reshards and
+        migrations have their own records): ok when every part was."""
+        ok = all(r.ok for r in records)
+        moved = tuple(rid for r in records if r.kind == "migrate" and r.ok for rid in r.requests)
+        targets = sorted(
+            {m.target.split("/")[0] for m in plan.migrations} | {r.node for r in plan.reshards}
+        )
+        record = self._record(
+            ActionRecord(
+                self._wall(),
+                "repack",
+                ",".join(targets),
+                f"{tag}-repack",
+                ok,
+                f"{plan.reason}: {len(moved)} of {len(plan.migrations)} request(s) moved, "
+                f"{sum(1 for r in records if r.kind == 'reshard' and r.ok)} of "
+                f"{len(plan.reshards)} reshard(s) done",
+                sum(r.seconds for r in records),
+                moved,
+            )
+        )
+        self.c.events.publish(
+            Event(
+                "compute_repack" + ("" if record.ok else "_failed"),
+                node=record.node,
+                message=record.message,
+            )
+        )
 
     def _record(self, record: ActionRecord) -> ActionRecord:
         self._actions.append(record)

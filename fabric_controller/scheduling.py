@@ -60,12 +60,21 @@ from scheduler.forecast import (
     prior_log_scales,
 )
 from scheduler.perf_model import PerfModel
+from scheduler.repack import plan_tail
 from scheduler.replan import ReplanSchedule, check_seconds
 
 
 def check_interval(value: float, field: str = "--compute-interval") -> float:
     """The loop's interval in seconds (reactive balancing between re-plans)."""
     return check_seconds(value, field)
+
+
+def check_tail_fraction(value: float, field: str = "--compute-repack-tail") -> float:
+    """The share of an instance's seats at or below which it is in the tail (0: no
+    repack)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise errors.field_error(field, value, "a number in [0, 1] (0: no tail repack)")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -83,9 +92,13 @@ class SchedulingConfig:
     # a request moved is not moved again for this long: predictions from telemetry a round
     # old would otherwise send it back and forth, paying its recomputation every time
     move_cooldown_s: float = 10.0
+    # async mode: the tail is repacked once at least two instances hold this share of
+    # their seats or less and nothing is queued (scheduler.repack.plan_tail); 0: never
+    tail_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         check_interval(self.interval_s, "interval_s")
+        check_tail_fraction(self.tail_fraction, "tail_fraction")
         if not 0 <= self.groups_remembered <= 1 << 22:
             raise errors.field_error(
                 "groups_remembered", self.groups_remembered, "an integer in [0, 4194304]"
@@ -128,6 +141,7 @@ class NodeView:
     kv_import: bool = True  # its engine takes a moved KV cache (else: recompute)
     max_num_seqs: int = 0  # sequences per instance of its engine (0: unknown)
     completed_groups: tuple[str, ...] = ()  # parallel to completed, or empty: none
+    weight_version: str = ""  # the weights its engines serve ("" unknown)
 
 
 def node_view(
@@ -185,6 +199,7 @@ def node_view(
         kv_import,
         max_num_seqs,
         groups,
+        sample.weight_version[:MAX_ID_CHARS],
     )
 
 
@@ -496,7 +511,9 @@ def observe(
 
 @dataclass(frozen=True)
 class Decision:
-    mode: str  # replan, balance, wait (telemetry older than the last action), idle
+    # replan, balance, repack (async mode's tail), wait (telemetry older than the last
+    # action), idle
+    mode: str
     plan: ComputePlan | None
     why: str
     groups: int = 0  # sample groups among the step's requests and completions
@@ -509,7 +526,13 @@ def decide(
     perf: PerfModel,
     now: float,
     config: SchedulingConfig,
+    *,
+    tail: bool = False,
+    settled: frozenset[str] = frozenset(),
 ) -> Decision:
+    """The round's decision. ``tail`` (the cluster is in async mode): a repack of the
+    tail (:func:`scheduler.repack.plan_tail`) comes first when there is one; requests in
+    ``settled`` were moved a moment ago."""
     if not snap.state.requests:
         return Decision("idle", None, "no requests in the step")
     if tracker.last_action_at is not None:
@@ -531,6 +554,19 @@ def decide(
     if snap.max_num_seqs:  # the engines' own cap on an instance's batch
         planner = replace(planner, max_num_seqs=snap.max_num_seqs)
     counts = (len(groups), sum(1 for g in groups if g in tracker.remembered))
+    if tail and config.tail_fraction:
+        repack = plan_tail(
+            snap.state,
+            versions={n: v.weight_version for n, v in snap.views.items()},
+            seats=snap.max_num_seqs,
+            perf=perf,
+            forecast=forecast,
+            now=now,
+            tail_fraction=config.tail_fraction,
+            settled=settled,
+        )
+        if repack is not None:
+            return Decision("repack", repack, "the tail: few requests left, none queued", *counts)
     if due:
         plan = plan_compute(snap.state, forecast, perf, now, planner)
         return Decision("replan", plan, "re-plan point of the step", *counts)

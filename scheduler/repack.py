@@ -17,6 +17,10 @@ batch) when :func:`reshard_pays`: its longest request ends sooner that way, paus
 included; the emptied nodes keep their (small) TP for the fresh prompts. Each half is a
 separate switch so the simulator measures them apart.
 
+On a live cluster (the compute-scheduling loop in async mode) :func:`plan_tail` makes the
+same decision a :class:`~scheduler.compute_state.ComputePlan` the loop carries out like
+its other plans (reshards first, then the moves).
+
 Pure: engines and requests in, moves out; the caller charges the moves (KV transfer or
 recompute, :meth:`scheduler.perf_model.PerfModel.kv_move_time`) and the reshards
 (:meth:`~scheduler.perf_model.PerfModel.reshard_time`).
@@ -25,10 +29,24 @@ recompute, :meth:`scheduler.perf_model.PerfModel.kv_move_time`) and the reshards
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from orchestrrl import errors
+from scheduler.compute_state import (
+    ComputePlan,
+    ComputeState,
+    Instance,
+    Migration,
+    MoveMethod,
+    NodeGpus,
+    Prediction,
+    Request,
+    Reshard,
+    canonical_instances,
+)
+from scheduler.forecast import LengthForecast
+from scheduler.perf_model import PerfModel
 
 
 @dataclass(frozen=True)
@@ -127,7 +145,14 @@ def plan_repack(
         rest = list(group)
         if by_node:
             in_tail = {e.id for e in group}
-            whole = sorted(n for n, es in all_by_node.items() if all(e.id in in_tail for e in es))
+            # a node is whole in the tail when each of its engines is (an idle engine
+            # beside a tail engine is room, not a reason to keep the node)
+            whole = sorted(
+                n
+                for n, es in all_by_node.items()
+                if any(e.id in in_tail for e in es)
+                and all(e.id in in_tail or not e.requests for e in es)
+            )
             if len(whole) >= 2:
                 bins: dict[str, _Bin] = {}
                 srcs: list[tuple[str, Sequence[tuple[str, int]], str]] = []
@@ -229,3 +254,180 @@ def _pack(
         received |= {m.target for m in placed}
         moves += placed
     return moves, emptied
+
+
+# -- the tail of a live cluster (the compute-scheduling loop in async mode) --------------
+
+
+def plan_tail(
+    state: ComputeState,
+    *,
+    versions: Mapping[str, str],
+    seats: int,
+    perf: PerfModel,
+    forecast: LengthForecast,
+    now: float,
+    tail_fraction: float,
+    settled: frozenset[str] = frozenset(),
+) -> ComputePlan | None:
+    """The repack of a live cluster's tail as a :class:`ComputePlan`, or None.
+
+    The tail: no request waits in a queue (none would take a freed seat) and at least two
+    instances hold ``tail_fraction`` of their ``seats`` or less (0: the perf model's cap
+    per TP). :func:`plan_repack` (by node) empties whole nodes into the fewest nodes that
+    hold the tail; a node left holding one reshards to one instance of its width when
+    :func:`reshard_pays` (its pause at no less than the one it last measured), the rest
+    move onto the instance with the most room. Nodes (``versions``: the weight version
+    each serves) of different versions never share a tail. None when nothing would move
+    or reshard, or a request that would move was moved a moment ago (``settled``): the
+    loop waits for its cooldown rather than carry out half a repack."""
+    if not state.requests or any(r.instance is None for r in state.requests):
+        return None
+    on: dict[str, list[Request]] = defaultdict(list)
+    for r in state.requests:
+        if r.instance is not None:
+            on[r.instance].append(r)
+
+    def cap(tp: int) -> int:
+        return seats or perf.max_num_seqs(tp)
+
+    vid = {v: k for k, v in enumerate(sorted(set(versions.values())))}
+    engines = [
+        TailEngine(
+            inst.id,
+            inst.node,
+            len(inst.gpus),
+            vid.get(versions.get(inst.node, ""), -1),
+            cap(len(inst.gpus)),
+            perf.kv_capacity_tokens(len(inst.gpus)),
+            tuple((r.id, r.prompt_tokens + r.generated_tokens) for r in on[inst.id]),
+        )
+        for inst in state.instances
+    ]
+    repack = plan_repack(engines, tail_fraction=tail_fraction, by_node=True)
+    if repack.empty or any(m.request in settled for m in repack.moves):
+        return None
+    nodes = {n.name: n for n in state.nodes}
+    insts = {i.id: i for i in state.instances}
+    req = {r.id: r for r in state.requests}
+    moving = {m.request: m for m in repack.moves}
+    wide: dict[str, Instance] = {}
+    for node, _ in repack.reshard_nodes:
+        width = len(nodes[node].gpus)
+        mine = [i for i in state.instances if i.node == node]
+        staying = [r for i in mine for r in on[i.id] if r.id not in moving]
+        arriving = [req[m.request] for m in repack.moves if m.target == f"node:{node}"]
+        tail = staying + arriving
+        if max(len(i.gpus) for i in mine) >= width or not tail or len(tail) > cap(width):
+            continue
+        per_gpu = [len(i.gpus) for i in mine for _ in i.gpus]
+        if reshard_pays(
+            base_tp=min(per_gpu),
+            wide_tp=width,
+            batch=len(tail),
+            context_tokens=sum(r.prompt_tokens + r.generated_tokens for r in tail) / len(tail),
+            remaining_tokens=max(forecast.remaining_mean(r.generated_tokens) for r in tail),
+            iteration_s=perf.decode_iteration_time,
+            pause_s=_pause(perf, nodes[node], per_gpu, [width] * width),
+        ):
+            wide[node] = canonical_instances(node, nodes[node].gpus, (width,))[0]
+    after = [i for i in state.instances if i.node not in wide] + list(wide.values())
+    load = {i.id: len(on[i.id]) for i in after}
+    for node, inst in wide.items():
+        load[inst.id] = sum(len(on[i.id]) for i in state.instances if i.node == node)
+    migrations: list[Migration] = []
+    assignment: dict[str, str] = {}
+    for m in repack.moves:
+        load[m.source] -= 1
+        src = insts[m.source]
+        if m.target.startswith("node:"):
+            node = m.target[5:]
+            dst = wide.get(node) or max(
+                (i for i in after if i.node == node),
+                key=lambda i: (cap(len(i.gpus)) - load[i.id], i.id),
+            )
+        else:
+            dst = insts[m.target]
+        load[dst.id] += 1
+        r = req[m.request]
+        cost, method = _move_cost(perf, r.prompt_tokens + r.generated_tokens, src, dst, nodes)
+        migrations.append(Migration(m.request, src.id, dst.id, method, cost))
+        assignment[m.request] = dst.id
+    for r in state.requests:
+        if r.id not in assignment and r.instance is not None:
+            node = insts[r.instance].node
+            assignment[r.id] = wide[node].id if node in wide else r.instance
+    reshards = []
+    for node, inst in wide.items():
+        mine = [i for i in state.instances if i.node == node]
+        per_gpu = [len(i.gpus) for i in mine for _ in i.gpus]
+        before = tuple(sorted((len(i.gpus) for i in mine), reverse=True))
+        pause = _pause(perf, nodes[node], per_gpu, [len(inst.gpus)] * len(inst.gpus))
+        reshards.append(
+            Reshard(node, before, (len(inst.gpus),), tuple(i.id for i in mine), (inst,), pause)
+        )
+    switching = max((r.pause_s for r in reshards), default=0.0)
+    stall: dict[str, float] = defaultdict(float)
+    for mig in migrations:
+        stall[mig.target] += mig.cost_s
+    by_after: dict[str, list[Request]] = defaultdict(list)
+    for rid, iid in assignment.items():
+        by_after[iid].append(req[rid])
+    keep = max(_drain_s(perf, forecast, len(i.gpus), on[i.id]) for i in state.instances)
+    runs = {i.id: _drain_s(perf, forecast, len(i.gpus), by_after[i.id]) for i in after}
+    planned = switching + max(stall[i] + runs[i] for i in runs)
+    node_after = {i.id: i.node for i in after}
+    emptied = sorted(
+        {insts[iid].node for iid, rs in on.items() if rs}
+        - {node_after[iid] for iid in assignment.values()}
+    )
+    reason = repack.reason
+    if emptied:
+        reason += f"; frees {', '.join(emptied)} for fresh prompts and the next weights"
+    if wide:
+        reason += "; reshards " + ", ".join(
+            f"{n} to one TP{len(i.gpus)} instance" for n, i in wide.items()
+        )
+    return ComputePlan(
+        now=now,
+        reshards=tuple(reshards),
+        migrations=tuple(migrations),
+        dispatched=(),
+        assignment=tuple(sorted(assignment.items())),
+        unplaced=(),
+        instances=tuple(sorted(after, key=lambda i: i.id)),
+        prediction=Prediction(keep, planned, max(runs.values()), switching, sum(stall.values())),
+        reason=reason,
+    )
+
+
+def _pause(perf: PerfModel, node: NodeGpus, old: Sequence[int], new: Sequence[int]) -> float:
+    """A reshard's pause: the perf model's, at no less than the node's measured one."""
+    return max(perf.reshard_time(old, new), node.reshard_pause_s)
+
+
+def _move_cost(
+    perf: PerfModel, tokens: int, src: Instance, dst: Instance, nodes: Mapping[str, NodeGpus]
+) -> tuple[float, MoveMethod]:
+    """A running request's move: its KV cache over NVLink or the network, or recomputed
+    by prefill on ``dst`` when that is sooner or ``dst``'s engine takes no KV cache."""
+    rec = perf.recompute_time(len(dst.gpus), tokens)
+    if not nodes[dst.node].kv_import:
+        return rec, MoveMethod.RECOMPUTE
+    same = src.node == dst.node
+    kv = perf.kv_move_time(tokens, same_node=same, src_tp=len(src.gpus), dst_tp=len(dst.gpus))
+    if rec < kv:
+        return rec, MoveMethod.RECOMPUTE
+    return kv, MoveMethod.KV_NVLINK if same else MoveMethod.KV_NETWORK
+
+
+def _drain_s(
+    perf: PerfModel, forecast: LengthForecast, tp: int, requests: Sequence[Request]
+) -> float:
+    """Seconds until an instance of ``tp`` running ``requests`` ends its longest (the
+    forecast's expected remaining tokens, at the batch's mean context)."""
+    if not requests:
+        return 0.0
+    remaining = max(forecast.remaining_mean(r.generated_tokens) for r in requests)
+    ctx = sum(r.prompt_tokens + r.generated_tokens for r in requests) / len(requests)
+    return remaining * perf.decode_iteration_time(tp, len(requests), ctx)

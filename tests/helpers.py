@@ -10,9 +10,15 @@ import sys
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from orchestrrl.devcerts import CertFiles
 from orchestrrl.tls import TlsConfig
+
+if TYPE_CHECKING:
+    from node_agent.servicer import NodeAgentService
+    from orchestrrl import grpcutil
+    from orchestrrl.v1.node_agent_pb2_grpc import NodeAgentAsyncStub
 
 
 class FakeClock:
@@ -90,3 +96,50 @@ def local_llamacpp_cluster(
         yield LocalCluster(controller, gateways)
     finally:
         orlctl("local", "down", "--run-dir", str(run_dir))
+
+
+@dataclass
+class Agent:
+    """A node agent served in-process on an ephemeral port, its uplink to a controller
+    running (:func:`start_agent`)."""
+
+    node: str
+    engine: Any  # the agent's RolloutEngine (a simulated engine or a real gateway)
+    servicer: NodeAgentService
+    server: grpcutil.RunningServer
+    stub: NodeAgentAsyncStub
+    uplink: asyncio.Task[None]
+
+    async def stop(self) -> None:
+        self.uplink.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.uplink
+        await self.server.stop(0)
+        await self.servicer.close()
+
+
+async def start_agent(node: str, engine: Any, gpus: int, controller: str, tmp: Path) -> Agent:
+    """An agent for ``engine`` (simulated GPUs, no NICs) that registers with and streams
+    telemetry to ``controller`` every 0.05 s."""
+    from node_agent.commands import CommandLog
+    from node_agent.nics import SysfsNics
+    from node_agent.servicer import SERVICE_NAME, NodeAgentService
+    from node_agent.telemetry import Collector
+    from node_agent.uplink import Uplink, UplinkSettings
+    from orchestrrl import grpcutil
+    from orchestrrl.v1 import node_agent_pb2_grpc as pb_grpc
+    from sim_backends.gpus import SimulatedGpus
+
+    fast = UplinkSettings(rpc_timeout_s=2.0, backoff_initial_s=0.02, backoff_max_s=0.1)
+    collector = Collector(node, SimulatedGpus(gpus, seed=1), SysfsNics([], root=tmp), engine)
+    await collector.open()
+    servicer = NodeAgentService(collector, engine, CommandLog(), default_interval_s=0.05)
+    server = await grpcutil.start_server(
+        "127.0.0.1:0",
+        lambda s: pb_grpc.add_NodeAgentServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+    )
+    uplink = Uplink(collector, server.address, lambda: controller, 0.05, settings=fast)
+    channel = grpcutil.insecure_channel(server.address)
+    stub = cast("NodeAgentAsyncStub", pb_grpc.NodeAgentStub(channel))
+    return Agent(node, engine, servicer, server, stub, asyncio.create_task(uplink.run()))

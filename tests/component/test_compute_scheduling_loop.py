@@ -6,13 +6,12 @@ requests; a destination that refuses ends with the requests back on the source."
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import pytest
 from structlog.testing import capture_logs
@@ -26,10 +25,9 @@ from node_agent.engine import EngineState
 from node_agent.nics import SysfsNics
 from node_agent.servicer import SERVICE_NAME, NodeAgentService
 from node_agent.telemetry import Collector
-from node_agent.uplink import Uplink, UplinkSettings
 from orchestrrl import grpcutil
 from orchestrrl.client import AsyncClient
-from orchestrrl.model import Wiring
+from orchestrrl.model import Mode, Wiring
 from orchestrrl.v1 import fabric_controller_pb2_grpc
 from orchestrrl.v1 import node_agent_pb2 as pb
 from orchestrrl.v1 import node_agent_pb2_grpc as pb_grpc
@@ -38,26 +36,17 @@ from scheduler.replan import ReplanSchedule
 from sim_backends.engine import SimEngineConfig, SimulatedEngine
 from sim_backends.gpus import SimulatedGpus
 from sim_backends.harness import SERVICE, Fabric, start_fabric
+from tests import helpers
+from tests.helpers import Agent
 
 if TYPE_CHECKING:
-    from orchestrrl.v1.node_agent_pb2_grpc import NodeAgentAsyncStub
+    pass
 
 pytestmark = pytest.mark.component
 
 GEN = ("gen0-n0", "gen0-n1")
-FAST = UplinkSettings(rpc_timeout_s=2.0, backoff_initial_s=0.02, backoff_max_s=0.1)
 # no arrivals: the test places the step's requests itself (through ImportRequests)
 QUIET = SimEngineConfig(arrival_rate_per_gpu=0.0)
-
-
-@dataclass
-class Agent:
-    node: str
-    engine: SimulatedEngine
-    servicer: NodeAgentService
-    server: grpcutil.RunningServer
-    stub: NodeAgentAsyncStub
-    uplink: asyncio.Task[None]
 
 
 @dataclass
@@ -74,18 +63,7 @@ async def start_agent(
     engine = SimulatedEngine(
         8, (2, 2, 2, 2), seed=1, config=QUIET, request_prefix=node, clock=clock
     )
-    collector = Collector(node, SimulatedGpus(8, seed=1), SysfsNics([], root=tmp), engine)
-    await collector.open()
-    servicer = NodeAgentService(collector, engine, CommandLog(), default_interval_s=0.05)
-    server = await grpcutil.start_server(
-        "127.0.0.1:0",
-        lambda s: pb_grpc.add_NodeAgentServicer_to_server(servicer, s),
-        [SERVICE_NAME],
-    )
-    uplink = Uplink(collector, server.address, lambda: controller, 0.05, settings=FAST)
-    channel = grpcutil.insecure_channel(server.address)
-    stub = cast("NodeAgentAsyncStub", pb_grpc.NodeAgentStub(channel))
-    return Agent(node, engine, servicer, server, stub, asyncio.create_task(uplink.run()))
+    return await helpers.start_agent(node, engine, 8, controller, tmp)
 
 
 @pytest.fixture
@@ -117,11 +95,7 @@ async def cluster(
         yield Cluster(fabric, sched, server.address, agents)
     finally:
         for a in agents.values():
-            a.uplink.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await a.uplink
-            await a.server.stop(0)
-            await a.servicer.close()
+            await a.stop()
         await clients.close()
         await server.stop(0)
         await fabric.stop()
@@ -132,6 +106,17 @@ async def until(what: str, check: Callable[[], bool], timeout_s: float = 30.0) -
         while not check():  # noqa: ASYNC110 - polls state that other tasks change
             await asyncio.sleep(0.02)
     assert check(), what
+
+
+async def decided(c: Cluster) -> scheduling.Decision:
+    """The first decision of a round that does not wait for telemetry newer than the
+    last action."""
+    async with asyncio.timeout(30.0):
+        while True:
+            d = await c.scheduler.round()
+            if d.mode != "wait":
+                return d
+            await asyncio.sleep(0.05)
 
 
 def long_request(rid: str, instance: int, generated: int = 6000) -> pb.RequestState:
@@ -219,15 +204,7 @@ async def test_long_tail_makes_the_loop_reshard_and_move_requests(cluster: Clust
     assert on_node(c.agents["gen0-n0"]) | on_node(c.agents["gen0-n1"]) == set(ids)
 
     # the next rounds wait for telemetry newer than the actions, then change no layout
-    async def settled() -> scheduling.Decision:
-        while True:
-            d = await c.scheduler.round()
-            if d.mode != "wait":
-                return d
-            await asyncio.sleep(0.05)
-
-    async with asyncio.timeout(30.0):
-        again = await settled()
+    again = await decided(c)
     assert again.plan is not None
     assert not again.plan.reshards, again.plan.explain()
 
@@ -527,3 +504,78 @@ async def test_an_operator_pauses_the_loop_and_resuming_replans_at_once(
         assert decision.plan.reshards, decision.plan.explain()
         s = await client.schedule()
         assert ("reshard", True) in [(a["kind"], a["ok"]) for a in s.actions], s.actions
+
+
+async def seed(agent: Agent, rid: str, instance: int) -> None:
+    reply = await agent.stub.ImportRequests(
+        pb.ImportRequestsRequest(
+            command_id=f"seed-{rid}",
+            instance=instance,
+            method=pb.MIGRATION_METHOD_KV,
+            requests=[long_request(rid, instance)],
+        ),
+        timeout=5.0,
+    )
+    assert list(reply.admitted) == [rid]
+
+
+async def test_in_async_mode_the_tail_is_repacked_onto_one_node_which_reshards_wide(
+    cluster: Cluster,
+) -> None:
+    """One long request left on each node, nothing queued: in async mode the loop moves
+    one node's request onto the other, which reshards to one TP8 instance (a long tail
+    ends sooner there), and the emptied node is free for fresh prompts. In phased mode the
+    same state is the step's re-plan's, not a repack."""
+    c = cluster
+    await seed(c.agents["gen0-n0"], "tail-a", 0)
+    await seed(c.agents["gen0-n1"], "tail-b", 1)
+    await until("both agents report telemetry", lambda: registered(c))
+    await until(
+        "the controller sees one request on each node",
+        lambda: all(
+            len(r.telemetry.engine.requests) == 1
+            for r in c.fabric.controller.registry.records()
+            if r.telemetry is not None
+        ),
+    )
+    await c.fabric.controller.set_mode(Mode.ASYNC, "to-async")
+    decision = await c.scheduler.round()
+    assert decision.mode == "repack" and decision.plan is not None, decision.why
+    plan = decision.plan
+    assert [(r.node, r.after) for r in plan.reshards] == [("gen0-n1", (8,))], plan.explain()
+    assert [(m.request, m.target) for m in plan.migrations] == [("tail-a", "gen0-n1/tp8-g0")]
+    assert "frees gen0-n0 for fresh prompts" in plan.reason
+
+    assert on_node(c.agents["gen0-n0"]) == set()
+    assert on_node(c.agents["gen0-n1"]) == {"tail-a", "tail-b"}
+    status = await c.agents["gen0-n1"].stub.GetStatus(pb.GetStatusRequest(), timeout=5.0)
+    assert tuple(status.tp_layout) == (8,)
+    async with AsyncClient(c.controller_address, timeout_s=5.0) as client:
+        s = await client.schedule()
+        events = [e async for e in client.watch(recent=50, follow=False)]
+    (repack,) = [a for a in s.actions if a["kind"] == "repack"]
+    assert repack["ok"] and repack["node"] == "gen0-n1" and repack["requests"] == ["tail-a"]
+    assert "1 of 1 request(s) moved, 1 of 1 reshard(s) done" in repack["message"]
+    assert any(e.kind == "compute_repack" for e in events)
+    # a repack carried out is not repeated: one node now holds the whole tail
+    again = await decided(c)
+    assert again.mode != "repack", again.plan and again.plan.explain()
+
+
+async def test_in_phased_mode_the_tail_is_left_to_the_step_planner(cluster: Cluster) -> None:
+    c = cluster
+    await seed(c.agents["gen0-n0"], "tail-a", 0)
+    await seed(c.agents["gen0-n1"], "tail-b", 1)
+    await until(
+        "the controller sees one request on each node",
+        lambda: (
+            registered(c)
+            and all(
+                len(r.telemetry.engine.requests) == 1
+                for r in c.fabric.controller.registry.records()
+                if r.telemetry is not None
+            )
+        ),
+    )
+    decision = await c.scheduler.round()
+    assert decision.mode == "replan", decision.why

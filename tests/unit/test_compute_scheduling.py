@@ -384,6 +384,15 @@ def test_controller_flags_enable_the_loop_and_validate_its_interval(
             with pytest.raises(SystemExit):
                 build_parser().parse_args([flag, bad])
             assert f"{flag}=" in capsys.readouterr().err
+    assert build_parser().parse_args([]).compute_repack_tail == 0.5
+    assert build_parser().parse_args(["--compute-repack-tail", "0"]).compute_repack_tail == 0.0
+    for bad in ("1.5", "-0.1", "abc", "nan"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--compute-repack-tail", bad])
+        err = capsys.readouterr().err
+        assert "--compute-repack-tail" in err and bad in err and "[0, 1]" in err
+    with pytest.raises(errors.InvalidArgument, match="tail_fraction"):
+        s.SchedulingConfig(tail_fraction=2.0)
 
 
 def test_orlctl_schedule_show_prints_layouts_plan_and_actions() -> None:

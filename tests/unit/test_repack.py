@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from orchestrrl import errors
-from scheduler.repack import TailEngine, plan_repack, reshard_pays, tail_engines
+from scheduler.compute_state import (
+    ComputePlan,
+    ComputeState,
+    MoveMethod,
+    NodeGpus,
+    Request,
+    apply_plan,
+    canonical_instances,
+)
+from scheduler.forecast import build_forecast
+from scheduler.perf_model import H800, QWEN25_14B, PerfModel
+from scheduler.repack import TailEngine, plan_repack, plan_tail, reshard_pays, tail_engines
 
 pytestmark = pytest.mark.unit
 
@@ -119,3 +131,129 @@ def test_a_reshard_pays_when_the_wide_engine_frees_the_node_sooner() -> None:
     assert reshard_pays(remaining_tokens=10_000, pause_s=2.0, **kw)  # type: ignore[arg-type]
     assert not reshard_pays(remaining_tokens=100, pause_s=2.0, **kw)  # too little left
     assert not reshard_pays(remaining_tokens=0, pause_s=0.0, **kw)  # type: ignore[arg-type]
+
+
+def test_an_idle_engine_beside_a_tail_engine_leaves_its_node_whole() -> None:
+    engines = [_e("a0", "n0", 100), _e("a1", "n0"), _e("b0", "n1", 100), _e("b1", "n1", 100)]
+    plan = plan_repack(engines, tail_fraction=0.5, by_node=True)
+    assert set(plan.freed) == {"a0", "a1"} and [m.request for m in plan.moves] == ["a0-r0"]
+
+
+# -- plan_tail: the same on a live cluster's ComputeState --------------------------------
+
+PERF = PerfModel(QWEN25_14B, H800)
+
+
+def _state(
+    spec: Mapping[str, tuple[tuple[int, ...], list[list[int]]]],
+    queued: int = 0,
+    kv_import: bool = True,
+    pause_s: float = 0.0,
+) -> ComputeState:
+    """``spec``: node -> (layout, per instance the generated tokens of its requests)."""
+    nodes, insts, reqs = [], [], []
+    for node, (layout, per) in spec.items():
+        gpus = tuple(range(sum(layout)))
+        nodes.append(NodeGpus(node, gpus, kv_import, pause_s))
+        mine = canonical_instances(node, gpus, layout)
+        insts += mine
+        for inst, gens in zip(mine, per, strict=True):
+            reqs += [Request(f"{inst.id}#{k}", 100, g, inst.id, True) for k, g in enumerate(gens)]
+    reqs += [Request(f"q{k}", 100) for k in range(queued)]
+    return ComputeState(tuple(nodes), tuple(insts), tuple(reqs))
+
+
+def _tail(state: ComputeState, **kw: object) -> ComputePlan | None:
+    gens = [r.generated_tokens for r in state.requests]
+    args: dict[str, object] = {
+        "versions": {n.name: "v1" for n in state.nodes},
+        "seats": 4,
+        "perf": PERF,
+        "forecast": build_forecast([], [], gens, max_tokens=16384),
+        "now": 0.0,
+        "tail_fraction": 0.5,
+    }
+    args.update(kw)
+    return plan_tail(state, **args)  # type: ignore[arg-type]
+
+
+def test_the_tail_of_two_nodes_moves_onto_one_which_reshards_wide_when_that_pays() -> None:
+    # long requests (the forecast expects thousands of tokens more): one TP2 instance
+    # ends the node's tail sooner than two TP1 instances, its pause included
+    state = _state({"a": ((1, 1), [[6000], []]), "b": ((1, 1), [[7000], [8000]])})
+    plan = _tail(state)
+    assert plan is not None
+    assert [(m.request, m.target, m.method) for m in plan.migrations] == [
+        ("a/tp1-g0#0", "b/tp2-g0", MoveMethod.KV_NETWORK)
+    ]
+    (r,) = plan.reshards
+    assert (r.node, r.before, r.after) == ("b", (1, 1), (2,))
+    assert set(r.removed) == {"b/tp1-g0", "b/tp1-g1"} and r.pause_s > 0
+    assert "frees a" in plan.reason and "reshards b to one TP2" in plan.reason
+    after = apply_plan(state, plan)
+    assert {r.instance for r in after.requests} == {"b/tp2-g0"}
+    assert after.layout() == {"a": (1, 1), "b": (2,)}
+
+
+def test_a_short_tail_moves_without_a_reshard_and_recomputes_where_kv_is_refused() -> None:
+    state = _state({"a": ((1, 1), [[30], []]), "b": ((1, 1), [[20], [10]])}, kv_import=False)
+    plan = _tail(state)
+    assert plan is not None and not plan.reshards
+    (m,) = plan.migrations
+    assert m.method is MoveMethod.RECOMPUTE and m.target.startswith("b/")
+    # a measured pause of a minute makes a reshard of a long tail not pay either
+    long = _state({"a": ((1, 1), [[6000], []]), "b": ((1, 1), [[7000], [8000]])}, pause_s=600.0)
+    held = _tail(long)
+    assert held is not None and not held.reshards
+
+
+def test_no_tail_repack_while_requests_queue_or_versions_differ_or_moves_settle() -> None:
+    spec = {"a": ((1, 1), [[30], []]), "b": ((1, 1), [[20], [10]])}
+    assert _tail(_state(spec, queued=1)) is None  # a freed seat would take a queued request
+    # of two versions, each node's tail stays on it (here b's two instances become one)
+    split = _tail(_state(spec), versions={"a": "v1", "b": "v2"})
+    assert split is not None
+    assert [(m.source, m.target) for m in split.migrations] == [("b/tp1-g0", "b/tp1-g1")]
+    assert _tail(_state(spec), versions={"a": "v1", "b": "v2"}, tail_fraction=0.2) is None
+    assert _tail(_state(spec), settled=frozenset({"a/tp1-g0#0"})) is None
+    busy = {"a": ((1, 1), [[1, 2, 3], [4, 5, 6]]), "b": ((2,), [[5]])}
+    assert _tail(_state(busy)) is None  # one instance in the tail: nothing to pack it into
+    with pytest.raises(errors.InvalidArgument, match="tail_fraction"):
+        _tail(_state(spec), tail_fraction=1.5)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([(1, 1), (2,), (1, 1, 1, 1), (2, 1, 1)]),
+            st.lists(st.lists(st.integers(0, 9000), max_size=4), min_size=4, max_size=4),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_a_tail_plan_keeps_every_request_once_and_a_valid_state(
+    spec: list[tuple[tuple[int, ...], list[list[int]], bool]],
+) -> None:
+    nodes = {f"n{i}": (layout, per[: len(layout)]) for i, (layout, per, _) in enumerate(spec)}
+    state = _state(nodes)
+    plan = _tail(state)
+    if plan is None:
+        return
+    after = apply_plan(state, plan)  # validates GPUs and ids
+    assert sorted(r.id for r in after.requests) == sorted(r.id for r in state.requests)
+    assert all(r.instance is not None for r in after.requests)
+    load = Counter(r.instance for r in after.requests)
+    moved_to = Counter(m.target for m in plan.migrations)
+    for target in moved_to:
+        assert load[target] <= 4 or target in {i.id for r in plan.reshards for i in r.added}
+    for r in plan.reshards:
+        assert r.after == (sum(r.before),) and load[r.added[0].id] <= 4
+    before = {r.id: r.instance or "" for r in state.requests}
+    resharded = {x.node for x in plan.reshards}
+    changed = {r.id for r in after.requests if r.instance != before[r.id]}
+    relaid = {  # a resharded node's own requests are re-laid out by its reshard
+        rid for rid in changed if before[rid].split("/")[0] in resharded
+    }
+    assert {m.request for m in plan.migrations} == changed - relaid
