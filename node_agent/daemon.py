@@ -315,6 +315,8 @@ async def _serve_agent(
 ) -> int:
     metrics = shell.metrics
     engine = rollout.engine
+    if rollout.gateway is not None:
+        metrics.watch_gateway(lambda: rollout.gateway.stale_stopped if rollout.gateway else 0)
     store = checkpoints.store
     loader = rollout.loader
     weights = None

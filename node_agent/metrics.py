@@ -10,10 +10,10 @@ not 0.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 
 from node_agent.gpus import GpuSample
 from node_agent.rdma import RdmaSample
@@ -106,6 +106,9 @@ class AgentMetrics:
             registry=r,
         )
 
+        # the node's gateway's counters, read at collection (watch_gateway)
+        self._stale_stopped: Callable[[], int] | None = None
+        self.registry.register(_GatewayCounters(self))
         # the latest readings not yet applied to the gauges (replaced whole, never mutated)
         self._pending_gpus: tuple[GpuSample, ...] | list[GpuSample] | None = None
         self._pending_rdma: tuple[RdmaSample, ...] | list[RdmaSample] | None = None
@@ -119,6 +122,10 @@ class AgentMetrics:
                 ),
             )
         )  # fmt: skip
+
+    def watch_gateway(self, stale_stopped: Callable[[], int]) -> None:
+        """Expose the node's gateway's counters (read at each collection)."""
+        self._stale_stopped = stale_stopped
 
     def _set(self, gauge: Gauge, labels: tuple[str, ...], value: float | None) -> None:
         """Set a labelled gauge; None (not reported) leaves it absent (or as it was)."""
@@ -186,3 +193,20 @@ class _LatestReadings:
         self._metrics.apply_pending()
         for gauge in self._gauges:
             yield from gauge.collect()
+
+
+class _GatewayCounters:
+    """A Prometheus collector for the gateway's own counters (none without a gateway)."""
+
+    def __init__(self, metrics: AgentMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        read = self._metrics._stale_stopped
+        if read is not None:
+            yield CounterMetricFamily(
+                "orl_agent_gateway_stale_stopped",
+                "Requests the gateway stopped (finish reason stale) because new weights "
+                "landed more than their max_staleness versions past their oldest token",
+                value=read(),
+            )

@@ -28,7 +28,7 @@ from orchestrrl.v1 import node_agent_pb2_grpc as pb_grpc
 if TYPE_CHECKING:
     from orchestrrl.v1.node_agent_pb2_grpc import NodeAgentAsyncStub
 
-FINISH: dict[str, FinishReason] = {"length": "length", "stop": "stop"}
+FINISH: dict[str, FinishReason] = {"length": "length", "stop": "stop", "stale": "stale"}
 
 
 class GrpcPeers:

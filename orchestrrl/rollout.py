@@ -65,7 +65,7 @@ class Sample:
     completion_ids: tuple[int, ...]
     logprobs: tuple[float, ...] | None
     versions: tuple[str, ...]  # one per token
-    finish_reason: str  # "length" or "stop"
+    finish_reason: str  # "length", "stop" or "stale" (the gateway stopped it: max_staleness)
     nodes: tuple[str, ...]  # the nodes that generated it, in order
     gateway: str
     node_starts: tuple[int, ...] = ()  # its output length on arriving at each node
@@ -122,6 +122,18 @@ def parse_choice(choice: Mapping[str, Any], gateway: str) -> Sample:
         gateway,
         tuple(int(i) for i in orl.get("node_starts") or ()),
     )
+
+
+MAX_STALENESS = 64  # the gateways' bound on a request's max_staleness
+
+
+def _check_max_staleness(value: object) -> None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_STALENESS
+    ):
+        raise errors.field_error(
+            "max_staleness", value, f"an integer in 0..{MAX_STALENESS}, or None (no bound)"
+        )
 
 
 def _check_prompts(prompts: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
@@ -200,12 +212,17 @@ class AsyncRollout:
         logprobs: bool = True,
         group_ids: Sequence[str] | None = None,
         on_weight_update: str | None = None,
+        max_staleness: int | None = None,
     ) -> list[Group]:
         """``n`` samples of each prompt, as groups in the prompts' order. ``group_ids``
         name the groups (e.g. the prompts' dataset indices: the controller remembers a
         prompt's lengths across epochs by it); ``seed`` ``s`` gives prompt ``k`` the seeds
-        ``s + k*n ...``; ``on_weight_update``: "finish" or "resume" (see the gateway)."""
+        ``s + k*n ...``; ``on_weight_update``: "finish" or "resume" (see the gateway);
+        ``max_staleness``: a gateway stops a sample (``finish_reason`` "stale", its tokens
+        so far) when it loads weights more versions than this newer than the sample's
+        oldest token (None: no bound)."""
         checked = _check_prompts(prompts)
+        _check_max_staleness(max_staleness)
         if not 1 <= n <= MAX_N:
             raise errors.field_error("n", n, f"an integer in 1..{MAX_N}")
         if group_ids is not None and len(group_ids) != len(checked):
@@ -225,6 +242,8 @@ class AsyncRollout:
         }
         if on_weight_update is not None:
             body["on_weight_update"] = on_weight_update
+        if max_staleness is not None:
+            body["max_staleness"] = max_staleness
         down: set[str] = set()
 
         async def one(k: int, prompt: tuple[int, ...]) -> Group:
@@ -271,6 +290,8 @@ class AsyncRollout:
         n: int,
         on_start: Callable[[str, list[str]], None],
         on_choice: Callable[[Mapping[str, Any]], None],
+        *,
+        max_staleness: int | None = None,
     ) -> str:
         """Stream one completion (``n`` samples, request id ``rid``) from the least-loaded
         reachable gateway: ``on_start(gateway, request ids)`` as it is sent (again on a
@@ -278,7 +299,11 @@ class AsyncRollout:
         ``on_choice(choice)`` for each choice chunk as it arrives; returns the gateway
         once every sample has ended. A gateway that cannot be reached before anything
         arrived is left for the others, a full one (429) waited for; a call cut off
-        after its first chunk fails (RolloutError: retrying it would repeat tokens)."""
+        after its first chunk fails (RolloutError: retrying it would repeat tokens).
+        ``max_staleness``: sent as the body's field (see :meth:`generate`)."""
+        _check_max_staleness(max_staleness)
+        if max_staleness is not None:
+            body = {**body, "max_staleness": max_staleness}
         down: set[str] = set()
         attempt = 0
         full = 0

@@ -29,7 +29,7 @@ from typing import Literal, NamedTuple, Protocol
 
 from orchestrrl import errors
 
-FinishReason = Literal["length", "stop"]
+FinishReason = Literal["length", "stop", "stale"]  # stale: the gateway stopped it (max_staleness)
 Device = Literal["cpu", "cuda"]
 
 PauseMode = Literal["keep", "recompute", "wait", "abort"]

@@ -27,6 +27,12 @@ The rules (unchanged from the gateway's first version):
 - **reshard**: calls on instances that change are cancelled and their requests queued
   again (front of the queue, in arrival order); instances whose devices and TP degree
   stay keep running untouched;
+- **staleness**: when new weights land (an update ends, the weights are relabelled, or a
+  request is imported), every request here (queued, running, held, resumed) with a
+  ``max_staleness`` that the version now served exceeds, counted from its oldest token's
+  version, stops with finish reason ``stale`` and its output so far (a request with no
+  token yet never is: its first token comes from the new weights); versions are compared
+  as the trainer's counts (``"3"``), other labels are never judged stale;
 - **crashes**: an instance that exits is restarted with backoff, its requests queued;
   one that cannot be reached is checked before it gets more; when none is left, every
   waiting request fails naming the instances and why.
@@ -58,7 +64,15 @@ from node_agent.engines.base import (
 )
 from node_agent.gateway.figures import StepFigures, kv_usage
 from node_agent.gateway.handoff import Followers, check_imports, exported, import_result
-from node_agent.gateway.requests import RESUME, UPDATE_POLICIES, Request, Where
+from node_agent.gateway.requests import (
+    MAX_STALENESS,
+    RESUME,
+    STALE,
+    UPDATE_POLICIES,
+    Request,
+    Where,
+    staleness,
+)
 from orchestrrl import errors
 from orchestrrl.logs import get_logger
 
@@ -251,6 +265,7 @@ class GatewayCore:
         self.closed = False
         self.crashed = ""  # why the gateway stopped working (a task of its shell died)
         self.updating = ""  # the weight version being loaded ("": no update)
+        self.stale_stopped = 0  # requests stopped beyond their max_staleness
         self._queue: list[tuple[int, str]] = []  # (seq, request id), sorted
         self._seq = 0
         self._keys = 0
@@ -444,12 +459,22 @@ class GatewayCore:
     def end_update(self, ok: bool) -> list[Action]:
         """The update is over: every instance serves the new version (``ok``) or the old
         one; dispatching goes on."""
+        actions: list[Action] = []
         if ok:
             self.weight_version = self.updating
             for inst in self.instances:
                 inst.version = self.updating
+            actions = self._stop_stale(list(self.requests.values()))
         self.updating = ""
-        return self._dispatch()
+        return actions + self._dispatch()
+
+    def relabel(self, version: str) -> list[Action]:
+        """The weights served now are ``version`` (changed outside the gateway): later
+        tokens carry it, and the requests it leaves beyond their bound stop."""
+        self.weight_version = version
+        for inst in self.instances:
+            inst.version = version
+        return self._stop_stale(list(self.requests.values()))
 
     def plan_reshard(
         self,
@@ -505,10 +530,13 @@ class GatewayCore:
         *,
         logprobs: bool = False,
         update_policy: str = "",
+        max_staleness: int | None = None,
     ) -> tuple[Request, list[Action]]:
         """Queue a client's request; InvalidArgument / FailedPrecondition (queue full).
         ``logprobs``: report the sampled tokens' logprobs; ``update_policy``: what it does
-        at a weight update (FINISH, RESUME; "": the update's policy)."""
+        at a weight update (FINISH, RESUME; "": the update's policy); ``max_staleness``:
+        it stops (finish reason ``stale``) once the weights served are more versions than
+        this newer than its oldest token (None: never)."""
         self._refuse_closed()
         if not prompt:
             raise errors.field_error("prompt", [], "at least one token id")
@@ -518,6 +546,14 @@ class GatewayCore:
         check_group(group)
         if update_policy and update_policy not in UPDATE_POLICIES:
             raise errors.field_error("update_policy", update_policy, " or ".join(UPDATE_POLICIES))
+        if max_staleness is not None and (
+            isinstance(max_staleness, bool)
+            or not isinstance(max_staleness, int)
+            or not 0 <= max_staleness <= MAX_STALENESS
+        ):
+            raise errors.field_error(
+                "max_staleness", max_staleness, f"an integer in 0..{MAX_STALENESS}, or null"
+            )
         if rid in self.requests:
             raise errors.field_error("request_id", rid, "an id no request in flight here has")
         queued = len(self._queue)
@@ -529,6 +565,7 @@ class GatewayCore:
         req = self._new(now, rid, tuple(prompt), max_tokens, sampling, group=group)
         req.want_logprobs = logprobs
         req.update_policy = update_policy
+        req.max_staleness = max_staleness
         self._enqueue(req)
         return req, self._dispatch()
 
@@ -794,6 +831,7 @@ class GatewayCore:
             req.want_logprobs = parsed.logprobs is not None
             req.logprobs[:] = parsed.logprobs or ()
             req.update_policy = parsed.update_policy
+            req.max_staleness = parsed.max_staleness
             here = parsed.hops[-1:] == (self.node,)
             req.hops[:] = parsed.hops
             req.hop_starts[:] = parsed.hop_starts or [0] * len(parsed.hops)
@@ -802,8 +840,10 @@ class GatewayCore:
             if not req.origin and not self._followers.followed(req.id):
                 self._followers.orphaned(req.id, now)  # until its source follows it
             admitted.append(req)
-        seated = admitted[: inst.seats] if not self.updating else []
-        for req in admitted:
+        actions += self._stop_stale(admitted, admitted=True)  # made on weights too old here
+        live = [r for r in admitted if not r.done]  # a stopped one answers its follower
+        seated = live[: inst.seats] if not self.updating else []
+        for req in live:
             self.figures.arrive()
             if req in seated:
                 actions.append(self._run_on(req, inst))
@@ -1024,6 +1064,38 @@ class GatewayCore:
         if req.where is Where.REMOTE or self._followers.following(req.id):
             self._followers.stop_following(req.id)
             actions.append(CancelFollow(req.id))
+        return actions
+
+    def _stop_stale(self, requests: Sequence[Request], *, admitted: bool = False) -> list[Action]:
+        """Stop those of ``requests`` still to be generated here (queued, running or held;
+        ``admitted``: any not ended) whose oldest token is more than their
+        ``max_staleness`` versions older than the weights served: they end with finish
+        reason ``stale`` and their output so far."""
+        actions: list[Action] = []
+        version = self.weight_version
+        here = (Where.QUEUED, Where.RUNNING, Where.HELD)
+        for req in sorted(requests, key=lambda r: r.seq):
+            if req.max_staleness is None or req.done or (req.where not in here and not admitted):
+                continue
+            lag = staleness(req.versions, len(req.output), version)
+            if lag is None or lag <= req.max_staleness:
+                continue
+            was = req.where
+            actions += self._stop_generating(req)
+            req.end(Where.FINISHED, STALE)
+            self.stale_stopped += 1
+            if not req.origin and not self._followers.followed(req.id):
+                self._followers.orphaned(req.id, None)  # timed from the next reap
+            log.info(
+                "request_stale_stopped",
+                request=req.id,
+                was=was.value,
+                version=version,
+                lag=lag,
+                max_staleness=req.max_staleness,
+                tokens=len(req.output),
+            )
+        self._maybe_idle()
         return actions
 
     def _finish(self, req: Request, finish: FinishReason) -> None:

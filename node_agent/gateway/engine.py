@@ -131,6 +131,7 @@ class WeightUpdate:
     resumed: int  # requests taken off to resume on the new weights
     finished_on_old: int  # requests that finished on the old weights first
     how: str  # "in place", "restart" (or both)
+    stale_stopped: int = 0  # requests it left beyond their max_staleness, stopped
 
 
 def placements(layout: Sequence[int], device: Device, ports: PortPicker) -> list[Placement]:
@@ -295,10 +296,14 @@ class GatewayEngine:
 
     @weight_version.setter
     def weight_version(self, version: str) -> None:
-        """Relabel the weights served now (they were changed outside the gateway)."""
-        self.core.weight_version = version
-        for inst in self.core.instances:
-            inst.version = version
+        """Relabel the weights served now (they were changed outside the gateway); the
+        requests it leaves beyond their ``max_staleness`` stop."""
+        self._act(self.core.relabel(version))
+
+    @property
+    def stale_stopped(self) -> int:
+        """Requests stopped beyond their ``max_staleness`` since the gateway started."""
+        return self.core.stale_stopped
 
     def instance_health(self) -> tuple[str, ...]:
         """ "up", "restarting" or "failed: why" per instance (status, tests)."""
@@ -325,11 +330,14 @@ class GatewayEngine:
         *,
         logprobs: bool = False,
         update_policy: str = "",
+        max_staleness: int | None = None,
     ) -> Request:
         """Queue a client's request; InvalidArgument / FailedPrecondition (queue full).
         ``group``: its sample group (GRPO: the prompt), see ``check_group``;
         ``logprobs``: report the sampled tokens' logprobs; ``update_policy``: "finish" or
-        "resume" at a weight update ("": the update's own, see :meth:`update_weights`)."""
+        "resume" at a weight update ("": the update's own, see :meth:`update_weights`);
+        ``max_staleness``: it stops with finish reason "stale" once the weights served
+        are more versions than this newer than its oldest token (None: no bound)."""
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
         req, actions = self.core.submit(
             self._clock(),
@@ -340,6 +348,7 @@ class GatewayEngine:
             group,
             logprobs=logprobs,
             update_policy=update_policy,
+            max_staleness=max_staleness,
         )
         self._act(actions)
         return req
@@ -593,6 +602,7 @@ class GatewayEngine:
         t1 = time.perf_counter()
         actions = self.core.begin_update(version, in_flight)
         resumed = sum(1 for a in actions if isinstance(a, CancelCall))
+        stale0 = self.core.stale_stopped
         loaded: list[Instance] = []
         try:
             await self._act_and_wait(actions)
@@ -628,6 +638,7 @@ class GatewayEngine:
             how=sorted(how),
             resumed=resumed,
             finished_on_old=finishing,
+            stale_stopped=self.core.stale_stopped - stale0,
             seconds=round(time.perf_counter() - t0, 3),
         )
         return WeightUpdate(
@@ -638,6 +649,7 @@ class GatewayEngine:
             resumed,
             finishing,
             ", ".join(sorted(how)),
+            self.core.stale_stopped - stale0,
         )
 
     def _load_mode(self, inst: Instance) -> str:

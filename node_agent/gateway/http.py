@@ -8,7 +8,11 @@ one sample group (ids ``<id>-0`` ... ``<id>-<n-1>``, a given seed ``s`` becomes 
 ``logprobs: 0`` reports each sampled token's logprob (OpenAI's ``logprobs`` object, with
 ``tokens`` as ``token_id:<id>``, as vLLM's ``return_tokens_as_token_ids`` gives them:
 ``true`` or absent is accepted, ``false`` refused); every choice says which weights made
-which tokens (``orl.weight_versions``: runs of ``[first index, version]``). vLLM's
+which tokens (``orl.weight_versions``: runs of ``[first index, version]``);
+``max_staleness`` (0..64) bounds a request's staleness: when new weights land that are
+more versions than that newer than its oldest token, it stops there with
+``finish_reason: "stale"`` and its tokens so far (counted in ``/health``'s
+``stale_stopped``; versions compared as the trainer's counts, ``"3"``). vLLM's
 ``use_beam_search`` is accepted at ``false`` only; ``skip_special_tokens`` (any boolean)
 is ignored: it shapes the text, which is always empty. Routes:
 
@@ -47,7 +51,7 @@ from aiohttp import web
 from node_agent.engine import MAX_GROUP_CHARS, check_group
 from node_agent.engines.base import Sampling
 from node_agent.gateway.engine import GatewayEngine, QueueFull, WeightUpdate
-from node_agent.gateway.requests import UPDATE_POLICIES, Request, RequestFailed
+from node_agent.gateway.requests import MAX_STALENESS, UPDATE_POLICIES, Request, RequestFailed
 from orchestrrl import errors
 from orchestrrl.grpcutil import parse_address
 from orchestrrl.logs import get_logger
@@ -92,6 +96,7 @@ _FIELDS = frozenset(
         "n",
         "logprobs",
         "on_weight_update",
+        "max_staleness",
         # vLLM's extensions that AReaL's remote vLLM engine sends (areal/engine/vllm_remote.py)
         "return_tokens_as_token_ids",
         "use_beam_search",
@@ -147,6 +152,7 @@ class Completion:
     n: int = 1  # samples of the prompt (one request each)
     logprobs: bool = False  # report the sampled tokens' logprobs
     on_weight_update: str = ""  # "finish" or "resume" ("": the update's policy)
+    max_staleness: int | None = None  # stop it ("stale") beyond this lag (None: never)
 
     def sampling_of(self, i: int) -> Sampling:
         """Sample ``i``'s settings: a seed ``s`` becomes ``s + i`` (distinct samples)."""
@@ -236,6 +242,7 @@ def parse_completion(
             policy,
             '"finish" (on the old weights) or "resume" (on the new ones) at a weight update',
         )
+    max_staleness = parse_max_staleness(body)
     model = body.get("model")
     if model is not None and model != settings.served_model:
         raise HttpError(
@@ -319,7 +326,23 @@ def parse_completion(
         n,
         logprobs is not None,
         policy or "",
+        max_staleness,
     )
+
+
+def parse_max_staleness(body: Mapping[str, Any]) -> int | None:
+    """The request's ``max_staleness`` (absent or null: no bound)."""
+    value = body.get("max_staleness")
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_STALENESS
+    ):
+        raise bad(
+            "max_staleness",
+            value,
+            f"an integer in 0..{MAX_STALENESS} (weight versions the request may fall behind "
+            "the weights served, counted from its oldest token), or null",
+        )
+    return value
 
 
 class GatewayServer:
@@ -423,6 +446,7 @@ class GatewayServer:
                         group,
                         logprobs=params.logprobs,
                         update_policy=params.on_weight_update,
+                        max_staleness=params.max_staleness,
                     )
                 )
         except QueueFull as exc:
@@ -577,6 +601,7 @@ class GatewayServer:
                 "state": self.engine.state.value,
                 "tp_layout": list(self.engine.tp_layout),
                 "instances": list(health),
+                "stale_stopped": self.engine.stale_stopped,
             },
             status=200 if up else 503,
         )
@@ -758,5 +783,6 @@ def update_answer(done: WeightUpdate) -> dict[str, Any]:
         "how": done.how,
         "resumed_requests": done.resumed,
         "finished_on_old_weights": done.finished_on_old,
+        "stale_stopped_requests": done.stale_stopped,
         "stages": {s.stage: round(s.seconds, 4) for s in done.stages},
     }

@@ -38,6 +38,33 @@ DONE = frozenset({Where.FINISHED, Where.FAILED, Where.ABORTED})
 FINISH, RESUME = "finish", "resume"  # finish on the old weights / abort, resume on the new
 UPDATE_POLICIES = (FINISH, RESUME)
 
+# A request's staleness bound (``max_staleness``): it stops, finish reason STALE, once the
+# weights served are more than this many versions newer than its oldest token's
+MAX_STALENESS = 64
+STALE: FinishReason = "stale"
+
+
+def version_count(label: str) -> int | None:
+    """A weight version label as the trainer's version count (``"3"`` -> 3), the labels
+    an RL loop pushes; None for any other label (its distance to another is unknown)."""
+    if label.isascii() and label.isdigit() and len(label) <= 18:
+        return int(label)
+    return None
+
+
+def staleness(versions: Sequence[tuple[int, str]], output_len: int, version: str) -> int | None:
+    """How many versions ``version`` is newer than the oldest of ``output_len`` tokens in
+    runs ``versions`` (``(first index, label)``); None when there is no token yet (its
+    first will come from ``version``) or a label is not a version count."""
+    now = version_count(version)
+    labels = [v for start, v in versions if start < output_len]
+    if now is None or not labels:
+        return None
+    counts = [version_count(v) for v in labels]
+    if any(c is None for c in counts):
+        return None
+    return now - min(c for c in counts if c is not None)
+
 
 class RequestFailed(errors.OrlError):
     """The request ended without finishing: it failed (engine trouble) or was aborted."""
@@ -61,6 +88,7 @@ class Request:
     group: str = ""  # its sample group (GRPO: the prompt); "" = none
     want_logprobs: bool = False  # the client asked for the sampled tokens' logprobs
     update_policy: str = ""  # FINISH or RESUME at a weight update ("": the update's own)
+    max_staleness: int | None = None  # stop it (STALE) beyond this lag (None: no bound)
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # parallel to output (if wanted)
     versions: list[tuple[int, str]] = field(default_factory=list)  # (first index, version)
@@ -192,6 +220,8 @@ class Request:
             doc["logprobs"] = self.logprobs
         if self.update_policy:
             doc["update_policy"] = self.update_policy
+        if self.max_staleness is not None:
+            doc["max_staleness"] = self.max_staleness
         return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -203,6 +233,7 @@ class ImportedState:
     logprobs: tuple[float, ...] | None = None  # None: the client did not ask for them
     hop_starts: tuple[int, ...] = ()  # parallel to hops (older senders: none)
     update_policy: str = ""
+    max_staleness: int | None = None
 
 
 def parse_engine_state(data: bytes, output_len: int) -> ImportedState:
@@ -220,6 +251,7 @@ def parse_engine_state(data: bytes, output_len: int) -> ImportedState:
         raw = doc.get("logprobs")
         logprobs = None if raw is None else tuple(float(x) for x in raw)
         policy = str(doc.get("update_policy") or "")
+        bound = doc.get("max_staleness")
     except errors.InvalidArgument:
         raise
     except (ValueError, TypeError, UnicodeDecodeError, AttributeError) as exc:
@@ -241,6 +273,12 @@ def parse_engine_state(data: bytes, output_len: int) -> ImportedState:
         )
     if policy and policy not in UPDATE_POLICIES:
         raise errors.field_error("engine_state.update_policy", policy, " or ".join(UPDATE_POLICIES))
+    if bound is not None and (
+        isinstance(bound, bool) or not isinstance(bound, int) or not 0 <= bound <= MAX_STALENESS
+    ):
+        raise errors.field_error(
+            "engine_state.max_staleness", bound, f"an integer in 0..{MAX_STALENESS}"
+        )
     if hop_starts and (
         len(hop_starts) != len(hops)
         or list(hop_starts) != sorted(hop_starts)
@@ -258,4 +296,5 @@ def parse_engine_state(data: bytes, output_len: int) -> ImportedState:
         logprobs=logprobs,
         update_policy=policy,
         hop_starts=hop_starts,
+        max_staleness=bound,
     )

@@ -19,7 +19,10 @@ per-token weight versions underneath. The shapes follow SGLang 0.5.8 (the releas
   tokenizes: ``text`` is always ``""`` and ``text`` prompts are refused. Each output's
   ``meta_info.orl`` says which weights made which tokens (``weight_versions``: runs of
   ``[first index, version]``) and on which nodes it ran; ``weight_version`` is the last
-  token's.
+  token's. OrchestrRL's ``max_staleness`` (0..64) stops a request whose oldest token is
+  that many versions behind new weights when they land: ``finish_reason {"type":
+  "stale", "length"}`` with its output so far (``/server_info``'s ``orl.stale_stopped``
+  counts them).
 - ``POST /abort_request`` ``{"rid"}`` or ``{"abort_all": true}``: the aborted requests
   answer ``finish_reason {"type": "abort", ...}`` with their output so far (200), as
   SGLang's do; a ``rid`` also aborts the samples and batch items made from it
@@ -60,6 +63,7 @@ from node_agent.gateway.http import (
     _float,
     _int,
     bad,
+    parse_max_staleness,
     update_answer,
 )
 from node_agent.gateway.requests import UPDATE_POLICIES, Request, Where
@@ -135,6 +139,7 @@ _GENERATE_FIELDS = frozenset(
         "model",
         "group",  # OrchestrRL: the sample group of a single prompt (n = 1)
         "on_weight_update",  # OrchestrRL: "finish" or "resume" at a weight update
+        "max_staleness",  # OrchestrRL: stop it ("stale") beyond this weight-version lag
         *_GENERATE_NOOP,
         *_GENERATE_IGNORED,
     }
@@ -205,6 +210,7 @@ class Generate:
     batch: bool  # answer a list (input_ids was a batch, or n > 1)
     stream: bool
     on_weight_update: str = ""
+    max_staleness: int | None = None
 
 
 def _check_fields(
@@ -395,6 +401,7 @@ def parse_generate(body: object, settings: GatewaySettings, new_id: str = "") ->
             policy,
             '"finish" (on the old weights) or "resume" (on the new ones) at a weight update',
         )
+    max_staleness = parse_max_staleness(body)
     parsed = [
         parse_sampling(
             p,
@@ -448,7 +455,7 @@ def parse_generate(body: object, settings: GatewaySettings, new_id: str = "") ->
                     group or ("" if n == 1 else bases[b]),
                 )
             )
-    return Generate(tuple(samples), not single or n > 1, stream, policy or "")
+    return Generate(tuple(samples), not single or n > 1, stream, policy or "", max_staleness)
 
 
 def _prompt_ids(rid: object, count: int, single: bool, fresh: str) -> list[str]:
@@ -488,6 +495,8 @@ def finish_reason(req: Request) -> dict[str, Any] | None:
         }
     if req.where is not Where.FINISHED:
         return None
+    if req.finish == "stale":  # stopped beyond its max_staleness (OrchestrRL)
+        return {"type": "stale", "length": len(req.output)}
     if req.finish == "stop":
         last = req.output[-1] if req.output else None
         # the stop token when it is one the client named (an engine's own end-of-sequence
@@ -535,6 +544,7 @@ def server_info(
     seats: int,
     weight_version: str,
     version: str,
+    stale_stopped: int = 0,
 ) -> dict[str, Any]:
     """``/server_info``: the ``ServerArgs`` fields a router reads, as the gateway has them.
     ``model_path`` is null: a router would load a tokenizer from it (``sglang-router``
@@ -552,7 +562,7 @@ def server_info(
         "disaggregation_mode": "null",
         "weight_version": weight_version,
         "version": version,
-        "orl": {"engine": kind, "tp_layout": list(layout)},
+        "orl": {"engine": kind, "tp_layout": list(layout), "stale_stopped": stale_stopped},
     }
 
 

@@ -118,6 +118,7 @@ class SglangRoutes:
                         s.group,
                         logprobs=s.logprobs,
                         update_policy=params.on_weight_update,
+                        max_staleness=params.max_staleness,
                     )
                 )
         except (QueueFull, errors.InvalidArgument, errors.Unavailable) as exc:
@@ -227,6 +228,7 @@ class SglangRoutes:
                 self._seats,
                 self.engine.weight_version,
                 self._version(),
+                self.engine.stale_stopped,
             )
         )
 

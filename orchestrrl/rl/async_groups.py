@@ -8,7 +8,10 @@ as consumed, so the producer replaces it). Every token keeps the weight version
 that produced it (the gateways' labels). :meth:`AsyncGroups.take` hands the trainer its
 next ``N`` complete groups, oldest complete first; a group whose oldest token is more than
 ``max_lag`` versions behind the weights it would be trained on is dropped whole and
-counted (:attr:`AsyncGroups.dropped`), never handed to the trainer. New weights reach the
+counted (:attr:`AsyncGroups.dropped`), never handed to the trainer. Every request carries
+``max_staleness = max_lag``, so the gateways enforce the bound too: a response they stop
+when new weights land too far past its oldest token (finish reason ``"stale"``) makes its
+group over-stale, dropped and counted the same way as soon as it completes. New weights reach the
 engines without a global pause: the caller pushes them (the controller's weight sync, or
 :meth:`AsyncRollout.update_weights`) while the groups run, each gateway loading them as its
 ``on_weight_update`` policy says ("finish": running requests end on the old weights,
@@ -33,7 +36,12 @@ from typing import Any
 
 from orchestrrl import errors
 from orchestrrl.logs import get_logger
-from orchestrrl.rl.staleness import complete_group, groups_to_start, split_stale
+from orchestrrl.rl.staleness import (
+    complete_group,
+    gateway_stopped,
+    groups_to_start,
+    split_stale,
+)
 from orchestrrl.rollout import AsyncRollout, Group
 from scheduler.async_rollout import CompleteGroup, take_batch
 
@@ -105,6 +113,7 @@ class AsyncGroups:
         self.trained: list[Group] = []  # handed to the trainer
         self.dropped: list[Group] = []  # over-stale, never handed to the trainer
         self.cancelled = 0  # in flight when closed
+        self._stopped: list[Group] = []  # dropped as the gateways stopped them, not reported
         self._queue: list[_Done] = []  # complete, oldest complete first
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
@@ -181,7 +190,7 @@ class AsyncGroups:
         gid = f"g{index}"
         started_at = self.version
         prompt = tuple(self.prompt_of(index))
-        kwargs = dict(self.generate)
+        kwargs = {**self.generate, "max_staleness": self.max_lag}  # the gateways' bound too
         if self.seed is not None:
             kwargs["seed"] = self.seed + index * self.n
 
@@ -190,6 +199,9 @@ class AsyncGroups:
                 (group,) = await self.rollout.generate(
                     [prompt], n=self.n, group_ids=[gid], **kwargs
                 )
+                if gateway_stopped(s.finish_reason for s in group.samples):
+                    self._drop_stopped(group)
+                    return
                 summary = complete_group(
                     gid, [s.versions for s in group.samples], len(prompt), started_at
                 )
@@ -225,6 +237,8 @@ class AsyncGroups:
                     f"a rollout group failed: {self._failed}"
                 ) from self._failed
             dropped += self._drop_stale(version)
+            dropped += self._stopped
+            self._stopped = []
             took = take_batch(
                 [d.summary for d in self._queue], version, self.batch_groups, self.max_lag
             )
@@ -240,6 +254,15 @@ class AsyncGroups:
         self.consumed += len(trained)
         self._wake.set()
         return Batch(version, trained, took.lags, tuple(dropped), time.perf_counter() - t0)
+
+    def _drop_stopped(self, group: Group) -> None:
+        """A gateway stopped one of ``group``'s responses beyond ``max_lag``: the group is
+        over-stale, dropped and counted (and replaced) as :meth:`_drop_stale` does."""
+        self.dropped.append(group)
+        self._stopped.append(group)
+        self.consumed += 1
+        stale = [s.request_id for s in group.samples if s.finish_reason == "stale"]
+        log.info("async_group_dropped", group=group.group_id, stopped_by_gateway=stale)
 
     def _drop_stale(self, version: int) -> list[Group]:
         """Drop (and count) the waiting groups beyond ``max_lag`` at ``version``; each

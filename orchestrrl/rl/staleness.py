@@ -23,14 +23,26 @@ from orchestrrl import errors
 from scheduler.async_rollout import CompleteGroup, admission_limit, version_lag
 
 __all__ = [
+    "STALE",
     "bad_token_versions",
     "complete_group",
     "first_version",
+    "gateway_stopped",
     "groups_to_start",
     "split_stale",
     "tokens_by_version",
     "version_number",
 ]
+
+
+STALE = "stale"  # the finish reason of a response a gateway stopped beyond max_staleness
+
+
+def gateway_stopped(finish_reasons: Iterable[str]) -> bool:
+    """Whether a gateway stopped one of a group's responses as over-stale (finish reason
+    ``"stale"``: new weights landed more than ``max_staleness`` versions past its oldest
+    token): the group is over-stale, dropped whole like one the trainer finds too old."""
+    return any(r == STALE for r in finish_reasons)
 
 
 def version_number(label: str) -> int:

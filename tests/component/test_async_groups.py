@@ -62,6 +62,37 @@ async def test_stale_groups_are_dropped_and_replaced_until_the_weights_land(
     assert counts["lost"] == 0 and counts["trained"] == 4
 
 
+async def test_a_group_the_gateway_stops_as_stale_is_dropped_and_counted(
+    gateway: Gateway,
+) -> None:
+    """Every request carries ``max_staleness = max_lag``: a group held at token 3 while
+    version 1 lands is stopped by the gateway ("stale"), dropped and replaced; the
+    replacement, on version 1, is what the trainer gets."""
+    gateway.hold.until(len(prompt_of(0)) + 3)
+    async with (
+        AsyncRollout([gateway.url]) as rollout,
+        AsyncGroups(
+            rollout, prompt_of, batch_groups=1, n=2, max_staleness=0, max_tokens=6,
+            temperature=0.0, on_weight_update="resume",
+        ) as groups,
+    ):  # fmt: skip
+        await eventually(lambda: len(gateway.hold.held) == 2)  # g0's samples, at token 3
+        await rollout.update_weights("/ckpt/scripted-1", "1")
+        gateway.hold.release()
+        groups.set_version(1)
+        batch = await asyncio.wait_for(groups.take(1), 30)
+    (stopped,) = groups.dropped
+    assert stopped.group_id == "g0" and [g.group_id for g in batch.dropped] == ["g0"]
+    assert [s.finish_reason for s in stopped.samples] == ["stale", "stale"]
+    assert all(s.versions == ("0",) * 3 for s in stopped.samples)
+    (trained,) = batch.groups
+    assert trained.group_id == "g1" and batch.lags == (0,)
+    assert all(s.versions == ("1",) * 6 for s in trained.samples)
+    assert gateway.engine.stale_stopped == 2
+    counts = groups.accounting()
+    assert counts["lost"] == 0 and counts["dropped"] == 1 and counts["trained"] == 1
+
+
 async def test_bad_settings_are_named(gateway: Gateway) -> None:
     async with AsyncRollout([gateway.url]) as rollout:
         with pytest.raises(errors.InvalidArgument) as info:

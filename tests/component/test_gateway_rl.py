@@ -224,3 +224,72 @@ async def test_instances_started_after_an_update_serve_the_new_weights(gw: Gatew
     _, answer = await gw.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 7})
     assert answer["choices"][0]["token_ids"] == greedy(PROMPT, 7, weights=6)
     assert answer["orl"]["weight_versions"] == [[0, "v6"]]
+
+
+async def test_an_update_stops_the_requests_beyond_their_staleness_bound(gw: Gateway) -> None:
+    """Three requests held at token k while new weights land: the two whose bound the new
+    version exceeds (OpenAI and SGLang endpoints) stop there, finish reason "stale", with
+    their k tokens; the one within its bound goes on; the gateway counts them."""
+    k = 40
+    gw.hold.until(len(PROMPT) + k)
+    body: dict[str, Any] = {
+        "prompt": PROMPT, "max_tokens": 300, "temperature": 0, "logprobs": 0,
+        "on_weight_update": "resume", "stream": True,
+    }  # fmt: skip
+    over = asyncio.create_task(gw.stream({**body, "max_staleness": 0, "request_id": "over"}))
+    within = asyncio.create_task(gw.stream({**body, "max_staleness": 1, "request_id": "in"}))
+    native = asyncio.create_task(
+        gw.post(
+            "/generate",
+            {
+                "input_ids": PROMPT,
+                "rid": "native",
+                "max_staleness": 0,
+                "on_weight_update": "resume",
+                "sampling_params": {"max_new_tokens": 300, "temperature": 0},
+            },
+        )
+    )
+    await eventually(lambda: len(gw.hold.held) == 3)  # each at exactly k tokens
+    status, answer = await update(gw, path="/ckpt/scripted-1", version="1")
+    assert status == 200, answer
+    assert answer["resumed_requests"] == 3 and answer["stale_stopped_requests"] == 2
+    gw.hold.release()
+    stopped = choices(await over)[0]
+    assert stopped["finals"] == ["stale"] and stopped["tokens"] == greedy(PROMPT, k)
+    assert stopped["orl"]["weight_versions"] == [[0, "0"]]
+    status, out = await native
+    assert status == 200, out
+    assert out["output_ids"] == greedy(PROMPT, k)
+    assert out["meta_info"]["finish_reason"] == {"type": "stale", "length": k}
+    assert out["meta_info"]["orl"]["weight_versions"] == [[0, "0"]]
+    went_on = choices(await within)[0]
+    assert went_on["finals"] == ["length"] and went_on["orl"]["weight_versions"] == [
+        [0, "0"],
+        [k, "1"],
+    ]
+    tokens = went_on["tokens"]  # none lost or repeated at the update
+    assert tokens[:k] == greedy(PROMPT, k)
+    assert tokens[k:] == greedy([*PROMPT, *tokens[:k]], 300 - k, weights=1)
+    assert went_on["logprobs"] == greedy_logprobs(PROMPT, tokens, [0] * k + [1] * (300 - k))
+    async with gw.http.get(gw.url + "/health") as r:
+        health = await r.json()
+    async with gw.http.get(gw.url + "/server_info") as r:
+        info = await r.json()
+    assert health["stale_stopped"] == 2 and info["orl"]["stale_stopped"] == 2
+    assert gw.engine.core.seats_taken() == 0
+
+
+@pytest.mark.parametrize("value", [-1, 65, 1.5, "1", True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
+async def test_a_bad_max_staleness_is_refused_naming_the_field(
+    gw: Gateway, path: str, value: object
+) -> None:
+    body: dict[str, Any] = (
+        {"prompt": PROMPT} if path == "/v1/completions" else {"input_ids": PROMPT}
+    )
+    status, answer = await gw.post(path, {**body, "max_staleness": value})
+    assert status == 400, answer
+    assert answer["error"]["param"] == "max_staleness"
+    assert "0..64" in answer["error"]["message"] and repr(value) in answer["error"]["message"]
+    assert gw.engine.in_flight() == []

@@ -88,7 +88,23 @@ async def test_bad_input_is_refused_before_anything_is_sent(two: list[Gateway]) 
             await rollout.generate([[1]], group_ids=["a", "b"])
         with pytest.raises(RolloutError, match=r"HTTP 400.*temperature"):
             await rollout.generate([[1]], temperature=-1)
+        for bad in (-1, 65, True):
+            with pytest.raises(errors.InvalidArgument, match=r"max_staleness=.*0\.\.64"):
+                await rollout.generate([[1]], max_staleness=bad)
+            with pytest.raises(errors.InvalidArgument, match=r"max_staleness=.*0\.\.64"):
+                await rollout.stream({}, "r", 1, print, print, max_staleness=bad)
     assert two[0].engine.core.requests == {}
+
+
+async def test_max_staleness_reaches_the_gateway_with_each_request(two: list[Gateway]) -> None:
+    async with AsyncRollout([two[0].url]) as rollout:
+        two[0].hold.until(len(PROMPTS[0]) + 2)
+        task = asyncio.create_task(rollout.generate(PROMPTS[:1], n=2, max_staleness=3))
+        await eventually(lambda: len(two[0].hold.held) == 2)
+        bounds = [r.max_staleness for r in two[0].engine.core.requests.values()]
+        two[0].hold.release()
+        (group,) = await task
+    assert bounds == [3, 3] and [s.finish_reason for s in group.samples] == ["length"] * 2
 
 
 async def test_abort_a_group_in_flight(two: list[Gateway]) -> None:

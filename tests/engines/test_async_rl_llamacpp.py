@@ -6,8 +6,10 @@ the gateway's HTTP API; the test pushes version 1 with ``in_flight="resume"`` wh
 request is part way, then takes batches as a trainer would. Greedy decoding makes every
 token checkable: each one must be the argmax (and its logprob the one) of the weights of
 the version it is tagged with, given everything before it, so a token lost, repeated or
-tagged with the wrong version shows. With ``max_lag = 0`` the group left over from
-version 0 is dropped and counted when the trainer is at version 1, never handed to it.
+tagged with the wrong version shows. With ``max_lag = 0`` (every request's
+``max_staleness``) the gateway stops the four requests of version 0 when version 1 lands
+("stale", their tokens so far), and their groups are dropped and counted, never handed to
+the trainer; the groups that replace them run on version 1.
 """
 
 from __future__ import annotations
@@ -63,8 +65,9 @@ def check_tokens(groups: list[Group], refs: dict[str, Reference]) -> set[str]:
     seen: set[str] = set()
     for g in groups:
         for s in g.samples:
-            assert len(s.completion_ids) == MAX_TOKENS == len(s.versions)
-            assert s.logprobs is not None and len(s.logprobs) == MAX_TOKENS
+            n = len(s.completion_ids)  # all asked for, or up to where the gateway stopped it
+            assert n == MAX_TOKENS or (s.finish_reason == "stale" and 0 < n < MAX_TOKENS)
+            assert len(s.versions) == n and s.logprobs is not None and len(s.logprobs) == n
             assert list(s.versions) == sorted(s.versions), s.weight_versions
             for label in set(s.versions):
                 rec = refs[label].recompute(g.prompt_ids, s.completion_ids)
@@ -127,30 +130,24 @@ async def test_an_update_lands_while_requests_run_and_stale_groups_are_dropped(
             os.kill(pid, signal.SIGCONT)
         answers = await update
         assert [a["resumed_requests"] for a in answers.values()] == [4], answers
-        assert groups.started == 2  # the bound: (1 + max_staleness) x 1 group
-        await eventually(lambda: groups.waiting == 2, within_s=300)
-
-        first = await groups.take(0)  # the trainer at version 0: lag 0, trained
-        assert len(first.groups) == 1 and first.lags == (0,) and first.dropped == ()
-        leftover = ({"g0", "g1"} - {first.groups[0].group_id}).pop()
-        # the trainer now holds version 1: the leftover group's oldest token is of version
-        # 0, one behind: dropped and counted; a group started on version 1 is taken
+        # version 1 is one past the version of every request's tokens, beyond max_lag = 0:
+        # the gateway stopped all four, and their groups are dropped (and replaced) at once
+        assert [a["stale_stopped_requests"] for a in answers.values()] == [4], answers
+        await eventually(lambda: len(groups.dropped) == 2, within_s=60)
         groups.set_version(1)
-        second = await groups.take(1)
-        assert [g.group_id for g in second.dropped] == [leftover]
-        # the leftover's place is taken again at once: g2 (started at the first take) and
-        # g3 run on version 1; the trainer gets whichever completes first
-        assert [g.group_id for g in second.groups] in (["g2"], ["g3"]) and second.lags == (0,)
-        assert leftover not in {g.group_id for g in groups.trained}
-        assert [g.group_id for g in groups.dropped] == [leftover]
+        batch = await groups.take(1)
+        assert sorted(g.group_id for g in batch.dropped) == ["g0", "g1"]
+        assert [g.group_id for g in batch.groups] in (["g2"], ["g3"]) and batch.lags == (0,)
+        stopped = [s for g in batch.dropped for s in g.samples]
+        assert [s.finish_reason for s in stopped] == ["stale"] * 4
+        assert all(set(s.versions) == {"0"} for s in stopped)
+        assert not {"g0", "g1"} & {g.group_id for g in groups.trained}
         counts = groups.accounting()
-        assert counts["lost"] == 0 and counts["trained"] == 2 and counts["dropped"] == 1
+        assert counts["lost"] == 0 and counts["trained"] == 1 and counts["dropped"] == 2
 
-        # every token checked, across the update: both versions, spliced in one sample
-        taken = [*first.groups, *second.dropped, *second.groups]
+        # every token checked, across the update: version 0's up to the stop, version 1's
+        taken = [*batch.dropped, *batch.groups]
         assert check_tokens(taken, refs) == {"0", "1"}
-        spliced = [s for g in taken for s in g.samples if s.weight_versions == ("0", "1")]
-        assert len(spliced) == 4  # every request of g0 and g1 resumed on version 1
-        assert all(s.versions == ("1",) * MAX_TOKENS for s in second.groups[0].samples)
+        assert all(s.versions == ("1",) * MAX_TOKENS for s in batch.groups[0].samples)
         ids = [s.request_id for g in taken for s in g.samples]
         assert len(ids) == len(set(ids)) == 6

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from structlog.testing import capture_logs
@@ -35,7 +35,7 @@ from node_agent.gateway.core import (
     StartFollow,
     StopInstance,
 )
-from node_agent.gateway.requests import Where
+from node_agent.gateway.requests import Where, parse_engine_state, staleness, version_count
 from orchestrrl import errors
 from sim_backends.token_engine import greedy, next_token
 
@@ -101,11 +101,41 @@ class Shell:
         self.act(self.core.adopt(insts, self.core.layout))
         return insts
 
-    def submit(self, i: int, n: int, rid: str | None = None, group: str = "") -> str:
+    def submit(
+        self,
+        i: int,
+        n: int,
+        rid: str | None = None,
+        group: str = "",
+        *,
+        max_staleness: int | None = None,
+        update_policy: str = "",
+    ) -> str:
         rid = rid or f"r{i}"
-        _, actions = self.core.submit(0.0, rid, prompt(i), n, GREEDY, group)
+        _, actions = self.core.submit(
+            0.0,
+            rid,
+            prompt(i),
+            n,
+            GREEDY,
+            group,
+            max_staleness=max_staleness,
+            update_policy=update_policy,
+        )
         self.act(actions)
         return rid
+
+    def update(self, version: str, policy: str = "resume") -> list[Action]:
+        """A whole weight update to ``version`` as the shell runs it: begin, the calls
+        taken off and the finishing ones end, then the new weights land; the actions of
+        the landing."""
+        self.act(self.core.begin_update(version, policy))
+        self.end_cancelled()
+        self.run_to_completion()
+        landed = self.core.end_update(ok=True)
+        self.act(landed)
+        self.end_cancelled()
+        return landed
 
     def step(self, call_id: str, k: int = 1) -> bool:
         """Stream ``k`` tokens of a call (the scripted continuation of its submission),
@@ -436,6 +466,134 @@ def test_a_failed_update_keeps_the_version_and_bad_updates_change_nothing() -> N
     assert shell.core.requests[rid].versions == [(0, "0")]
 
 
+# -- the staleness bound ---------------------------------------------------------------------
+
+
+def test_version_count_and_staleness() -> None:
+    assert [version_count(v) for v in ("0", "7", "12")] == [0, 7, 12]
+    assert [version_count(v) for v in ("", "v1", "-1", "1.0", "\u00b2", "9" * 19)] == [None] * 6
+    assert staleness([(0, "1"), (4, "3")], 6, "5") == 4  # counted from the oldest token
+    assert staleness([(0, "3"), (2, "1")], 6, "5") == 4  # the oldest, wherever it is
+    assert staleness([], 0, "5") is None  # no token yet: never stale
+    assert staleness([(0, "1"), (3, "2")], 3, "5") == 4  # runs beyond the output ignored
+    assert staleness([(0, "v1")], 2, "5") is None and staleness([(0, "1")], 2, "v5") is None
+
+
+@given(
+    runs=st.lists(st.integers(0, 40), min_size=1, max_size=6),
+    now=st.integers(0, 60),
+    extra=st.integers(0, 5),
+)
+def test_staleness_is_the_lag_of_the_oldest_token(runs: list[int], now: int, extra: int) -> None:
+    versions = [(2 * k, str(v)) for k, v in enumerate(runs)]
+    length = 2 * len(runs) - 1 + extra
+    sizes = [2] * (len(runs) - 1) + [1 + extra]
+    per_token = [v for v, size in zip(runs, sizes, strict=True) for _ in range(size)]
+    assert staleness(versions, length, str(now)) == now - min(per_token)
+
+
+def test_an_update_stops_the_requests_beyond_their_bound_and_only_those() -> None:
+    shell = make((1, 1), seats=2)
+    over = shell.submit(0, 40, max_staleness=0)
+    within = shell.submit(1, 40, max_staleness=1)
+    unbounded = shell.submit(2, 40)
+    for cid in shell.live_calls():
+        shell.step(cid, 5)
+    fresh = shell.submit(3, 10, max_staleness=0)  # queued, no token yet: never stale
+    with capture_logs() as logs:
+        landed = shell.update("1")
+    reqs = shell.core.requests
+    assert reqs[over].where is Where.FINISHED and reqs[over].finish == "stale"
+    assert reqs[over].output == greedy(prompt(0), 40)[:5]  # its tokens so far, kept
+    assert not any(isinstance(a, StartCall) and a.request_id == over for a in landed)
+    assert shell.core.stale_stopped == 1
+    stopped = [e for e in logs if e["event"] == "request_stale_stopped"]
+    assert [(e["request"], e["lag"], e["max_staleness"], e["was"]) for e in stopped] == [
+        (over, 1, 0, "queued")
+    ]
+    shell.run_to_completion()
+    assert reqs[within].finish == "length" and reqs[within].versions == [(0, "0"), (5, "1")]
+    assert reqs[within].output == greedy(prompt(1), 40)
+    assert reqs[unbounded].output == greedy(prompt(2), 40)
+    assert reqs[fresh].versions == [(0, "1")]
+    # the next version leaves ``within`` (done) alone; a running one of lag 2 > 1 stops
+    again = shell.submit(4, 40, max_staleness=1)
+    shell.step(shell.live_calls()[0], 3)
+    shell.update("2")
+    assert reqs[again].where is Where.RUNNING  # lag 1 (its oldest token is "1")
+    shell.update("3")
+    assert reqs[again].finish == "stale" and shell.core.stale_stopped == 2
+    assert reqs[again].output == greedy(prompt(4), 40)[: len(reqs[again].output)]
+    assert shell.core.seats_taken() == 0 and shell.calls == {}
+    check_invariants(shell.core)
+
+
+def test_a_relabel_stops_running_calls_and_held_requests() -> None:
+    shell = make((1,), seats=2)
+    running = shell.submit(0, 40, max_staleness=0)
+    held = shell.submit(1, 40, max_staleness=2)
+    for cid in shell.live_calls():
+        shell.step(cid, 3)
+    _, _, actions = shell.core.hold([held])
+    shell.act(actions)
+    shell.end_cancelled()
+    actions = shell.core.relabel("3")
+    cancelled = {shell.calls[a.call_id].request_id for a in actions if isinstance(a, CancelCall)}
+    assert cancelled == {running}  # its call stops, its seat is freed when it ends
+    shell.act(actions)
+    shell.end_cancelled()
+    reqs = shell.core.requests
+    assert [reqs[r].finish for r in (running, held)] == ["stale", "stale"]
+    assert [len(reqs[r].output) for r in (running, held)] == [3, 3]
+    assert shell.core.seats_taken() == 0 and shell.core.stale_stopped == 2
+    # the destination's answer comes late: nothing to restore or release any more
+    assert shell.core.restore([held]) == ([], [])
+    assert shell.core.release([held], Destination("b", "b:1"), True) == ([], [])
+    check_invariants(shell.core)
+
+
+def test_labels_that_are_not_version_counts_are_never_judged() -> None:
+    shell = make((1,), seats=1)
+    rid = shell.submit(0, 20, max_staleness=0)
+    shell.step(shell.live_calls()[0], 4)
+    shell.update("v1")
+    shell.run_to_completion()
+    assert shell.core.requests[rid].finish == "length" and shell.core.stale_stopped == 0
+
+
+def test_bad_max_staleness_is_refused_and_changes_nothing() -> None:
+    shell = make((1,), seats=1)
+    for bad in (-1, 65, True, 1.5, "1"):
+        with pytest.raises(errors.InvalidArgument, match=r"max_staleness=.*0\.\.64"):
+            shell.core.submit(0.0, "r", prompt(0), 5, GREEDY, max_staleness=bad)  # type: ignore[arg-type]
+    assert shell.core.requests == {} and shell.calls == {}
+
+
+def test_the_bound_travels_with_a_migration_and_an_import_too_stale_stops() -> None:
+    src = make((1,), seats=1)
+    rid = src.submit(0, 30, max_staleness=1)
+    src.step(src.live_calls()[0], 4)
+    exported, _, actions = src.core.hold([rid])
+    src.act(actions)
+    src.end_cancelled()
+    assert parse_engine_state(exported[0].engine_state, 4).max_staleness == 1
+    with pytest.raises(errors.InvalidArgument, match=r"engine_state\.max_staleness"):
+        parse_engine_state(b'{"max_staleness": 65}', 0)
+    ok = GatewayCore("scripted", 1, (1,), node="b", config=CoreConfig(weight_version="1"))
+    dst = Shell(ok, 1)
+    dst.start()
+    dst.act(dst.core.admit(0.0, exported, 0, True)[1])
+    assert dst.core.requests[rid].where is Where.RUNNING  # lag 1: within its bound
+    old = GatewayCore("scripted", 1, (1,), node="c", config=CoreConfig(weight_version="2"))
+    far = Shell(old, 1)
+    far.start()
+    result, actions = far.core.admit(0.0, exported, 0, True)
+    far.act(actions)
+    req = far.core.requests[rid]
+    assert result.admitted == (rid,) and req.finish == "stale" and far.calls == {}
+    assert far.core.stale_stopped == 1 and req.output == list(exported[0].output_token_ids)
+
+
 # -- migration -------------------------------------------------------------------------------------
 
 
@@ -591,12 +749,12 @@ class GatewayMachine(RuleBasedStateMachine):
     def core(self) -> GatewayCore:
         return self.shell.core
 
-    @rule(n=st.integers(1, 25))
-    def submit(self, n: int) -> None:
+    @rule(n=st.integers(1, 25), bound=st.none() | st.integers(0, 2))
+    def submit(self, n: int, bound: int | None) -> None:
         if self.core.crashed or len(self.core.queued_ids()) >= 64:
             return
         self.n += 1
-        rid = self.shell.submit(self.n, n, f"r{self.n}")
+        rid = self.shell.submit(self.n, n, f"r{self.n}", max_staleness=bound)
         self.caps[rid] = (self.n, n)
 
     @precondition(lambda self: self.shell.live_calls())
@@ -674,7 +832,7 @@ class GatewayMachine(RuleBasedStateMachine):
     @rule(policy=st.sampled_from(["finish", "resume"]))
     def update_begins(self, policy: str) -> None:
         """An update begins; any other event may come before it ends (migrations too)."""
-        self.shell.act(self.core.begin_update(f"v{len(self.shell.log)}", policy))
+        self.shell.act(self.core.begin_update(f"{len(self.shell.log)}", policy))
         self.update_began = len(self.shell.log)
 
     @precondition(lambda self: self.core.updating)
@@ -687,6 +845,25 @@ class GatewayMachine(RuleBasedStateMachine):
         if ok:
             self.versions.append(self.core.updating)
         self.shell.act(self.core.end_update(ok=ok))
+        self.stale_checked()
+
+    @precondition(lambda self: not self.core.updating)
+    @rule()
+    def relabel(self) -> None:
+        """The weights served are relabelled (changed outside the gateway) while calls run."""
+        version = f"{len(self.shell.log) + 1}"
+        self.versions.append(version)
+        self.shell.act(self.core.relabel(version))
+        self.stale_checked()
+
+    def stale_checked(self) -> None:
+        """Nothing left to generate here is beyond its bound; what stopped kept its tokens."""
+        for req in self.core.requests.values():
+            lag = staleness(req.versions, len(req.output), self.core.weight_version)
+            if req.where in (Where.QUEUED, Where.RUNNING, Where.HELD) and lag is not None:
+                assert req.max_staleness is None or lag <= req.max_staleness, req.id
+            if req.finish == "stale":
+                assert req.max_staleness is not None and req.output
 
     @rule()
     def pause_and_unpause(self) -> None:
@@ -724,7 +901,10 @@ class GatewayMachine(RuleBasedStateMachine):
             if rid in self.gone or req is None or req.where is Where.FAILED:
                 continue
             assert req.where is Where.FINISHED, (rid, req.where)
-            assert req.output == greedy(prompt(i), n), rid
+            if req.finish == "stale":  # stopped at an update: a prefix, none lost or doubled
+                assert req.output == greedy(prompt(i), n)[: len(req.output)], rid
+            else:
+                assert req.output == greedy(prompt(i), n), rid
             starts = [k for k, _ in req.versions]
             assert starts == sorted(set(starts)) and (not req.output or starts[0] == 0)
             order = [self.versions.index(v) for _, v in req.versions]  # each one loaded

@@ -112,3 +112,13 @@ async def test_metrics_expose_rdma_and_gpu_extras_and_omit_absent_ones(tmp_path:
     assert 'orl_agent_gpu_ecc_errors{gpu="0",type="corrected"} 3.0' in text
     assert 'gpu_sm_clock_mhz{gpu="1"}' not in text
     assert 'orl_agent_gpu_ecc_errors{gpu="0",type="uncorrected"}' not in text
+
+
+def test_the_gateways_stale_stopped_counter_is_exposed_once_watched() -> None:
+    metrics = AgentMetrics()
+    assert "orl_agent_gateway_stale_stopped" not in generate_latest(metrics.registry).decode()
+    stopped = [3]
+    metrics.watch_gateway(lambda: stopped[0])
+    assert "orl_agent_gateway_stale_stopped_total 3.0" in generate_latest(metrics.registry).decode()
+    stopped[0] = 5  # read at each scrape
+    assert "orl_agent_gateway_stale_stopped_total 5.0" in generate_latest(metrics.registry).decode()

@@ -13,6 +13,7 @@ from orchestrrl.rl.staleness import (
     bad_token_versions,
     complete_group,
     first_version,
+    gateway_stopped,
     groups_to_start,
     split_stale,
     tokens_by_version,
@@ -28,6 +29,11 @@ def test_version_labels() -> None:
     for bad in ("", "v1", "-1", "1.5", " 1", "9" * 19):
         with pytest.raises(errors.InvalidArgument, match=r"^weight_version=.* is not valid"):
             version_number(bad)
+
+
+def test_a_response_a_gateway_stopped_makes_its_group_over_stale() -> None:
+    assert gateway_stopped(["length", "stale", "stop"])
+    assert not gateway_stopped(["length", "stop", ""]) and not gateway_stopped([])
 
 
 def test_first_version_and_tokens() -> None:
