@@ -7,11 +7,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 # gRPC's fork handlers off before gRPC is imported: tests fork processes while gRPC runs
 from orchestrrl import forksafe as _forksafe  # noqa: F401
 from orchestrrl import wiring as wiring_mod
 from orchestrrl.model import Wiring
+
+# No per-example deadline and no "too slow" health check: an example's wall time is not
+# what a property test checks (timing belongs to the benchmarks), and a loaded 2-core CI
+# machine runs one 10x slower than an idle one (a 200 ms deadline failed a CI run with
+# two suites at once).
+settings.register_profile("orchestrrl", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("orchestrrl")
 
 # the session's real NETCONF switch (netconfd behind sshd), for any test that asks for it
 pytest_plugins = ["tests.netconf_fixtures"]
