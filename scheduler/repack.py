@@ -310,31 +310,11 @@ def plan_tail(
     nodes = {n.name: n for n in state.nodes}
     insts = {i.id: i for i in state.instances}
     req = {r.id: r for r in state.requests}
-    moving = {m.request: m for m in repack.moves}
-    wide: dict[str, Instance] = {}
-    for node, _ in repack.reshard_nodes:
-        width = len(nodes[node].gpus)
-        mine = [i for i in state.instances if i.node == node]
-        staying = [r for i in mine for r in on[i.id] if r.id not in moving]
-        arriving = [req[m.request] for m in repack.moves if m.target == f"node:{node}"]
-        tail = staying + arriving
-        if max(len(i.gpus) for i in mine) >= width or not tail or len(tail) > cap(width):
-            continue
-        per_gpu = [len(i.gpus) for i in mine for _ in i.gpus]
-        if reshard_pays(
-            base_tp=min(per_gpu),
-            wide_tp=width,
-            batch=len(tail),
-            context_tokens=sum(r.prompt_tokens + r.generated_tokens for r in tail) / len(tail),
-            remaining_tokens=max(forecast.remaining_mean(r.generated_tokens) for r in tail),
-            iteration_s=perf.decode_iteration_time,
-            pause_s=_pause(perf, nodes[node], per_gpu, [width] * width),
-        ):
-            wide[node] = canonical_instances(node, nodes[node].gpus, (width,))[0]
-    after = [i for i in state.instances if i.node not in wide] + list(wide.values())
+    wide = _widened(state, repack, on, cap, perf, forecast)
+    after = [i for i in state.instances if i.node not in wide] + [i for i, _ in wide.values()]
     load = {i.id: len(on[i.id]) for i in after}
-    for node, inst in wide.items():
-        load[inst.id] = sum(len(on[i.id]) for i in state.instances if i.node == node)
+    for node, (inst, _) in wide.items():
+        load[inst.id] = sum(len(on[i.id]) for i in state.instances_on(node))
     migrations: list[Migration] = []
     assignment: dict[str, str] = {}
     for m in repack.moves:
@@ -342,9 +322,13 @@ def plan_tail(
         src = insts[m.source]
         if m.target.startswith("node:"):
             node = m.target[5:]
-            dst = wide.get(node) or max(
-                (i for i in after if i.node == node),
-                key=lambda i: (cap(len(i.gpus)) - load[i.id], i.id),
+            dst = (
+                wide[node][0]
+                if node in wide
+                else max(
+                    (i for i in after if i.node == node),
+                    key=lambda i: (cap(len(i.gpus)) - load[i.id], i.id),
+                )
             )
         else:
             dst = insts[m.target]
@@ -356,13 +340,11 @@ def plan_tail(
     for r in state.requests:
         if r.id not in assignment and r.instance is not None:
             node = insts[r.instance].node
-            assignment[r.id] = wide[node].id if node in wide else r.instance
+            assignment[r.id] = wide[node][0].id if node in wide else r.instance
     reshards = []
-    for node, inst in wide.items():
-        mine = [i for i in state.instances if i.node == node]
-        per_gpu = [len(i.gpus) for i in mine for _ in i.gpus]
+    for node, (inst, pause) in wide.items():
+        mine = state.instances_on(node)
         before = tuple(sorted((len(i.gpus) for i in mine), reverse=True))
-        pause = _pause(perf, nodes[node], per_gpu, [len(inst.gpus)] * len(inst.gpus))
         reshards.append(
             Reshard(node, before, (len(inst.gpus),), tuple(i.id for i in mine), (inst,), pause)
         )
@@ -386,7 +368,7 @@ def plan_tail(
         reason += f"; frees {', '.join(emptied)} for fresh prompts and the next weights"
     if wide:
         reason += "; reshards " + ", ".join(
-            f"{n} to one TP{len(i.gpus)} instance" for n, i in wide.items()
+            f"{n} to one TP{len(i.gpus)} instance" for n, (i, _) in wide.items()
         )
     return ComputePlan(
         now=now,
@@ -399,6 +381,44 @@ def plan_tail(
         prediction=Prediction(keep, planned, max(runs.values()), switching, sum(stall.values())),
         reason=reason,
     )
+
+
+def _widened(
+    state: ComputeState,
+    repack: RepackPlan,
+    on: Mapping[str, Sequence[Request]],
+    cap: Callable[[int], int],
+    perf: PerfModel,
+    forecast: LengthForecast,
+) -> dict[str, tuple[Instance, float]]:
+    """The nodes left holding a tail that reshard to one instance of their width (and
+    its pause): those whose tail, after the moves, fits its seats and ends sooner there
+    (:func:`reshard_pays`)."""
+    moving = {m.request for m in repack.moves}
+    req = {r.id: r for r in state.requests}
+    out: dict[str, tuple[Instance, float]] = {}
+    for node, _ in repack.reshard_nodes:
+        spec = next(n for n in state.nodes if n.name == node)
+        gpus, mine = spec.gpus, state.instances_on(node)
+        staying = [r for i in mine for r in on.get(i.id, ()) if r.id not in moving]
+        arriving = [req[m.request] for m in repack.moves if m.target == f"node:{node}"]
+        tail = staying + arriving
+        width = len(gpus)
+        if max(len(i.gpus) for i in mine) >= width or not tail or len(tail) > cap(width):
+            continue
+        per_gpu = [len(i.gpus) for i in mine for _ in i.gpus]
+        pause = _pause(perf, spec, per_gpu, [width] * width)
+        if reshard_pays(
+            base_tp=min(per_gpu),
+            wide_tp=width,
+            batch=len(tail),
+            context_tokens=sum(r.prompt_tokens + r.generated_tokens for r in tail) / len(tail),
+            remaining_tokens=max(forecast.remaining_mean(r.generated_tokens) for r in tail),
+            iteration_s=perf.decode_iteration_time,
+            pause_s=pause,
+        ):
+            out[node] = (canonical_instances(node, gpus, (width,))[0], pause)
+    return out
 
 
 def _pause(perf: PerfModel, node: NodeGpus, old: Sequence[int], new: Sequence[int]) -> float:
