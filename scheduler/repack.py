@@ -311,6 +311,8 @@ def plan_tail(
     insts = {i.id: i for i in state.instances}
     req = {r.id: r for r in state.requests}
     wide = _widened(state, repack, on, cap, perf, forecast)
+    if not repack.moves and not wide:
+        return None  # nodes left holding a tail, none of them better off wide
     after = [i for i in state.instances if i.node not in wide] + [i for i, _ in wide.values()]
     load = {i.id: len(on[i.id]) for i in after}
     for node, (inst, _) in wide.items():

@@ -205,6 +205,10 @@ def test_a_short_tail_moves_without_a_reshard_and_recomputes_where_kv_is_refused
     long = _state({"a": ((1, 1), [[6000], []]), "b": ((1, 1), [[7000], [8000]])}, pause_s=600.0)
     held = _tail(long)
     assert held is not None and not held.reshards
+    # two nodes whose tails cannot merge (each fills the other's seats), neither better off
+    # wide: no plan, so the loop's other planning goes on
+    full = {"a": ((1, 1), [[30, 30], [30, 30]]), "b": ((1, 1), [[20, 20], [20, 20]])}
+    assert _tail(_state(full), seats=2, tail_fraction=1.0) is None
 
 
 def test_no_tail_repack_while_requests_queue_or_versions_differ_or_moves_settle() -> None:
@@ -241,6 +245,7 @@ def test_a_tail_plan_keeps_every_request_once_and_a_valid_state(
     plan = _tail(state)
     if plan is None:
         return
+    assert plan.migrations or plan.reshards  # never an empty plan
     after = apply_plan(state, plan)  # validates GPUs and ids
     assert sorted(r.id for r in after.requests) == sorted(r.id for r in state.requests)
     assert all(r.instance is not None for r in after.requests)
