@@ -16,7 +16,7 @@ from fabric_controller.registry import Health, NodeRecord
 from fabric_controller.scheduler_loop import ComputeScheduler
 from fabric_controller.store import Store
 from orchestrrl import errors
-from orchestrrl.model import Role
+from orchestrrl.model import Mode, Role
 from orchestrrl.v1 import node_agent_pb2 as pb
 
 pytestmark = pytest.mark.component
@@ -43,6 +43,7 @@ class StubController:
     store: Store
     wiring: Wiring = field(default_factory=Wiring)
     sample: pb.TelemetrySample | None = None
+    mode: Mode = Mode.PHASED
 
     def nodes(self) -> list[tuple[NodeRecord, Health, float | None]]:
         record = NodeRecord(NODE, agent_address="127.0.0.1:1", telemetry=self.sample)

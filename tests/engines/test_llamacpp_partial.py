@@ -33,6 +33,11 @@ pytestmark = pytest.mark.engine
 PROMPTS = [[5, 17, 3, 99, 42, 7], [9, 21, 5, 99, 44, 8]]
 MAX_TOKENS = 1200  # a response runs seconds; the step ends after BUDGET tokens of all four
 BUDGET = 24
+# llama.cpp's float32 kernels against torch's recomputation over up to 1,200 tokens of
+# context drift further than conftest's LOGPROB_TOL (1e-3) allows for short ones: 1.3e-3
+# was seen in a CI run with two suites at once (the engine's batch shapes differ with the
+# load); a token of the other weight version is off by more than 0.5 (checked too)
+LONG_TOL = 5 * LOGPROB_TOL
 ATTEMPTS = 5  # should a busy machine let every response finish before the step ends: again
 
 
@@ -147,8 +152,10 @@ async def test_responses_in_flight_resume_on_the_new_weights_as_an_uninterrupted
             lps = list(s.logprobs or ())
             old = ref_v1.recompute(prompt, out).logprobs
             new = ref_v2.recompute(prompt, out).logprobs
-            assert max_abs_diff(lps[:k], old[:k]) < LOGPROB_TOL
-            assert max_abs_diff(lps[k:], new[k:]) < LOGPROB_TOL
+            assert max_abs_diff(lps[:k], old[:k]) < LONG_TOL
+            assert max_abs_diff(lps[k:], new[k:]) < LONG_TOL
+            if 0 < k < MAX_TOKENS:  # and a token is far from the other version's logprob
+                assert max_abs_diff(lps[k:], old[k:]) > 100 * LONG_TOL
             spans += 0 < k < MAX_TOKENS
         assert spans >= 1  # at least one response really spans both versions
         by_version = dict(second.tokens_by_version)
