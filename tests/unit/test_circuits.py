@@ -171,7 +171,7 @@ def random_circuits(draw: st.DrawFn, w: Wiring) -> frozenset[Circuit]:
     return frozenset(out)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(data=st.data(), w=wirings(), phase=st.sampled_from(list(Phase)))
 def test_properties_of_any_plan(data: st.DataObject, w: Wiring, phase: Phase) -> None:
     observed = data.draw(random_circuits(w))
@@ -187,7 +187,7 @@ def test_properties_of_any_plan(data: st.DataObject, w: Wiring, phase: Phase) ->
     assert plan_phase(w, phase, observed) == plan
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(w=wirings(), phase=st.sampled_from(list(Phase)))
 def test_allocation_is_balanced_and_maximal(w: Wiring, phase: Phase) -> None:
     demand = template_demand(w, phase)

@@ -43,7 +43,7 @@ def _sim_seconds(
     return res.seconds
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=10)
 @given(
     st.lists(st.tuples(st.integers(16, 3000), st.integers(1, 4000)), min_size=1, max_size=120),
     st.sampled_from(["default", "small-kv"]),

@@ -81,7 +81,7 @@ def networks(draw: st.DrawFn) -> tuple[dict[int, float], dict[int, list[int]]]:
     return capacity, flows
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(networks())
 def test_rates_are_feasible_and_every_flow_has_a_bottleneck(
     net: tuple[dict[int, float], dict[int, list[int]]],
@@ -144,7 +144,7 @@ def test_a_transfer_over_a_dead_link_never_finishes() -> None:
     assert res.finish["y"] == pytest.approx(1.0)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100)
 @given(networks(), st.lists(st.floats(0.1, 5.0), min_size=8, max_size=8))
 def test_simulation_respects_the_link_bounds(
     net: tuple[dict[int, float], dict[int, list[int]]], sizes: list[float]

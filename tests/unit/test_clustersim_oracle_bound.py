@@ -80,7 +80,7 @@ def _requests(lengths: list[tuple[int, int]]) -> list[RolloutRequest]:
     return [RolloutRequest(f"q{i}", i, p, n) for i, (p, n) in enumerate(lengths)]
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=12)
 @given(
     st.lists(st.tuples(st.integers(16, 2048), st.integers(1, 6000)), min_size=1, max_size=40),
     st.sampled_from([1, 2]),

@@ -104,7 +104,7 @@ def test_one_instance_runs_exactly_the_instance_model() -> None:
             assert got == pytest.approx(expected, rel=1e-9)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25)
 @given(
     n_req=st.integers(1, 120),
     counts=st.dictionaries(st.sampled_from([1, 2, 4, 8]), st.integers(0, 6), min_size=1),

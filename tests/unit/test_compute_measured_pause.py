@@ -149,7 +149,7 @@ def states(draw: st.DrawFn) -> tuple[ComputeState, dict[str, float]]:
     return ComputeState(nodes, tuple(insts), tuple(reqs)), pauses
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(case=states())
 def test_a_measured_pause_only_ever_holds_a_reshard_back(
     case: tuple[ComputeState, dict[str, float]],

@@ -276,7 +276,7 @@ def states(draw: st.DrawFn) -> ComputeState:
     return ComputeState(nodes, tuple(insts), tuple(reqs))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(state=states(), now=st.floats(0, 1e6), reshard=st.booleans())
 def test_any_plan_is_valid_and_replanning_after_it_is_a_no_op(
     state: ComputeState, now: float, reshard: bool
@@ -291,7 +291,7 @@ def test_any_plan_is_valid_and_replanning_after_it_is_a_no_op(
     assert apply_plan(after, again) == after
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(state=states(), seats=st.integers(1, 4))
 def test_balancing_moves_a_kv_cache_only_to_a_free_seat(state: ComputeState, seats: int) -> None:
     """With ``seats`` sequences an instance, a request moved with its KV cache lands
@@ -329,7 +329,7 @@ def test_a_request_does_not_return_to_a_seat_given_away() -> None:
     assert max(running.values()) == 1, plan.explain()
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30)
 @given(state=states())
 def test_predictions_are_consistent(state: ComputeState) -> None:
     fc = forecast_for(state)

@@ -73,7 +73,7 @@ def test_without_groups_the_queue_order_is_left_alone() -> None:
     assert plan.admit_order == ()
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25)
 @given(
     st.lists(st.sampled_from(["a", "b", "c", None]), min_size=1, max_size=30),
     st.lists(st.tuples(st.integers(1, 20000), st.sampled_from(["a", "b", "c"])), max_size=30),

@@ -77,7 +77,7 @@ FC = build_forecast(HISTORY, [], [], max_tokens=CAP)
 # -- the distribution cut at a horizon --
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(
     generated=st.lists(st.integers(0, CAP), min_size=1, max_size=20),
     w1=st.floats(0, 2 * CAP),
@@ -165,7 +165,7 @@ def _expected_groups(generated: list[int], groups: list[str], w: float) -> float
     return sum(out.values())
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(
     sizes=st.lists(st.integers(1, 6), min_size=1, max_size=12),
     data=st.data(),
@@ -285,7 +285,7 @@ def test_a_fresh_batch_is_dealt_out_in_turn_in_arrival_order() -> None:
     assert [where[rid] for rid in shuffled] == [ids[k % len(ids)] for k in range(len(order))]
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30)
 @given(
     pattern=st.sampled_from([(8,), (4, 4), (2, 2, 2, 2), (4, 2, 2)]),
     n_req=st.integers(1, 300),

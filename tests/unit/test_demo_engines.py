@@ -89,7 +89,7 @@ def staggered(generated: list[int], placement: tuple[int, ...]) -> bool:
     return min(gaps) >= GAP and abs(gaps[0] - gaps[1]) >= GAP
 
 
-@settings(deadline=None, max_examples=300)
+@settings(max_examples=300)
 @given(
     st.integers(demo.RESUME_AT, 1500),
     st.lists(

@@ -101,7 +101,7 @@ def test_config_and_argument_validation() -> None:
 samples = st.lists(st.integers(1, 5000), max_size=60)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(
     history=st.lists(st.lists(st.integers(1, 8000), min_size=1, max_size=40), max_size=3),
     completed=samples,
@@ -133,7 +133,7 @@ def test_bulk_prediction_matches_per_request_and_is_sane(
     assert all(a >= b - 1e-12 for a, b in pairwise(s))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30)
 @given(
     seed=st.integers(0, 10_000),
     cap=st.sampled_from([None, 4096, 16384]),

@@ -137,7 +137,7 @@ def test_without_a_prior_group_scales_are_unchanged() -> None:
     assert group_scales(fc, lengths, groups, [], [], 2.0, None) == a
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(
     st.dictionaries(
         st.sampled_from(["a", "b", "c", "d", "e"]),

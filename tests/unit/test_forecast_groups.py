@@ -89,7 +89,7 @@ def test_one_group_or_singletons_give_no_scales() -> None:
     assert group_scales(fc, [10, 20, 30], ["a", "b", "c"], [], []) == {}
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(
     st.lists(
         st.tuples(st.integers(1, 20000), st.sampled_from(["a", "b", "c", "d"])),

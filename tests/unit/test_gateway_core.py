@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from structlog.testing import capture_logs
@@ -915,6 +915,4 @@ TestGatewayMachine = GatewayMachine.TestCase
 TestGatewayMachine.settings = settings(
     max_examples=80,
     stateful_step_count=30,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
 )

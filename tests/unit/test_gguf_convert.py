@@ -50,7 +50,7 @@ def rope_ggml(x: np.ndarray, pos: int, base: float = 10000.0) -> np.ndarray:
     return out
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25)
 @given(
     heads=st.sampled_from([1, 2, 4]),
     head_dim=st.sampled_from([2, 4, 8, 16]),

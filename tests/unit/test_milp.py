@@ -6,7 +6,7 @@ import random
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.cases import small_problem
@@ -39,9 +39,7 @@ def gap_of(prob: Problem) -> tuple[float, float, float]:
 
 @settings(
     max_examples=20,
-    deadline=None,
     derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
 )
 @given(seed=st.integers(0, 2**32 - 1), big=st.booleans())
 def test_heuristic_within_five_percent_of_the_milp_optimum(seed: int, big: bool) -> None:

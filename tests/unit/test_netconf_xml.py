@@ -212,7 +212,7 @@ def switch_and_batch(
     return s, off, on
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100)
 @given(switch_and_batch())
 def test_any_valid_batch_lands_exactly_and_reverts_exactly(
     case: tuple[nx.SwitchState, list[tuple[int, int]], list[tuple[int, int]]],

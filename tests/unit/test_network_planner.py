@@ -361,7 +361,7 @@ def random_circuits(draw: st.DrawFn, w: Wiring) -> frozenset[Circuit]:
     return frozenset(out)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=80)
 @given(data=st.data(), w=wirings(), tolerance=st.sampled_from([None, 0.0, 0.05]))
 def test_properties_of_any_network_plan(
     data: st.DataObject, w: Wiring, tolerance: float | None

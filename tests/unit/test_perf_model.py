@@ -204,7 +204,7 @@ layouts = st.sampled_from(
 )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(a=layouts, b=layouts, c=layouts)
 def test_reshard_cost_obeys_the_triangle_inequality(
     a: tuple[int, ...], b: tuple[int, ...], c: tuple[int, ...]

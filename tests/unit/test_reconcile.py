@@ -66,7 +66,7 @@ def _valid(cs: frozenset[Circuit]) -> bool:
     return len(ports) == len(set(ports))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(observed=circuit_sets.filter(_valid), desired=circuit_sets.filter(_valid))
 def test_steps_keep_every_intermediate_state_valid(
     observed: frozenset[Circuit], desired: frozenset[Circuit]

@@ -135,7 +135,7 @@ def test_sending_is_spread_over_every_holder() -> None:
     assert plan.bytes_moved == 7 * split * MODEL.itemsize
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(layout_pairs())
 def test_every_rank_ends_with_exactly_its_new_shard(
     pair: tuple[tuple[int, ...], tuple[int, ...]],
@@ -148,7 +148,7 @@ def test_every_rank_ends_with_exactly_its_new_shard(
         assert lines == expected, (rank, name)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(layout_pairs())
 def test_bytes_are_conserved_and_nobody_sends_to_itself(
     pair: tuple[tuple[int, ...], tuple[int, ...]],
@@ -171,7 +171,7 @@ def test_bytes_are_conserved_and_nobody_sends_to_itself(
     assert not [m for m in plan.moves if MODEL.tensor(m.tensor).split is Split.REPLICATED]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(st.integers(1, 8).flatmap(layouts))
 def test_planning_the_same_layout_is_empty(layout: tuple[int, ...]) -> None:
     plan = plan_reshard(MODEL, layout, layout)

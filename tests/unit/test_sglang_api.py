@@ -143,7 +143,7 @@ def test_ids_seeds_and_groups_of_n_samples_and_batches() -> None:
     n=st.integers(1, 4),
     single=st.booleans(),
 )
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 def test_every_prompt_gets_n_distinct_requests_in_prompt_major_order(
     prompts: list[list[int]], n: int, single: bool
 ) -> None:

@@ -131,7 +131,7 @@ def test_switch_cost_and_bad_input() -> None:
         TrainingRate(1e-5).seconds(100.0, 0)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(
     rate=st.floats(1e-7, 1e-3),
     current=st.sampled_from(SPLITS),

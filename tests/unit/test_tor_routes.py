@@ -62,7 +62,7 @@ def test_tors_without_netns_are_not_programmed() -> None:
     assert tor_routes(w, {Circuit("o", 1, 3)}) == {}
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(
     roles=st.lists(st.sampled_from(["train", "gen"]), min_size=2, max_size=5),
     uplinks=st.integers(1, 4),
