@@ -143,3 +143,50 @@ async def start_agent(node: str, engine: Any, gpus: int, controller: str, tmp: P
     channel = grpcutil.insecure_channel(server.address)
     stub = cast("NodeAgentAsyncStub", pb_grpc.NodeAgentStub(channel))
     return Agent(node, engine, servicer, server, stub, asyncio.create_task(uplink.run()))
+
+
+def grpo_trainer(
+    out: Path,
+    *,
+    model: Any,
+    tokenizer: Any,
+    prompts: list[Any],
+    reward: Callable[..., list[float]],
+    rollout_func: Callable[..., Any],
+    callback: Any,
+    generations: int,
+    batch: int,
+    steps: int,
+    max_completion: int,
+) -> Any:
+    """TRL's own ``GRPOTrainer`` on the CPU as the TRL tests run it (``use_vllm=False``:
+    ``rollout_func`` generates): ``batch`` completions a step, ``generations`` per prompt,
+    lr 1e-2, fp32, seed 0, nothing saved or reported, one ``callback``."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=batch,
+        num_generations=generations,
+        max_steps=steps,
+        max_completion_length=max_completion,
+        learning_rate=1e-2,
+        bf16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+        rollout_func=rollout_func,
+        callbacks=[callback],
+    )

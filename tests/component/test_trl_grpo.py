@@ -15,6 +15,7 @@ from orchestrrl import checkpoint as ck
 from orchestrrl.integrations import trl as orl_trl
 from orchestrrl.rl import policy
 from orchestrrl.rl.tasks import TargetStop
+from tests import helpers
 
 pytestmark = [
     pytest.mark.component,
@@ -32,9 +33,6 @@ def test_trls_grpo_trainer_runs_with_an_orchestrrl_rollout_and_step_end_push(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
     config = policy.llama_config(vocab_size=VOCAB, hidden_size=64)
     model = policy.new_policy(config, seed=0)
     initial = {k: v.clone() for k, v in policy.policy_tensors(model).items()}
@@ -58,35 +56,21 @@ def test_trls_grpo_trainer_runs_with_an_orchestrrl_rollout_and_step_end_push(
         rewards_seen.append(scores)
         return scores
 
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=16,  # 4 prompts x 4 samples per step
-        num_generations=4,
-        max_steps=3,
-        max_completion_length=24,
-        learning_rate=1e-2,
-        bf16=False,
-        use_cpu=True,
-        gradient_checkpointing=False,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        seed=0,
-        disable_tqdm=True,
-    )
-    trainer = GRPOTrainer(
+    trainer = helpers.grpo_trainer(
+        tmp_path / "out",
         model=model,
-        reward_funcs=reward,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": prompts}),
-        processing_class=tokenizer,
+        tokenizer=tokenizer,
+        prompts=prompts,
+        reward=reward,
         rollout_func=rollout,
-        callbacks=[
-            orl_trl.StepEndCallback(
-                orl_trl.save_checkpoints(tmp_path / "ckpt", config, pushed.append),
-                at_train_begin=True,
-            )
-        ],
+        callback=orl_trl.StepEndCallback(
+            orl_trl.save_checkpoints(tmp_path / "ckpt", config, pushed.append),
+            at_train_begin=True,
+        ),
+        generations=4,
+        batch=16,  # 4 prompts x 4 samples per step
+        steps=3,
+        max_completion=24,
     )
     trainer.train()
 

@@ -24,6 +24,7 @@ from orchestrrl.client import Client, PhaseChange
 from orchestrrl.integrations import trl as orl_trl
 from orchestrrl.rl import policy
 from orchestrrl.rollout import Rollout
+from tests import helpers
 from tests.engines.conftest import LOGPROB_TOL
 from tests.engines.test_rl_llamacpp_gateway import CONFIG, MAX_TOKENS, TASK, VOCAB, N, versions
 from tests.helpers import local_llamacpp_cluster
@@ -44,9 +45,6 @@ def test_trls_grpo_trainer_pushes_each_steps_weights_through_the_weight_sync_pha
     llama_binary: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
     run_dir = tmp_path / "run"
     store = local.checkpoint_dir(run_dir, demo_rl.TRAIN_NODE)  # the training agent serves it
     model = policy.new_policy(CONFIG, seed=0)
@@ -78,30 +76,18 @@ def test_trls_grpo_trainer_pushes_each_steps_weights_through_the_weight_sync_pha
 
         push = orl_trl.controller_push(client, demo_rl.TRAIN_NODE, changes=changes)
         func = orl_trl.RolloutFunc(recorded, tokenizer=tokenizer, tolerance=LOGPROB_TOL)
-        args = GRPOConfig(
-            output_dir=str(tmp_path / "out"),
-            per_device_train_batch_size=8,  # 2 prompts x 4 samples per step
-            num_generations=N,
-            max_steps=STEPS,
-            max_completion_length=MAX_TOKENS,
-            learning_rate=1e-2,
-            bf16=False,
-            use_cpu=True,
-            gradient_checkpointing=False,
-            logging_steps=1,
-            report_to="none",
-            save_strategy="no",
-            seed=0,
-            disable_tqdm=True,
-        )
-        trainer = GRPOTrainer(
+        trainer = helpers.grpo_trainer(
+            tmp_path / "out",
             model=model,
-            reward_funcs=reward,
-            args=args,
-            train_dataset=Dataset.from_dict({"prompt": prompts}),
-            processing_class=tokenizer,
+            tokenizer=tokenizer,
+            prompts=prompts,
+            reward=reward,
             rollout_func=func,
-            callbacks=[orl_trl.StepEndCallback(orl_trl.save_checkpoints(store, CONFIG, push))],
+            callback=orl_trl.StepEndCallback(orl_trl.save_checkpoints(store, CONFIG, push)),
+            generations=N,
+            batch=8,  # 2 prompts x 4 samples per step
+            steps=STEPS,
+            max_completion=MAX_TOKENS,
         )
         client.set_phase("generation")
         trainer.train()

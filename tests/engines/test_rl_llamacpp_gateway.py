@@ -39,6 +39,7 @@ from orchestrrl.rl import policy
 from orchestrrl.rl.tasks import TargetStop
 from orchestrrl.rl.trainer import LogprobMismatch, PolicyTrainer, TrainConfig
 from orchestrrl.rollout import AsyncRollout, Rollout
+from tests import helpers
 from tests.engines.conftest import LOGPROB_TOL, Node, Nodes, settings_for
 
 pytestmark = [
@@ -95,9 +96,6 @@ async def test_trls_grpo_trainer_generates_through_the_gateways_and_pushes_each_
     cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
     tokenizer = orl_trl.id_tokenizer(VOCAB)
     prompts = [" ".join(f"t{t}" for t in p) for p in TASK.prompts(6, seed=1)]
     seen: list[tuple[int, set[str]]] = []  # step, versions of its tokens
@@ -123,32 +121,20 @@ async def test_trls_grpo_trainer_generates_through_the_gateways_and_pushes_each_
                 pushed.append(c.version)
 
             func = orl_trl.RolloutFunc(recorded, tokenizer=tokenizer, tolerance=LOGPROB_TOL)
-            args = GRPOConfig(
-                output_dir=str(tmp_path / "out"),
-                per_device_train_batch_size=8,  # 2 prompts x 4 samples per step
-                num_generations=N,
-                max_steps=3,
-                max_completion_length=MAX_TOKENS,
-                learning_rate=1e-2,
-                bf16=False,
-                use_cpu=True,
-                gradient_checkpointing=False,
-                logging_steps=1,
-                report_to="none",
-                save_strategy="no",
-                seed=0,
-                disable_tqdm=True,
-            )
-            trainer = GRPOTrainer(
+            trainer = helpers.grpo_trainer(
+                tmp_path / "out",
                 model=cluster.model,
-                reward_funcs=reward,
-                args=args,
-                train_dataset=Dataset.from_dict({"prompt": prompts}),
-                processing_class=tokenizer,
+                tokenizer=tokenizer,
+                prompts=prompts,
+                reward=reward,
                 rollout_func=func,
-                callbacks=[
-                    orl_trl.StepEndCallback(orl_trl.save_checkpoints(cluster.root, CONFIG, push))
-                ],
+                callback=orl_trl.StepEndCallback(
+                    orl_trl.save_checkpoints(cluster.root, CONFIG, push)
+                ),
+                generations=N,
+                batch=8,  # 2 prompts x 4 samples per step
+                steps=3,
+                max_completion=MAX_TOKENS,
             )
             trainer.train()
             return trainer, func.checks
