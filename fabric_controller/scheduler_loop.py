@@ -301,10 +301,11 @@ class ComputeScheduler:
                 nodes=list(hold.nodes),
             )
         self._rounds += 1
+        tag = f"sched-{int(now)}-{self._rounds}"
         reshards, migrations = scheduling.commands_for(
             plan,
             snap,
-            f"sched-{int(now)}-{self._rounds}",
+            tag,
             self.config.max_migrations,
             frozenset(self._moved),
         )
@@ -328,7 +329,7 @@ class ComputeScheduler:
         if reshards or migrations:
             records = await self._act(reshards, migrations, addresses)
             if decision.mode == "repack":
-                self._record_repack(plan, records, f"sched-{int(now)}-{self._rounds}")
+                self._record_repack(plan, records, tag)
             self._tracker = scheduling.acted(self._tracker, self._wall())
             self._view = replace(self._view, acted=True)
         return decision
@@ -379,8 +380,9 @@ class ComputeScheduler:
         migrations have their own records): ok when every part was."""
         ok = all(r.ok for r in records)
         moved = tuple(rid for r in records if r.kind == "migrate" and r.ok for rid in r.requests)
+        node_of = {i.id: i.node for i in plan.instances}
         targets = sorted(
-            {m.target.split("/")[0] for m in plan.migrations} | {r.node for r in plan.reshards}
+            {node_of[m.target] for m in plan.migrations} | {r.node for r in plan.reshards}
         )
         record = self._record(
             ActionRecord(

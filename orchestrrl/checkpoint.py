@@ -160,6 +160,14 @@ def check_version(version: object, field_name: str = "version") -> str:
     return version
 
 
+def version_count(label: object) -> int | None:
+    """A weight version label as the trainer's version count (``"3"`` -> 3), the labels
+    an RL loop pushes; None for any other label (its distance to another is unknown)."""
+    if isinstance(label, str) and label.isascii() and label.isdigit() and len(label) <= 18:
+        return int(label)
+    return None
+
+
 def checksum_of(files: Iterable[FileEntry]) -> str:
     """SHA-256 (hex) of the canonical JSON of the file list, sorted by name."""
     listed = [

@@ -310,7 +310,7 @@ def plan_tail(
     nodes = {n.name: n for n in state.nodes}
     insts = {i.id: i for i in state.instances}
     req = {r.id: r for r in state.requests}
-    wide = _widened(state, repack, on, cap, perf, forecast)
+    wide = _widened(state, repack, on, req, nodes, cap, perf, forecast)
     if not repack.moves and not wide:
         return None  # nodes left holding a tail, none of them better off wide
     after = [i for i in state.instances if i.node not in wide] + [i for i, _ in wide.values()]
@@ -389,6 +389,8 @@ def _widened(
     state: ComputeState,
     repack: RepackPlan,
     on: Mapping[str, Sequence[Request]],
+    req: Mapping[str, Request],
+    nodes: Mapping[str, NodeGpus],
     cap: Callable[[int], int],
     perf: PerfModel,
     forecast: LengthForecast,
@@ -397,10 +399,9 @@ def _widened(
     its pause): those whose tail, after the moves, fits its seats and ends sooner there
     (:func:`reshard_pays`)."""
     moving = {m.request for m in repack.moves}
-    req = {r.id: r for r in state.requests}
     out: dict[str, tuple[Instance, float]] = {}
     for node, _ in repack.reshard_nodes:
-        spec = next(n for n in state.nodes if n.name == node)
+        spec = nodes[node]
         gpus, mine = spec.gpus, state.instances_on(node)
         staying = [r for i in mine for r in on.get(i.id, ()) if r.id not in moving]
         arriving = [req[m.request] for m in repack.moves if m.target == f"node:{node}"]

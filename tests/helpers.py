@@ -7,7 +7,7 @@ import contextlib
 import json
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -16,9 +16,13 @@ from orchestrrl.devcerts import CertFiles
 from orchestrrl.tls import TlsConfig
 
 if TYPE_CHECKING:
+    from fabric_controller.scheduler_loop import ComputeScheduler
+    from fabric_controller.scheduling import SchedulingConfig
     from node_agent.servicer import NodeAgentService
     from orchestrrl import grpcutil
+    from orchestrrl.model import Wiring
     from orchestrrl.v1.node_agent_pb2_grpc import NodeAgentAsyncStub
+    from sim_backends.harness import Fabric
 
 
 class FakeClock:
@@ -190,3 +194,55 @@ def grpo_trainer(
         rollout_func=rollout_func,
         callbacks=[callback],
     )
+
+
+@dataclass
+class ComputeLoop:
+    """A controller on simulated OCSes, and its compute-scheduling loop served on an
+    ephemeral port (:func:`compute_loop`): agents register at ``address``; the test runs
+    the loop's rounds itself (``scheduler.round()``)."""
+
+    fabric: Fabric
+    scheduler: ComputeScheduler
+    address: str
+
+
+@contextlib.asynccontextmanager
+async def compute_loop(
+    wiring: Wiring,
+    state: Path,
+    config: SchedulingConfig,
+    *,
+    deadline_s: float,
+    agent_timeout_s: float,
+) -> AsyncIterator[ComputeLoop]:
+    """A :class:`ComputeLoop` for ``wiring`` (its store at ``state``; a node is down
+    ``deadline_s`` after its last heartbeat; agent calls time out after
+    ``agent_timeout_s``), stopped on exit."""
+    from fabric_controller.drivers.agents import AgentClients
+    from fabric_controller.scheduler_loop import ComputeScheduler
+    from fabric_controller.servicer import FabricControllerServicer
+    from orchestrrl import grpcutil
+    from orchestrrl.v1 import fabric_controller_pb2_grpc
+    from sim_backends.harness import SERVICE, start_fabric
+
+    fabric = await start_fabric(
+        wiring, state, switching_time_s=0.001, heartbeat_interval_s=0.2, deadline_s=deadline_s
+    )
+    clients = AgentClients(None, timeout_s=agent_timeout_s)
+    sched = ComputeScheduler(fabric.controller, clients.get, config=config)
+    try:
+        server = await grpcutil.start_server(
+            "127.0.0.1:0",
+            lambda s: fabric_controller_pb2_grpc.add_FabricControllerServicer_to_server(
+                FabricControllerServicer(fabric.controller, scheduler=sched), s
+            ),
+            [SERVICE],
+        )
+        try:
+            yield ComputeLoop(fabric, sched, server.address)
+        finally:
+            await server.stop(0)
+    finally:
+        await clients.close()
+        await fabric.stop()

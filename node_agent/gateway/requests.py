@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from node_agent.engines.base import FinishReason, Sampling
 from orchestrrl import errors
+from orchestrrl.checkpoint import version_count
 
 
 class Where(enum.Enum):
@@ -42,14 +43,6 @@ UPDATE_POLICIES = (FINISH, RESUME)
 # weights served are more than this many versions newer than its oldest token's
 MAX_STALENESS = 64
 STALE: FinishReason = "stale"
-
-
-def version_count(label: str) -> int | None:
-    """A weight version label as the trainer's version count (``"3"`` -> 3), the labels
-    an RL loop pushes; None for any other label (its distance to another is unknown)."""
-    if label.isascii() and label.isdigit() and len(label) <= 18:
-        return int(label)
-    return None
 
 
 def staleness(versions: Sequence[tuple[int, str]], output_len: int, version: str) -> int | None:

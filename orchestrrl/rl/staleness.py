@@ -20,6 +20,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 
 from orchestrrl import errors
+from orchestrrl.checkpoint import version_count
 from scheduler.async_rollout import CompleteGroup, admission_limit, version_lag
 
 __all__ = [
@@ -48,11 +49,12 @@ def gateway_stopped(finish_reasons: Iterable[str]) -> bool:
 def version_number(label: str) -> int:
     """A weight version label as the trainer's count (``"3"`` -> 3); InvalidArgument
     naming a label that is not one (the engines ran weights this loop did not push)."""
-    if not isinstance(label, str) or not label.isdigit() or len(label) > 18:
+    count = version_count(label)
+    if count is None:
         raise errors.field_error(
             "weight_version", label, "the trainer's version count as digits (e.g. '3')"
         )
-    return int(label)
+    return count
 
 
 def first_version(samples: Iterable[Sequence[str]], started_at: int) -> int:

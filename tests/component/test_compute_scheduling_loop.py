@@ -19,7 +19,6 @@ from structlog.testing import capture_logs
 from fabric_controller import scheduling
 from fabric_controller.drivers.agents import AgentClients
 from fabric_controller.scheduler_loop import ComputeScheduler
-from fabric_controller.servicer import FabricControllerServicer
 from node_agent.commands import CommandLog
 from node_agent.engine import EngineState
 from node_agent.nics import SysfsNics
@@ -28,14 +27,13 @@ from node_agent.telemetry import Collector
 from orchestrrl import grpcutil
 from orchestrrl.client import AsyncClient
 from orchestrrl.model import Mode, Wiring
-from orchestrrl.v1 import fabric_controller_pb2_grpc
 from orchestrrl.v1 import node_agent_pb2 as pb
 from orchestrrl.v1 import node_agent_pb2_grpc as pb_grpc
 from scheduler.compute_state import MoveMethod
 from scheduler.replan import ReplanSchedule
 from sim_backends.engine import SimEngineConfig, SimulatedEngine
 from sim_backends.gpus import SimulatedGpus
-from sim_backends.harness import SERVICE, Fabric, start_fabric
+from sim_backends.harness import Fabric
 from tests import helpers
 from tests.helpers import Agent
 
@@ -72,33 +70,20 @@ async def cluster(
 ) -> AsyncIterator[Cluster]:
     """``request.param`` (indirect parametrisation), if any: node -> its engine's clock."""
     clocks: dict[str, Callable[[], float]] = getattr(request, "param", {})
-    fabric = await start_fabric(
-        example_wiring, tmp_path / "state.db", switching_time_s=0.001, heartbeat_interval_s=0.2,
-        deadline_s=2.0,
-    )  # fmt: skip
-    clients = AgentClients(None, timeout_s=5.0)
     config = scheduling.SchedulingConfig(interval_s=0.1, replan=ReplanSchedule(0.2), hold_s=10.0)
-    sched = ComputeScheduler(fabric.controller, clients.get, config=config)
-    server = await grpcutil.start_server(
-        "127.0.0.1:0",
-        lambda s: fabric_controller_pb2_grpc.add_FabricControllerServicer_to_server(
-            FabricControllerServicer(fabric.controller, scheduler=sched), s
-        ),
-        [SERVICE],
-    )
-    agents: dict[str, Agent] = {}
-    try:
-        for node in GEN:
-            agents[node] = await start_agent(
-                node, server.address, tmp_path, clocks.get(node, time.monotonic)
-            )
-        yield Cluster(fabric, sched, server.address, agents)
-    finally:
-        for a in agents.values():
-            await a.stop()
-        await clients.close()
-        await server.stop(0)
-        await fabric.stop()
+    async with helpers.compute_loop(
+        example_wiring, tmp_path / "state.db", config, deadline_s=2.0, agent_timeout_s=5.0
+    ) as loop:
+        agents: dict[str, Agent] = {}
+        try:
+            for node in GEN:
+                agents[node] = await start_agent(
+                    node, loop.address, tmp_path, clocks.get(node, time.monotonic)
+                )
+            yield Cluster(loop.fabric, loop.scheduler, loop.address, agents)
+        finally:
+            for a in agents.values():
+                await a.stop()
 
 
 async def until(what: str, check: Callable[[], bool], timeout_s: float = 30.0) -> None:
@@ -130,23 +115,41 @@ def long_request(rid: str, instance: int, generated: int = 6000) -> pb.RequestSt
     )
 
 
+async def seed(agent: Agent, rid: str, instance: int) -> None:
+    """A long request running on ``instance`` of the agent's node (imported there)."""
+    reply = await agent.stub.ImportRequests(
+        pb.ImportRequestsRequest(
+            command_id=f"seed-{rid}",
+            instance=instance,
+            method=pb.MIGRATION_METHOD_KV,
+            requests=[long_request(rid, instance)],
+        ),
+        timeout=5.0,
+    )
+    assert list(reply.admitted) == [rid]
+
+
 async def seed_long_tail(agent: Agent) -> list[str]:
     """Four long requests, one on each TP2 instance of the node: a step's long tail."""
-    ids = []
-    for k in range(4):
-        rid = f"tail-{k}"
-        reply = await agent.stub.ImportRequests(
-            pb.ImportRequestsRequest(
-                command_id=f"seed-{k}",
-                instance=k,
-                method=pb.MIGRATION_METHOD_KV,
-                requests=[long_request(rid, k)],
-            ),
-            timeout=5.0,
-        )
-        assert list(reply.admitted) == [rid]
-        ids.append(rid)
+    ids = [f"tail-{k}" for k in range(4)]
+    for k, rid in enumerate(ids):
+        await seed(agent, rid, k)
     return ids
+
+
+async def seed_one_on_each_node(c: Cluster) -> None:
+    """One long request on each node (nothing queued), until the controller sees them."""
+    await seed(c.agents["gen0-n0"], "tail-a", 0)
+    await seed(c.agents["gen0-n1"], "tail-b", 1)
+    await until("both agents report telemetry", lambda: registered(c))
+    await until(
+        "the controller sees one request on each node",
+        lambda: all(
+            len(r.telemetry.engine.requests) == 1
+            for r in c.fabric.controller.registry.records()
+            if r.telemetry is not None
+        ),
+    )
 
 
 def on_node(agent: Agent) -> set[str]:
@@ -506,19 +509,6 @@ async def test_an_operator_pauses_the_loop_and_resuming_replans_at_once(
         assert ("reshard", True) in [(a["kind"], a["ok"]) for a in s.actions], s.actions
 
 
-async def seed(agent: Agent, rid: str, instance: int) -> None:
-    reply = await agent.stub.ImportRequests(
-        pb.ImportRequestsRequest(
-            command_id=f"seed-{rid}",
-            instance=instance,
-            method=pb.MIGRATION_METHOD_KV,
-            requests=[long_request(rid, instance)],
-        ),
-        timeout=5.0,
-    )
-    assert list(reply.admitted) == [rid]
-
-
 async def test_in_async_mode_the_tail_is_repacked_onto_one_node_which_reshards_wide(
     cluster: Cluster,
 ) -> None:
@@ -527,17 +517,7 @@ async def test_in_async_mode_the_tail_is_repacked_onto_one_node_which_reshards_w
     ends sooner there), and the emptied node is free for fresh prompts. In phased mode the
     same state is the step's re-plan's, not a repack."""
     c = cluster
-    await seed(c.agents["gen0-n0"], "tail-a", 0)
-    await seed(c.agents["gen0-n1"], "tail-b", 1)
-    await until("both agents report telemetry", lambda: registered(c))
-    await until(
-        "the controller sees one request on each node",
-        lambda: all(
-            len(r.telemetry.engine.requests) == 1
-            for r in c.fabric.controller.registry.records()
-            if r.telemetry is not None
-        ),
-    )
+    await seed_one_on_each_node(c)
     await c.fabric.controller.set_mode(Mode.ASYNC, "to-async")
     decision = await c.scheduler.round()
     assert decision.mode == "repack" and decision.plan is not None, decision.why
@@ -564,18 +544,6 @@ async def test_in_async_mode_the_tail_is_repacked_onto_one_node_which_reshards_w
 
 async def test_in_phased_mode_the_tail_is_left_to_the_step_planner(cluster: Cluster) -> None:
     c = cluster
-    await seed(c.agents["gen0-n0"], "tail-a", 0)
-    await seed(c.agents["gen0-n1"], "tail-b", 1)
-    await until(
-        "the controller sees one request on each node",
-        lambda: (
-            registered(c)
-            and all(
-                len(r.telemetry.engine.requests) == 1
-                for r in c.fabric.controller.registry.records()
-                if r.telemetry is not None
-            )
-        ),
-    )
+    await seed_one_on_each_node(c)
     decision = await c.scheduler.round()
     assert decision.mode == "replan", decision.why

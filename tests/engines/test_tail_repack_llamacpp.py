@@ -21,16 +21,12 @@ from pathlib import Path
 import pytest
 
 from fabric_controller import scheduling
-from fabric_controller.drivers.agents import AgentClients
 from fabric_controller.scheduler_loop import ComputeScheduler
-from fabric_controller.servicer import FabricControllerServicer
-from orchestrrl import grpcutil
 from orchestrrl import wiring as wiring_mod
 from orchestrrl.model import Mode
-from orchestrrl.v1 import fabric_controller_pb2_grpc
 from orchestrrl.v1 import node_agent_pb2 as pb
-from sim_backends.harness import SERVICE, start_fabric
 from sim_backends.tiny_models import TinyShape, write_gguf_llama
+from tests import helpers
 from tests.engines.conftest import GREEDY, Nodes, generating_below_the_test, settings_for
 from tests.helpers import Agent, eventually, start_agent
 
@@ -57,38 +53,25 @@ def long_model(tmp_path: Path) -> Path:
 async def cluster(
     llama_binary: Path, long_model: Path, tmp_path: Path
 ) -> AsyncIterator[tuple[ComputeScheduler, Nodes, dict[str, Agent]]]:
-    fabric = await start_fabric(
-        wiring_mod.load(WIRING), tmp_path / "state.db", switching_time_s=0.001,
-        heartbeat_interval_s=0.2, deadline_s=5.0,
-    )  # fmt: skip
-    clients = AgentClients(None, timeout_s=60.0)
-    sched = ComputeScheduler(
-        fabric.controller, clients.get, config=scheduling.SchedulingConfig(hold_s=60.0)
-    )
-    server = await grpcutil.start_server(
-        "127.0.0.1:0",
-        lambda s: fabric_controller_pb2_grpc.add_FabricControllerServicer_to_server(
-            FabricControllerServicer(fabric.controller, scheduler=sched), s
-        ),
-        [SERVICE],
-    )
     settings = settings_for(
         llama_binary, long_model, tmp_path, seqs=2, context=SLOT, args=("--context-shift",)
     )
-    nodes = Nodes("llamacpp", settings)
-    agents: dict[str, Agent] = {}
-    try:
-        for k, name in enumerate(GEN):
-            node = await nodes.add(name, (1, 1), cpu_offset=2 * k)
-            agents[name] = await start_agent(name, node.engine, 2, server.address, tmp_path)
-        yield sched, nodes, agents
-    finally:
-        for a in agents.values():
-            await a.stop()
-        await nodes.close()
-        await clients.close()
-        await server.stop(0)
-        await fabric.stop()
+    config = scheduling.SchedulingConfig(hold_s=60.0)
+    async with helpers.compute_loop(
+        wiring_mod.load(WIRING), tmp_path / "state.db", config, deadline_s=5.0,
+        agent_timeout_s=60.0,
+    ) as loop:  # fmt: skip
+        nodes = Nodes("llamacpp", settings)
+        agents: dict[str, Agent] = {}
+        try:
+            for k, name in enumerate(GEN):
+                node = await nodes.add(name, (1, 1), cpu_offset=2 * k)
+                agents[name] = await start_agent(name, node.engine, 2, loop.address, tmp_path)
+            yield loop.scheduler, nodes, agents
+        finally:
+            for a in agents.values():
+                await a.stop()
+            await nodes.close()
 
 
 async def test_the_loop_repacks_a_real_tail_and_reshards_the_node_holding_it(

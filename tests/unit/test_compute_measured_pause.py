@@ -5,7 +5,6 @@ small measured pause changes nothing (the model's estimate stays the floor)."""
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 from hypothesis import given, settings
@@ -22,19 +21,9 @@ from scheduler.compute_state import (
     apply_plan,
     canonical_instances,
 )
-from scheduler.forecast import LengthForecast, build_forecast
-from scheduler.perf_model import H800, QWEN25_14B, PerfModel
+from tests.unit.test_compute_planner import HISTORY, PM, forecast_for
 
 pytestmark = pytest.mark.unit
-
-PM = PerfModel(QWEN25_14B, H800)
-RNG = random.Random(11)
-HISTORY = [[min(16384, int(RNG.lognormvariate(7.6, 0.9))) for _ in range(512)] for _ in range(3)]
-
-
-def forecast_for(state: ComputeState, completed: list[int] | None = None) -> LengthForecast:
-    running = [r.generated_tokens for r in state.requests]
-    return build_forecast(HISTORY, completed or [], running, max_tokens=16384)
 
 
 def measured(state: ComputeState, pauses: dict[str, float]) -> ComputeState:

@@ -35,8 +35,9 @@ from node_agent.gateway.core import (
     StartFollow,
     StopInstance,
 )
-from node_agent.gateway.requests import Where, parse_engine_state, staleness, version_count
+from node_agent.gateway.requests import Where, parse_engine_state, staleness
 from orchestrrl import errors
+from orchestrrl.checkpoint import version_count
 from sim_backends.token_engine import greedy, next_token
 
 pytestmark = pytest.mark.unit
